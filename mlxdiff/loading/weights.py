@@ -1,0 +1,44 @@
+"""Strict loading of mapped weights into an mlx.nn module, with errors that name the keys."""
+
+from mlx.utils import tree_flatten
+
+from ..errors import MlxdiffError
+
+
+def _listing(names, limit=6):
+    names = sorted(names)
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_into(module, weights: dict, source) -> None:
+    """Put `weights` into `module`. Every parameter must be present with its exact shape, and nothing extra."""
+    expected = dict(tree_flatten(module.parameters()))
+    missing = expected.keys() - weights.keys()
+    unexpected = weights.keys() - expected.keys()
+    misshaped = [f"{k} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
+                 for k in expected.keys() & weights.keys() if tuple(weights[k].shape) != tuple(expected[k].shape)]
+    problems = []
+    if missing:
+        problems.append(f"missing keys: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped: {_listing(misshaped)}")
+    if problems:
+        raise MlxdiffError(f"{source}: weights do not match the {type(module).__name__} config; "
+                           + "; ".join(problems) + ". Check that the file and config.json belong together")
+    module.load_weights(list(weights.items()), strict=True)
+
+
+def build(arch, config: dict, weights: dict, source, compute_dtype=None):
+    """Make `arch.Model` from its config dict and diffusers-named weights (already remapped from any other naming).
+
+    `arch` is a model module (mlxdiff.models.clip, ...) with `ModelArgs`, `Model` and `Model.sanitize`.
+    The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters.
+    """
+    import mlx.core as mx
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model.compute_dtype = compute_dtype or mx.float32
+    load_into(model, model.sanitize(weights), source)
+    return model
