@@ -31,7 +31,7 @@ def load_into(module, weights: dict, source) -> None:
     module.load_weights(list(weights.items()), strict=True)
 
 
-def build(arch, config: dict, weights: dict, source, compute_dtype=None):
+def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False):
     """Make `arch.Model` from its config dict and diffusers-named weights (already remapped from any other naming).
 
     `arch` is a model module (mlxdiff.models.clip, ...) with `ModelArgs`, `Model` and `Model.sanitize`.
@@ -40,5 +40,6 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None):
     import mlx.core as mx
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
-    load_into(model, model.sanitize(weights), source)
+    # mlxdiff's own checkpoints (`native`) are saved after sanitize, in the module's own names and layouts
+    load_into(model, weights if native else model.sanitize(weights), source)
     return model

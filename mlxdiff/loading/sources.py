@@ -1,0 +1,134 @@
+"""What a user names -> component specs: where each component's bytes are, its config and its key mapping.
+
+Accepted: a diffusers pipeline folder (model_index.json), a hub id found in the local Hugging Face cache, or an
+original single file (SD3.5: `model.diffusion_model.*` + `first_stage_model.*`, text encoders beside it or inside).
+A spec holds no weights; `spec.build()` maps them lazily when a phase needs the model.
+"""
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..errors import MlxdiffError
+from . import safetensors as st
+from .keymaps import strip_prefix
+from .weights import build
+
+# diffusers / transformers class name -> our model module (mlxdiff.models.<name>)
+ARCHITECTURES = {
+    "SD3Transformer2DModel": "mmdit",
+    "AutoencoderKL": "vae",
+    "CLIPTextModelWithProjection": "clip",
+    "T5EncoderModel": "t5",
+    "Flux2Transformer2DModel": "flux2",
+    "AutoencoderKLFlux2": "vae_flux2",
+}
+# config.json key that marks mlxdiff's own format: weights saved in the module's names and layouts (no sanitize)
+NATIVE_KEY = "_mlxdiff_native"
+# model_index.json `_class_name` -> pipeline family
+PIPELINE_FAMILIES = {
+    "StableDiffusion3Pipeline": "sd3",
+    "Flux2Pipeline": "flux2",
+    "Flux2KleinPipeline": "flux2",
+}
+
+
+def model_module(class_name, where):
+    try:
+        return importlib.import_module(f"mlxdiff.models.{ARCHITECTURES[class_name]}")
+    except KeyError:
+        raise MlxdiffError(f"{where}: unsupported component class {class_name!r}; supported: "
+                           + ", ".join(sorted(ARCHITECTURES))) from None
+
+
+@dataclass
+class ComponentSpec:
+    """One model component: its architecture module, config dict and where its weights are."""
+    name: str
+    arch: object                      # the mlxdiff.models.<x> module
+    config: dict
+    files: list                       # safetensors (or GGUF) files holding the weights
+    prefix: str = ""                  # only keys under this prefix belong to the component (single files)
+    keymap: Callable | None = None    # original names -> diffusers names
+    extra: dict = field(default_factory=dict)   # tensors to add after mapping (e.g. SD3's identity CLIP-L projection)
+
+    @property
+    def source(self):
+        return ", ".join(str(f) for f in self.files)
+
+    def weights(self) -> dict:
+        weights = {}
+        for f in self.files:
+            weights.update(st.load_safetensors(f))
+        if self.prefix:
+            weights = strip_prefix(weights, self.prefix)
+        if self.keymap:
+            weights = self.keymap(weights)
+        for k, fn in self.extra.items():
+            weights.setdefault(k, fn(weights))
+        return weights
+
+    def nbytes(self) -> int:
+        total = 0
+        for f in self.files:
+            for name, (dtype, shape) in st.check_safetensors(f).items():
+                if name.startswith(self.prefix):
+                    n = st.ITEMSIZE[dtype]
+                    for d in shape:
+                        n *= d
+                    total += n
+        return total
+
+    def build(self, compute_dtype=None):
+        return build(self.arch, self.config, self.weights(), self.source, compute_dtype,
+                     native=bool(self.config.get(NATIVE_KEY)))
+
+
+def read_json(path, what):
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MlxdiffError(f"{path}: {what} is missing; the model folder is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise MlxdiffError(f"{path}: cannot read {what} ({e})") from None
+
+
+def folder_component(root: Path, name: str, class_name: str) -> ComponentSpec:
+    folder = root / name
+    if not folder.is_dir():
+        raise MlxdiffError(f"{folder}: component folder {name!r} named in model_index.json is missing")
+    arch = model_module(class_name, folder)
+    config = read_json(folder / "config.json", f"the {name} config")
+    return ComponentSpec(name, arch, config, st.safetensors_files(folder))
+
+
+def find_in_hf_cache(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise MlxdiffError(f"{repo_id!r} is neither a local path nor a model in the local Hugging Face cache; "
+                           "download it first (huggingface-cli download) or pass a folder/file path") from None
+
+
+def resolve_path(model) -> Path:
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return find_in_hf_cache(model)
+    raise MlxdiffError(f"{model}: no such file or folder")
+
+
+def read_pipeline_folder(root: Path):
+    """model_index.json -> (pipeline class name, {component: (library, class)})."""
+    index = read_json(root / "model_index.json", "model_index.json")
+    pipeline_class = index.get("_class_name")
+    if pipeline_class not in PIPELINE_FAMILIES:
+        raise MlxdiffError(f"{root / 'model_index.json'}: unsupported pipeline {pipeline_class!r}; "
+                           "supported: " + ", ".join(sorted(PIPELINE_FAMILIES)))
+    components = {k: v for k, v in index.items() if not k.startswith("_")}
+    return pipeline_class, components

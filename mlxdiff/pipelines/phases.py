@@ -1,0 +1,81 @@
+"""What every pipeline shares: phases that load a model, use it and free it; the Result; progress.
+
+A run is encode -> free -> denoise -> free -> decode. Each model lives only inside `loaded(...)`, so the peak is
+the largest phase, not the sum. On leaving, the module is emptied in place (a reference the caller still holds
+becomes an empty shell) and MLX's buffer cache is returned, so the next phase starts from near zero.
+"""
+
+import gc
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .. import backend  # noqa: F401
+import mlx.core as mx
+
+from ..memory import snapshot, fmt_gb
+
+
+@dataclass
+class Result:
+    image: object                 # PIL.Image.Image (the first image of the batch)
+    latents: np.ndarray           # final latents, diffusers layout (before the VAE's scaling is undone)
+    timings: dict = field(default_factory=dict)   # phase -> seconds
+    memory: dict = field(default_factory=dict)    # phase -> {"peak": bytes, "after": bytes, ...}
+    images: list = field(default_factory=list)    # every image of the batch
+
+    def summary(self) -> str:
+        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'after':>10}"]
+        for name, seconds in self.timings.items():
+            m = self.memory.get(name, {})
+            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('after')):>10}")
+        return "\n".join(rows)
+
+
+class PhaseLog:
+    """Records seconds and memory per phase into a Result."""
+
+    def __init__(self, result: Result):
+        self.result = result
+
+    @contextmanager
+    def __call__(self, name):
+        mx.reset_peak_memory()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            mx.synchronize()
+            peak = mx.get_peak_memory()
+            release()
+            snap = snapshot()
+            self.result.timings[name] = time.perf_counter() - start
+            self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
+                                        "footprint_peak": snap.footprint_peak}
+
+
+def release():
+    gc.collect()
+    mx.clear_cache()
+
+
+@contextmanager
+def loaded(spec, compute_dtype):
+    """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
+    model = spec.build(compute_dtype)
+    mx.eval(model.parameters())
+    try:
+        yield model
+    finally:
+        model.clear()  # nn.Module is a dict: drop every parameter and child, even if the caller keeps `model`
+        del model
+        release()
+
+
+def progress(iterable, total, desc, enabled=True):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+    return tqdm(iterable, total=total, desc=desc, leave=False)
