@@ -46,6 +46,15 @@ def process_footprint(pid=None) -> dict:
     return {"footprint": vals.get("VmRSS"), "peak": vals.get("VmHWM")}
 
 
+def reset_footprint_peak():
+    """Linux: reset VmHWM so that the next reading is the peak of the coming phase (writes 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 @dataclass
 class Snapshot:
     active: int

@@ -136,7 +136,7 @@ class Flux2Pipeline:
         sigmas, timesteps = schedulers.flux2_sigmas(steps, h * w, self.scheduler_config)
         guidance_arr = mx.full((batch,), guidance, dtype=mx.float32) if tconf.get("guidance_embeds") else None
 
-        with phase("denoise"), loaded(self.components["transformer"], self.dtype) as transformer:
+        with phase("denoise"), loaded(self.components["transformer"], self.dtype, result) as transformer:
             for i in progress(range(steps), steps, "denoise", progress_bar):
                 t = mx.full((batch,), timesteps[i] / 1000, dtype=mx.float32)
                 v = transformer(x.astype(self.dtype), embeds, t, img_ids, txt_ids, guidance=guidance_arr)
@@ -152,7 +152,7 @@ class Flux2Pipeline:
         x = x.transpose(0, 2, 1).reshape(batch, shape[1], h, w)       # unpack (ids are a regular grid)
         result.latents = np.array(x)
 
-        with phase("decode"), loaded(self.components["vae"], self.dtype) as vae:
+        with phase("decode"), loaded(self.components["vae"], self.dtype, result) as vae:
             image = vae.decode(vae.denormalize_and_unpatchify(x).astype(self.dtype))
             image = mx.clip(image.astype(mx.float32) / 2 + 0.5, 0, 1)
             mx.eval(image)

@@ -15,7 +15,7 @@ import numpy as np
 from .. import backend  # noqa: F401
 import mlx.core as mx
 
-from ..memory import snapshot, fmt_gb
+from ..memory import snapshot, fmt_gb, reset_footprint_peak
 
 
 @dataclass
@@ -25,12 +25,14 @@ class Result:
     timings: dict = field(default_factory=dict)   # phase -> seconds
     memory: dict = field(default_factory=dict)    # phase -> {"peak": bytes, "after": bytes, ...}
     images: list = field(default_factory=list)    # every image of the batch
+    load_seconds: dict = field(default_factory=dict)  # component -> seconds to map and read its weights
 
     def summary(self) -> str:
-        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'after':>10}"]
+        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'MLX after':>10} {'process peak':>13}"]
         for name, seconds in self.timings.items():
             m = self.memory.get(name, {})
-            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('after')):>10}")
+            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('after')):>10} "
+                        f"{fmt_gb(m.get('footprint_peak')):>13}")
         return "\n".join(rows)
 
 
@@ -43,17 +45,19 @@ class PhaseLog:
     @contextmanager
     def __call__(self, name):
         mx.reset_peak_memory()
+        reset_footprint_peak()
         start = time.perf_counter()
         try:
             yield
         finally:
             mx.synchronize()
             peak = mx.get_peak_memory()
+            footprint_peak = snapshot().footprint_peak
             release()
             snap = snapshot()
             self.result.timings[name] = time.perf_counter() - start
             self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
-                                        "footprint_peak": snap.footprint_peak}
+                                        "footprint_peak": footprint_peak}
 
 
 def release():
@@ -62,10 +66,13 @@ def release():
 
 
 @contextmanager
-def loaded(spec, compute_dtype):
+def loaded(spec, compute_dtype, result: Result | None = None):
     """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
+    start = time.perf_counter()
     model = spec.build(compute_dtype)
     mx.eval(model.parameters())
+    if result is not None:
+        result.load_seconds[getattr(spec, "name", "text_encoder")] = time.perf_counter() - start
     try:
         yield model
     finally:

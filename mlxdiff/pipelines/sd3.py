@@ -149,7 +149,7 @@ class SD3Pipeline:
         x = initial_latents(latents, shape, seed)
         sigmas, timesteps = schedulers.sd3_sigmas(steps, self.scheduler_config)
 
-        with phase("denoise"), loaded(self.components["transformer"], self.dtype) as transformer:
+        with phase("denoise"), loaded(self.components["transformer"], self.dtype, result) as transformer:
             for i in progress(range(steps), steps, "denoise", progress_bar):
                 t = mx.full((2 * batch if cfg else batch,), timesteps[i], dtype=mx.float32)
                 x_in = mx.concatenate([x, x]) if cfg else x
@@ -167,7 +167,7 @@ class SD3Pipeline:
                     callback(i, float(timesteps[i]), x)
         result.latents = np.array(x)
 
-        with phase("decode"), loaded(self.components["vae"], self.dtype) as vae:
+        with phase("decode"), loaded(self.components["vae"], self.dtype, result) as vae:
             vconf = self.components["vae"].config
             z = x / vconf.get("scaling_factor", 1.5305) + vconf.get("shift_factor", 0.0609)
             image = vae.decode(z.astype(self.dtype))
