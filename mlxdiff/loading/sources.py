@@ -53,6 +53,7 @@ class ComponentSpec:
     prefix: str = ""                  # only keys under this prefix belong to the component (single files)
     keymap: Callable | None = None    # original names -> diffusers names
     extra: dict = field(default_factory=dict)   # tensors to add after mapping (e.g. SD3's identity CLIP-L projection)
+    quantize: dict | None = None      # {"bits", "group_size"}: quantize while loading
 
     @property
     def source(self):
@@ -83,7 +84,7 @@ class ComponentSpec:
 
     def build(self, compute_dtype=None):
         return build(self.arch, self.config, self.weights(), self.source, compute_dtype,
-                     native=bool(self.config.get(NATIVE_KEY)))
+                     native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
 
 
 def read_json(path, what):
@@ -132,3 +133,20 @@ def read_pipeline_folder(root: Path):
                            "supported: " + ", ".join(sorted(PIPELINE_FAMILIES)))
     components = {k: v for k, v in index.items() if not k.startswith("_")}
     return pipeline_class, components
+
+
+def apply_quantize(components: dict, quantize) -> None:
+    """quantize: bits for every model component, or {component: bits | {"bits", "group_size"}}."""
+    from .quantize import check_settings
+    if quantize is None:
+        return
+    present = {k: v for k, v in components.items() if v is not None}
+    plan = {name: quantize for name in present} if not isinstance(quantize, dict) else dict(quantize)
+    for name, setting in plan.items():
+        if name not in present:
+            raise MlxdiffError(f"quantize: unknown component {name!r}; this pipeline has "
+                               + ", ".join(sorted(present)))
+        setting = {"bits": setting} if isinstance(setting, int) else dict(setting)
+        setting.setdefault("group_size", 64)
+        check_settings(setting["bits"], setting["group_size"], f"quantize[{name!r}]")
+        present[name].quantize = setting

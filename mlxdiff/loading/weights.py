@@ -31,15 +31,22 @@ def load_into(module, weights: dict, source) -> None:
     module.load_weights(list(weights.items()), strict=True)
 
 
-def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False):
+def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False, quantize=None):
     """Make `arch.Model` from its config dict and diffusers-named weights (already remapped from any other naming).
 
     `arch` is a model module (mlxdiff.models.clip, ...) with `ModelArgs`, `Model` and `Model.sanitize`.
     The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters.
     """
     import mlx.core as mx
+    from .quantize import prepare_quantized, quantize_model
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
     # mlxdiff's own checkpoints (`native`) are saved after sanitize, in the module's own names and layouts
-    load_into(model, weights if native else model.sanitize(weights), source)
+    if not native:
+        weights = model.sanitize(weights)
+    if config.get("quantization"):  # saved quantized by mlxdiff.convert
+        prepare_quantized(model, weights, config["quantization"])
+    load_into(model, weights, source)
+    if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
+        quantize_model(model, quantize["bits"], quantize.get("group_size", 64))
     return model

@@ -6,10 +6,17 @@ from ..errors import MlxdiffError
 from ..loading import sources
 
 
-def load(model, *, transformer=None, dtype=None, text_encoders=None):
+def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file.
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
-    bfloat16 on GPUs). `text_encoders`: for single files, {'clip_l': FILE, 'clip_g': FILE, 't5xxl': FILE}."""
+    bfloat16 on GPUs). `text_encoders`: for single files, {'clip_l': FILE, 'clip_g': FILE, 't5xxl': FILE}.
+    `quantize`: bits for every component, or {component: bits}, applied while loading (see loading/quantize.py)."""
+    pipe = _load(model, transformer=transformer, dtype=dtype, text_encoders=text_encoders)
+    sources.apply_quantize(pipe.components, quantize)
+    return pipe
+
+
+def _load(model, *, transformer, dtype, text_encoders):
     from . import sd3
     path = sources.resolve_path(model)
     if transformer is not None and not Path(transformer).is_file():

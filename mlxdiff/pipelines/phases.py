@@ -15,6 +15,7 @@ import numpy as np
 from .. import backend  # noqa: F401
 import mlx.core as mx
 
+from ..loading.quantize import materialize
 from ..memory import snapshot, fmt_gb, reset_footprint_peak
 
 
@@ -70,7 +71,7 @@ def loaded(spec, compute_dtype, result: Result | None = None):
     """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
     start = time.perf_counter()
     model = spec.build(compute_dtype)
-    mx.eval(model.parameters())
+    materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
     if result is not None:
         result.load_seconds[getattr(spec, "name", "text_encoder")] = time.perf_counter() - start
     try:
