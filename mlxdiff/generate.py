@@ -21,10 +21,26 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transformer", help="a file that replaces the denoiser (safetensors or GGUF)")
     p.add_argument("--skip-guidance-layers", default=None, help="SD3.5: comma-separated layer indices, e.g. 7,8,9")
+    p.add_argument("--quantize", default=None,
+                   help="quantize while loading: bits for all (e.g. 4) or per component "
+                        "(e.g. transformer=4,text_encoder_3=8)")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
     p.add_argument("--output", default="out.png")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
+
+
+def parse_quantize(text):
+    """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}."""
+    if text is None:
+        return None
+    try:
+        if "=" not in text:
+            return int(text)
+        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise MlxdiffError(f"--quantize {text!r}: expected bits (e.g. 4) or component=bits pairs "
+                           "(e.g. transformer=4,text_encoder_3=8)") from None
 
 
 def main(argv=None) -> int:
@@ -41,7 +57,8 @@ def main(argv=None) -> int:
             print(f"mlxdiff: {default_model.NOTICE}")
         prompt = args.prompt if args.prompt is not None else "a red circle on a blue background"
         t0 = time.perf_counter()
-        pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype)
+        pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype,
+                            quantize=parse_quantize(args.quantize))
         kwargs = dict(negative_prompt=args.negative_prompt, width=args.width, height=args.height, seed=args.seed,
                       progress_bar=not args.no_progress)
         defaults = pipe.cli_defaults() if hasattr(pipe, "cli_defaults") else {}
