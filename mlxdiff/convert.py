@@ -1,0 +1,106 @@
+"""python -m mlxdiff.convert SOURCE DEST [--quantize BITS | component=bits,...] [--transformer FILE]
+
+Writes a pipeline folder in mlxdiff's own format: each component's weights as safetensors in the modules' own names
+and layouts (quantized arrays included), and its config.json carrying `_mlxdiff_native` and the quantization, so
+that `mlxdiff.load(DEST)` maps it lazily with no conversion step. Tokenizers, scheduler and model_index.json are
+copied. The folder is written under a temporary name and renamed at the end: a failed conversion never leaves a
+folder that looks complete. A relative DEST goes under weights/.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from .errors import MlxdiffError
+
+
+def convert(source, dest, *, quantize=None, transformer=None, progress=print) -> Path:
+    import mlxdiff
+    from mlx.utils import tree_flatten
+    import mlx.core as mx
+    from .default_model import WEIGHTS_DIR
+    from .loading.sources import ARCHITECTURES, NATIVE_KEY, resolve_path
+    from .loading.quantize import materialize
+
+    dest = Path(dest)
+    if not dest.is_absolute() and not dest.parent.parts:
+        dest = WEIGHTS_DIR / dest
+    if dest.exists():
+        raise MlxdiffError(f"{dest}: destination already exists; choose a new name or delete it first")
+    if not dest.parent.is_dir():
+        raise MlxdiffError(f"{dest.parent}: destination's parent folder does not exist")
+    pipe = mlxdiff.load(source, transformer=transformer, quantize=quantize)
+    src_root = resolve_path(source)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    try:
+        index = {}
+        if src_root.is_dir():
+            index = json.loads((src_root / "model_index.json").read_text())
+            for name, entry in index.items():
+                if name.startswith("_") or not isinstance(entry, list) or name in pipe.components:
+                    continue
+                if (src_root / name).is_dir():
+                    shutil.copytree(src_root / name, tmp / name)
+        else:  # single file: its bundled tokenizers and default scheduler
+            index = {"_class_name": "StableDiffusion3Pipeline"}
+            for name, tok in pipe.tokenizers.items():
+                tok.save_pretrained(str(tmp / name))
+                index[name] = ["transformers", type(tok).__name__]
+            (tmp / "scheduler").mkdir()
+            (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(pipe.scheduler_config))
+            index["scheduler"] = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+        for name, spec in pipe.components.items():
+            if spec is None:
+                continue
+            if not hasattr(spec, "arch"):
+                raise MlxdiffError(f"convert: component {name!r} ({type(spec).__name__}) cannot be converted yet")
+            progress(f"converting {name} ...")
+            model = spec.build(mx.float32)
+            materialize(model)
+            (tmp / name).mkdir()
+            weights = dict(tree_flatten(model.parameters()))
+            mx.save_safetensors(str(tmp / name / "model.safetensors"), weights, metadata={"format": "mlxdiff"})
+            config = {k: v for k, v in spec.config.items() if k != "quantization"}
+            config[NATIVE_KEY] = True
+            if spec.quantize:
+                config["quantization"] = dict(spec.quantize)
+            elif spec.config.get("quantization"):
+                config["quantization"] = spec.config["quantization"]
+            (tmp / name / "config.json").write_text(json.dumps(config, indent=1))
+            class_name = {v: k for k, v in ARCHITECTURES.items()}[spec.arch.__name__.rsplit(".", 1)[1]]
+            index[name] = [(index.get(name) or ["diffusers"])[0], class_name]
+            model.clear()
+            del model, weights
+            mx.clear_cache()
+        index["_mlxdiff_converted_from"] = str(source)
+        (tmp / "model_index.json").write_text(json.dumps(index, indent=1))
+        tmp.rename(dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def main(argv=None) -> int:
+    from .generate import parse_quantize
+    p = argparse.ArgumentParser(prog="python -m mlxdiff.convert", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source")
+    p.add_argument("dest")
+    p.add_argument("--quantize", default=None)
+    p.add_argument("--transformer", default=None)
+    args = p.parse_args(argv)
+    try:
+        dest = convert(args.source, args.dest, quantize=parse_quantize(args.quantize), transformer=args.transformer)
+        print(f"mlxdiff: wrote {dest}")
+        return 0
+    except MlxdiffError as e:
+        print(f"mlxdiff: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
