@@ -6,6 +6,8 @@ becomes an empty shell) and MLX's buffer cache is returned, so the next phase st
 """
 
 import gc
+import os
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +47,7 @@ class PhaseLog:
 
     @contextmanager
     def __call__(self, name):
+        mark_phase(name, "start")
         mx.reset_peak_memory()
         reset_footprint_peak()
         start = time.perf_counter()
@@ -59,6 +62,13 @@ class PhaseLog:
             self.result.timings[name] = time.perf_counter() - start
             self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
                                         "footprint_peak": footprint_peak}
+            mark_phase(name, "end")
+
+
+def mark_phase(name, event):
+    """For `python -m mlxdiff.footprint`, which samples this process from outside: a marker line on stderr."""
+    if os.environ.get("MLXDIFF_PHASE_MARKERS"):
+        print(f"MLXDIFF_PHASE {name} {event} {time.time():.3f}", file=sys.stderr, flush=True)
 
 
 def release():

@@ -1,0 +1,389 @@
+"""SD3 / SD3.5 transformer (MMDiT, and MMDiT-X with dual attention): diffusers' SD3Transformer2DModel in MLX.
+
+Attribute names mirror diffusers, so a diffusers checkpoint loads with one layout change (the patch conv,
+OIHW -> OHWI). Original single-file checkpoints (Stability's `model.diffusion_model.*` names) go through
+`original_to_diffusers` first; `config_from_original` infers the config from their shapes.
+"""
+
+import re
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+
+from ..errors import MlxdiffError
+from ..loading.keymaps import compile_rules, remap, strip_prefix
+from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # defaults: SD3.5 Medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json)
+    sample_size: int = 128
+    patch_size: int = 2
+    in_channels: int = 16
+    num_layers: int = 24
+    attention_head_dim: int = 64
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 4096
+    caption_projection_dim: int = 1536
+    pooled_projection_dim: int = 2048
+    out_channels: int | None = 16
+    pos_embed_max_size: int = 384
+    dual_attention_layers: tuple = tuple(range(13))
+    qk_norm: str | None = "rms_norm"
+
+    def __post_init__(self):
+        if self.out_channels is None:
+            self.out_channels = self.in_channels
+        self.dual_attention_layers = tuple(self.dual_attention_layers or ())
+        if self.qk_norm not in (None, "rms_norm"):
+            raise MlxdiffError(f"SD3 transformer config: qk_norm {self.qk_norm!r} is not supported; "
+                               "SD3/SD3.5 use 'rms_norm' or null")
+        if self.caption_projection_dim != self.num_attention_heads * self.attention_head_dim:
+            raise MlxdiffError(f"SD3 transformer config: caption_projection_dim {self.caption_projection_dim} must "
+                               f"equal num_attention_heads * attention_head_dim = "
+                               f"{self.num_attention_heads * self.attention_head_dim}; fix config.json")
+
+
+def layer_norm(x, eps=1e-6):
+    """LayerNorm without affine parameters, as every norm in this model."""
+    return mx.fast.layer_norm(x, None, None, eps)
+
+
+def modulate(x, scale, shift):
+    return x * (1 + scale[:, None]) + shift[:, None]
+
+
+class AdaLayerNormZero(nn.Module):
+    """Linear(silu(temb)) -> 6 chunks (shift, scale, gate)_msa, (shift, scale, gate)_mlp; with `dual`, 9 chunks:
+    the extra three (shift, scale, gate)_msa2 modulate the same normalised x for attn2 (SD35AdaLayerNormZeroX)."""
+
+    def __init__(self, dim: int, dual: bool = False):
+        super().__init__()
+        self.linear = nn.Linear(dim, (9 if dual else 6) * dim)
+
+    def __call__(self, x, temb):
+        chunks = mx.split(self.linear(nn.silu(temb)), self.linear.weight.shape[0] // x.shape[-1], axis=-1)
+        x_norm = layer_norm(x)
+        return (modulate(x_norm, chunks[1], chunks[0]), x_norm, *chunks)
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """Linear(silu(cond)) -> (scale, shift): note diffusers' order here is scale first."""
+
+    def __init__(self, dim: int, conditioning_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(conditioning_dim, 2 * dim)
+
+    def __call__(self, x, cond):
+        scale, shift = mx.split(self.linear(nn.silu(cond)), 2, axis=-1)
+        return modulate(layer_norm(x), scale, shift)
+
+
+class FeedForward(nn.Module):
+    """diffusers' FeedForward with activation "gelu-approximate": net.0.proj -> gelu(tanh) -> (net.1 dropout) -> net.2."""
+
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        self.net = [GELUProjection(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)]
+
+    def __call__(self, x):
+        for layer in self.net:
+            x = layer(x)
+        return x
+
+
+class GELUProjection(nn.Module):
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out)
+
+    def __call__(self, x):
+        return nn.gelu_approx(self.proj(x))
+
+
+class Attention(nn.Module):
+    """Joint attention (JointAttnProcessor2_0). With `context` set (`added_kv`), the image and context tokens attend
+    together as one sequence [image, context]; without, plain self-attention (attn2 of MMDiT-X)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, qk_norm: str | None, added_kv: bool = False,
+                 context_pre_only: bool = False):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner)
+        self.to_k = nn.Linear(dim, inner)
+        self.to_v = nn.Linear(dim, inner)
+        self.to_out = [nn.Linear(inner, dim)]
+        rms = qk_norm == "rms_norm"
+        self.norm_q = nn.RMSNorm(head_dim, eps=1e-6) if rms else None
+        self.norm_k = nn.RMSNorm(head_dim, eps=1e-6) if rms else None
+        if added_kv:
+            self.add_q_proj = nn.Linear(dim, inner)
+            self.add_k_proj = nn.Linear(dim, inner)
+            self.add_v_proj = nn.Linear(dim, inner)
+            self.norm_added_q = nn.RMSNorm(head_dim, eps=1e-6) if rms else None
+            self.norm_added_k = nn.RMSNorm(head_dim, eps=1e-6) if rms else None
+            if not context_pre_only:
+                self.to_add_out = nn.Linear(inner, dim)
+
+    def _heads(self, x):
+        b, n, _ = x.shape
+        return x.reshape(b, n, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+
+    def _qkv(self, x, to_q, to_k, to_v, norm_q, norm_k):
+        q, k, v = self._heads(to_q(x)), self._heads(to_k(x)), self._heads(to_v(x))
+        if norm_q is not None:
+            q, k = norm_q(q), norm_k(k)
+        return q, k, v
+
+    def __call__(self, x, context=None):
+        q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)
+        n = x.shape[1]
+        if context is not None:
+            cq, ck, cv = self._qkv(context, self.add_q_proj, self.add_k_proj, self.add_v_proj,
+                                   self.norm_added_q, self.norm_added_k)
+            q, k, v = (mx.concatenate(pair, axis=2) for pair in ((q, cq), (k, ck), (v, cv)))
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+        b, _, s, _ = out.shape
+        out = out.transpose(0, 2, 1, 3).reshape(b, s, -1)
+        x_out = self.to_out[0](out[:, :n])
+        if context is None:
+            return x_out
+        context_out = self.to_add_out(out[:, n:]) if "to_add_out" in self else None
+        return x_out, context_out
+
+
+class JointTransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, context_pre_only: bool, qk_norm: str | None,
+                 use_dual_attention: bool):
+        super().__init__()
+        self.context_pre_only = context_pre_only
+        self.use_dual_attention = use_dual_attention
+        self.norm1 = AdaLayerNormZero(dim, dual=use_dual_attention)
+        # the last block only feeds the context into attention: its context norm is (scale, shift) only
+        self.norm1_context = AdaLayerNormContinuous(dim, dim) if context_pre_only else AdaLayerNormZero(dim)
+        self.attn = Attention(dim, heads, head_dim, qk_norm, added_kv=True, context_pre_only=context_pre_only)
+        if use_dual_attention:
+            self.attn2 = Attention(dim, heads, head_dim, qk_norm)
+        self.ff = FeedForward(dim)
+        if not context_pre_only:
+            self.ff_context = FeedForward(dim)
+
+    def __call__(self, x, context, temb):
+        x_mod, x_norm, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, *dual = self.norm1(x, temb)
+        if self.context_pre_only:
+            c_mod = self.norm1_context(context, temb)
+        else:
+            c_mod, _, _, _, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
+
+        attn_out, context_attn_out = self.attn(x_mod, c_mod)
+        x = x + gate_msa[:, None] * attn_out
+        if self.use_dual_attention:
+            shift_msa2, scale_msa2, gate_msa2 = dual
+            x = x + gate_msa2[:, None] * self.attn2(modulate(x_norm, scale_msa2, shift_msa2))
+        x = x + gate_mlp[:, None] * self.ff(modulate(layer_norm(x), scale_mlp, shift_mlp))
+
+        if self.context_pre_only:
+            return None, x
+        context = context + c_gate_msa[:, None] * context_attn_out
+        context = context + c_gate_mlp[:, None] * self.ff_context(modulate(layer_norm(context), c_scale_mlp,
+                                                                          c_shift_mlp))
+        return context, x
+
+
+class PatchEmbed(nn.Module):
+    """Conv patchify + the centre crop of a persistent (1, G*G, D) sin-cos table (G = pos_embed_max_size)."""
+
+    def __init__(self, patch_size: int, in_channels: int, dim: int, pos_embed_max_size: int, base_size: int):
+        super().__init__()
+        self.patch_size = patch_size
+        self.max_size = pos_embed_max_size
+        self.proj = nn.Conv2d(in_channels, dim, kernel_size=patch_size, stride=patch_size)
+        # replaced by the checkpoint's `pos_embed.pos_embed`; lazy, so computed only if nothing replaces it
+        self.pos_embed = sincos_2d(dim, pos_embed_max_size, base_size=base_size)[None]
+
+    def cropped_pos_embed(self, h: int, w: int):
+        g = self.max_size
+        if h > g or w > g:
+            raise MlxdiffError(f"latent grid {h}x{w} patches is larger than this transformer's position table "
+                               f"({g}x{g}, pos_embed_max_size); use a smaller image size (at most "
+                               f"{g * self.patch_size} latent pixels per side)")
+        top, left = (g - h) // 2, (g - w) // 2
+        table = self.pos_embed.reshape(g, g, -1)[top:top + h, left:left + w]
+        return table.reshape(1, h * w, -1)
+
+    def __call__(self, x_nhwc):
+        x = self.proj(x_nhwc)
+        b, h, w, d = x.shape
+        return x.reshape(b, h * w, d) + self.cropped_pos_embed(h, w).astype(x.dtype)
+
+
+class Model(nn.Module):
+    """SD3Transformer2DModel. Inputs and output are NCHW like diffusers."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.compute_dtype = mx.float32
+        dim = args.num_attention_heads * args.attention_head_dim
+        self.pos_embed = PatchEmbed(args.patch_size, args.in_channels, dim, args.pos_embed_max_size,
+                                    base_size=args.sample_size // args.patch_size)
+        self.time_text_embed = CombinedTimestepTextProjEmbeddings(dim, args.pooled_projection_dim)
+        self.context_embedder = nn.Linear(args.joint_attention_dim, args.caption_projection_dim)
+        self.transformer_blocks = [
+            JointTransformerBlock(dim, args.num_attention_heads, args.attention_head_dim,
+                                  context_pre_only=i == args.num_layers - 1, qk_norm=args.qk_norm,
+                                  use_dual_attention=i in args.dual_attention_layers)
+            for i in range(args.num_layers)
+        ]
+        self.norm_out = AdaLayerNormContinuous(dim, dim)
+        self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * args.out_channels)
+
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=None):
+        dtype, p = self.compute_dtype, self.args.patch_size
+        b, _, height, width = hidden_states.shape
+        if height % p or width % p:
+            raise MlxdiffError(f"latent size {height}x{width} is not a multiple of the patch size {p}")
+        x = self.pos_embed(hidden_states.astype(dtype).transpose(0, 2, 3, 1))
+        temb = self.time_text_embed(mx.array(timestep).astype(mx.float32).reshape(-1),
+                                    pooled_projections.astype(dtype))
+        context = self.context_embedder(encoder_hidden_states.astype(dtype))
+        skip = set(skip_layers or ())
+        for i, block in enumerate(self.transformer_blocks):
+            if i not in skip:  # a skipped block changes neither stream
+                context, x = block(x, context, temb)
+        x = self.proj_out(self.norm_out(x, temb))
+        h, w = height // p, width // p
+        x = x.reshape(b, h, w, p, p, -1).transpose(0, 5, 1, 3, 2, 4)  # einsum nhwpqc -> nchpwq
+        return x.reshape(b, -1, h * p, w * p)
+
+    def sanitize(self, weights: dict) -> dict:
+        """diffusers names and PyTorch layouts -> this module: only the patch conv changes (OIHW -> OHWI)."""
+        out = dict(weights)
+        w = out.get("pos_embed.proj.weight")
+        if w is not None and w.ndim == 4:
+            out["pos_embed.proj.weight"] = w.transpose(0, 2, 3, 1)
+        return out
+
+
+# -- original single-file checkpoints (Stability's sd3.5_*.safetensors, `model.diffusion_model.*`) ------------
+
+ORIGINAL_PREFIX = "model.diffusion_model."
+
+# original name -> diffusers name (see convert_sd3_transformer_checkpoint_to_diffusers). A tuple target splits a fused
+# qkv along axis 0. The 2-chunk modulations (final_layer, and the last block's context adaLN) are stored
+# (shift, scale) but read (scale, shift) by AdaLayerNormContinuous: final_layer's swap is in the table; the last
+# block's depends on the depth and is added by `original_to_diffusers`.
+B = r"joint_blocks\.(\d+)\."
+T = r"transformer_blocks.\1."
+ORIGINAL_KEYMAP = [
+    (r"pos_embed", "pos_embed.pos_embed"),
+    (r"x_embedder\.proj\.(weight|bias)", r"pos_embed.proj.\1"),
+    (r"t_embedder\.mlp\.0\.(weight|bias)", r"time_text_embed.timestep_embedder.linear_1.\1"),
+    (r"t_embedder\.mlp\.2\.(weight|bias)", r"time_text_embed.timestep_embedder.linear_2.\1"),
+    (r"y_embedder\.mlp\.0\.(weight|bias)", r"time_text_embed.text_embedder.linear_1.\1"),
+    (r"y_embedder\.mlp\.2\.(weight|bias)", r"time_text_embed.text_embedder.linear_2.\1"),
+    (r"context_embedder\.(weight|bias)", r"context_embedder.\1"),
+    (r"final_layer\.linear\.(weight|bias)", r"proj_out.\1"),
+    (r"final_layer\.adaLN_modulation\.1\.(weight|bias)", r"norm_out.linear.\1", "swap_halves"),
+    (B + r"x_block\.attn\.qkv\.(weight|bias)", (T + r"attn.to_q.\2", T + r"attn.to_k.\2", T + r"attn.to_v.\2")),
+    (B + r"x_block\.attn\.ln_(q|k)\.weight", T + r"attn.norm_\2.weight"),
+    (B + r"x_block\.attn\.proj\.(weight|bias)", T + r"attn.to_out.0.\2"),
+    (B + r"x_block\.attn2\.qkv\.(weight|bias)", (T + r"attn2.to_q.\2", T + r"attn2.to_k.\2", T + r"attn2.to_v.\2")),
+    (B + r"x_block\.attn2\.ln_(q|k)\.weight", T + r"attn2.norm_\2.weight"),
+    (B + r"x_block\.attn2\.proj\.(weight|bias)", T + r"attn2.to_out.0.\2"),
+    (B + r"x_block\.adaLN_modulation\.1\.(weight|bias)", T + r"norm1.linear.\2"),
+    (B + r"x_block\.mlp\.fc1\.(weight|bias)", T + r"ff.net.0.proj.\2"),
+    (B + r"x_block\.mlp\.fc2\.(weight|bias)", T + r"ff.net.2.\2"),
+    (B + r"context_block\.attn\.qkv\.(weight|bias)",
+     (T + r"attn.add_q_proj.\2", T + r"attn.add_k_proj.\2", T + r"attn.add_v_proj.\2")),
+    (B + r"context_block\.attn\.ln_(q|k)\.weight", T + r"attn.norm_added_\2.weight"),
+    (B + r"context_block\.attn\.proj\.(weight|bias)", T + r"attn.to_add_out.\2"),
+    (B + r"context_block\.adaLN_modulation\.1\.(weight|bias)", T + r"norm1_context.linear.\2"),
+    (B + r"context_block\.mlp\.fc1\.(weight|bias)", T + r"ff_context.net.0.proj.\2"),
+    (B + r"context_block\.mlp\.fc2\.(weight|bias)", T + r"ff_context.net.2.\2"),
+]
+_ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
+_BLOCK_KEY = re.compile(r"joint_blocks\.(\d+)\.")
+_ATTN2_KEY = re.compile(r"joint_blocks\.(\d+)\.x_block\.attn2\.")
+
+
+def _diffusion_model_keys(weights: dict) -> dict:
+    """Accept the keys with or without the `model.diffusion_model.` prefix (then other components are left out)."""
+    if any(k.startswith(ORIGINAL_PREFIX) for k in weights):
+        return strip_prefix(weights, ORIGINAL_PREFIX)
+    return weights
+
+
+def _block_indices(weights: dict) -> list:
+    return sorted({int(m.group(1)) for k in weights if (m := _BLOCK_KEY.match(k))})
+
+
+def original_to_diffusers(weights: dict) -> dict:
+    """Original MMDiT names -> diffusers names (lazy; nothing is read).
+
+    ORIGINAL_KEYMAP, plus one rule made here: the last joint block (highest index; diffusers' context_pre_only
+    block, whose context adaLN has 2 chunks instead of 6) gets its (shift, scale) halves swapped. The rule is
+    prepended so it wins over the table's plain `norm1_context` rule.
+    """
+    weights = _diffusion_model_keys(weights)
+    blocks = _block_indices(weights)
+    if not blocks:
+        raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys; pass the diffusers folder instead")
+    last = blocks[-1]
+    rules = compile_rules([(rf"joint_blocks\.({last})\.context_block\.adaLN_modulation\.1\.(weight|bias)",
+                            T + r"norm1_context.linear.\2", "swap_halves")]) + _ORIGINAL_RULES
+    return remap(weights, rules)
+
+
+def _shape(weights, key):
+    if key not in weights:
+        raise MlxdiffError(f"not a complete SD3 original checkpoint: {key!r} is missing; re-download the file")
+    return tuple(weights[key].shape)
+
+
+def config_from_original(weights: dict) -> dict:
+    """The diffusers config of an original-named checkpoint, read from its key names and shapes.
+
+    Rules (what diffusers' convert script and the released configs do):
+    - hidden D = x_embedder.proj rows; in_channels, patch_size from the same conv; out_channels = final_layer
+      rows / patch^2; joint_attention_dim, caption_projection_dim from context_embedder; pooled_projection_dim
+      from y_embedder.mlp.0; pos_embed_max_size = sqrt(pos_embed rows); num_layers = highest joint_blocks index + 1;
+      dual_attention_layers = the blocks with x_block.attn2.*; qk_norm = "rms_norm" iff ln_q is present.
+    - heads: the original MMDiT fixes the head size at 64 (num_heads = depth, hidden = 64 * depth). When ln_q is
+      present its length IS the head size, so attention_head_dim = len(ln_q) else 64, and heads = D / head size.
+      This is exact for SD3 Medium, SD3.5 Medium and SD3.5 Large (24, 24, 38 heads of 64).
+    - sample_size (only the default image size; not stored in the weights) = 128, as in every released model.
+    """
+    weights = _diffusion_model_keys(weights)
+    blocks = _block_indices(weights)
+    if not blocks:
+        raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys")
+    dim, in_channels, patch, _ = _shape(weights, "x_embedder.proj.weight")
+    caption_dim, joint_dim = _shape(weights, "context_embedder.weight")
+    ln_q = f"joint_blocks.{blocks[0]}.x_block.attn.ln_q.weight"
+    head_dim = _shape(weights, ln_q)[0] if ln_q in weights else 64
+    if dim % head_dim:
+        raise MlxdiffError(f"SD3 original checkpoint: hidden size {dim} is not a multiple of the head size {head_dim}")
+    rows = _shape(weights, "pos_embed")[1]
+    grid = round(rows ** 0.5)
+    if grid * grid != rows:
+        raise MlxdiffError(f"SD3 original checkpoint: pos_embed has {rows} rows, not a square grid")
+    return {
+        "sample_size": 128,
+        "patch_size": patch,
+        "in_channels": in_channels,
+        "num_layers": blocks[-1] + 1,
+        "attention_head_dim": head_dim,
+        "num_attention_heads": dim // head_dim,
+        "joint_attention_dim": joint_dim,
+        "caption_projection_dim": caption_dim,
+        "pooled_projection_dim": _shape(weights, "y_embedder.mlp.0.weight")[1],
+        "out_channels": _shape(weights, "final_layer.linear.weight")[0] // (patch * patch),
+        "pos_embed_max_size": grid,
+        "dual_attention_layers": sorted({int(m.group(1)) for k in weights if (m := _ATTN2_KEY.match(k))}),
+        "qk_norm": "rms_norm" if any(".ln_q." in k for k in weights) else None,
+    }
