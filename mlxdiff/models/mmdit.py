@@ -83,7 +83,7 @@ class AdaLayerNormContinuous(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """diffusers' FeedForward with activation "gelu-approximate": net.0.proj -> gelu(tanh) -> (net.1 dropout) -> net.2."""
+    """diffusers' FeedForward, activation "gelu-approximate": net.0.proj -> gelu(tanh) -> (net.1 dropout) -> net.2."""
 
     def __init__(self, dim: int, mult: int = 4):
         super().__init__()
@@ -277,8 +277,8 @@ ORIGINAL_PREFIX = "model.diffusion_model."
 # qkv along axis 0. The 2-chunk modulations (final_layer, and the last block's context adaLN) are stored
 # (shift, scale) but read (scale, shift) by AdaLayerNormContinuous: final_layer's swap is in the table; the last
 # block's depends on the depth and is added by `original_to_diffusers`.
-B = r"joint_blocks\.(\d+)\."
-T = r"transformer_blocks.\1."
+ORIG_BLOCK = r"joint_blocks\.(\d+)\."       # group 1: the block index
+DIFF_BLOCK = r"transformer_blocks.\1."
 ORIGINAL_KEYMAP = [
     (r"pos_embed", "pos_embed.pos_embed"),
     (r"x_embedder\.proj\.(weight|bias)", r"pos_embed.proj.\1"),
@@ -289,22 +289,24 @@ ORIGINAL_KEYMAP = [
     (r"context_embedder\.(weight|bias)", r"context_embedder.\1"),
     (r"final_layer\.linear\.(weight|bias)", r"proj_out.\1"),
     (r"final_layer\.adaLN_modulation\.1\.(weight|bias)", r"norm_out.linear.\1", "swap_halves"),
-    (B + r"x_block\.attn\.qkv\.(weight|bias)", (T + r"attn.to_q.\2", T + r"attn.to_k.\2", T + r"attn.to_v.\2")),
-    (B + r"x_block\.attn\.ln_(q|k)\.weight", T + r"attn.norm_\2.weight"),
-    (B + r"x_block\.attn\.proj\.(weight|bias)", T + r"attn.to_out.0.\2"),
-    (B + r"x_block\.attn2\.qkv\.(weight|bias)", (T + r"attn2.to_q.\2", T + r"attn2.to_k.\2", T + r"attn2.to_v.\2")),
-    (B + r"x_block\.attn2\.ln_(q|k)\.weight", T + r"attn2.norm_\2.weight"),
-    (B + r"x_block\.attn2\.proj\.(weight|bias)", T + r"attn2.to_out.0.\2"),
-    (B + r"x_block\.adaLN_modulation\.1\.(weight|bias)", T + r"norm1.linear.\2"),
-    (B + r"x_block\.mlp\.fc1\.(weight|bias)", T + r"ff.net.0.proj.\2"),
-    (B + r"x_block\.mlp\.fc2\.(weight|bias)", T + r"ff.net.2.\2"),
-    (B + r"context_block\.attn\.qkv\.(weight|bias)",
-     (T + r"attn.add_q_proj.\2", T + r"attn.add_k_proj.\2", T + r"attn.add_v_proj.\2")),
-    (B + r"context_block\.attn\.ln_(q|k)\.weight", T + r"attn.norm_added_\2.weight"),
-    (B + r"context_block\.attn\.proj\.(weight|bias)", T + r"attn.to_add_out.\2"),
-    (B + r"context_block\.adaLN_modulation\.1\.(weight|bias)", T + r"norm1_context.linear.\2"),
-    (B + r"context_block\.mlp\.fc1\.(weight|bias)", T + r"ff_context.net.0.proj.\2"),
-    (B + r"context_block\.mlp\.fc2\.(weight|bias)", T + r"ff_context.net.2.\2"),
+    (ORIG_BLOCK + r"x_block\.attn\.qkv\.(weight|bias)",
+     (DIFF_BLOCK + r"attn.to_q.\2", DIFF_BLOCK + r"attn.to_k.\2", DIFF_BLOCK + r"attn.to_v.\2")),
+    (ORIG_BLOCK + r"x_block\.attn\.ln_(q|k)\.weight", DIFF_BLOCK + r"attn.norm_\2.weight"),
+    (ORIG_BLOCK + r"x_block\.attn\.proj\.(weight|bias)", DIFF_BLOCK + r"attn.to_out.0.\2"),
+    (ORIG_BLOCK + r"x_block\.attn2\.qkv\.(weight|bias)",
+     (DIFF_BLOCK + r"attn2.to_q.\2", DIFF_BLOCK + r"attn2.to_k.\2", DIFF_BLOCK + r"attn2.to_v.\2")),
+    (ORIG_BLOCK + r"x_block\.attn2\.ln_(q|k)\.weight", DIFF_BLOCK + r"attn2.norm_\2.weight"),
+    (ORIG_BLOCK + r"x_block\.attn2\.proj\.(weight|bias)", DIFF_BLOCK + r"attn2.to_out.0.\2"),
+    (ORIG_BLOCK + r"x_block\.adaLN_modulation\.1\.(weight|bias)", DIFF_BLOCK + r"norm1.linear.\2"),
+    (ORIG_BLOCK + r"x_block\.mlp\.fc1\.(weight|bias)", DIFF_BLOCK + r"ff.net.0.proj.\2"),
+    (ORIG_BLOCK + r"x_block\.mlp\.fc2\.(weight|bias)", DIFF_BLOCK + r"ff.net.2.\2"),
+    (ORIG_BLOCK + r"context_block\.attn\.qkv\.(weight|bias)",
+     (DIFF_BLOCK + r"attn.add_q_proj.\2", DIFF_BLOCK + r"attn.add_k_proj.\2", DIFF_BLOCK + r"attn.add_v_proj.\2")),
+    (ORIG_BLOCK + r"context_block\.attn\.ln_(q|k)\.weight", DIFF_BLOCK + r"attn.norm_added_\2.weight"),
+    (ORIG_BLOCK + r"context_block\.attn\.proj\.(weight|bias)", DIFF_BLOCK + r"attn.to_add_out.\2"),
+    (ORIG_BLOCK + r"context_block\.adaLN_modulation\.1\.(weight|bias)", DIFF_BLOCK + r"norm1_context.linear.\2"),
+    (ORIG_BLOCK + r"context_block\.mlp\.fc1\.(weight|bias)", DIFF_BLOCK + r"ff_context.net.0.proj.\2"),
+    (ORIG_BLOCK + r"context_block\.mlp\.fc2\.(weight|bias)", DIFF_BLOCK + r"ff_context.net.2.\2"),
 ]
 _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
 _BLOCK_KEY = re.compile(r"joint_blocks\.(\d+)\.")
@@ -335,7 +337,7 @@ def original_to_diffusers(weights: dict) -> dict:
         raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys; pass the diffusers folder instead")
     last = blocks[-1]
     rules = compile_rules([(rf"joint_blocks\.({last})\.context_block\.adaLN_modulation\.1\.(weight|bias)",
-                            T + r"norm1_context.linear.\2", "swap_halves")]) + _ORIGINAL_RULES
+                            DIFF_BLOCK + r"norm1_context.linear.\2", "swap_halves")]) + _ORIGINAL_RULES
     return remap(weights, rules)
 
 
