@@ -1,0 +1,405 @@
+"""AutoencoderKL as SD3/SD3.5 uses it (diffusers/models/autoencoders/autoencoder_kl.py and vae.py, re-implemented).
+
+The building blocks (ResnetBlock2D, the single-head mid-block attention, Encoder, Decoder and their down/up blocks)
+are shared with vae_flux2.py. Everything runs channels-last (NHWC) inside; the public `encode` / `decode` take and
+return NCHW arrays like diffusers.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+
+from ..errors import MlxdiffError
+from ..loading.keymaps import remap
+
+ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "mish": nn.mish, "gelu": nn.gelu, "relu": nn.relu}
+
+# diffusers' vae/config.json of stabilityai/stable-diffusion-3.5-{medium,large}: the config for single files
+SD3_CONFIG = {
+    "in_channels": 3, "out_channels": 3,
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "block_out_channels": [128, 256, 512, 512], "layers_per_block": 2, "act_fn": "silu", "latent_channels": 16,
+    "norm_num_groups": 32, "sample_size": 1024, "scaling_factor": 1.5305, "shift_factor": 0.0609,
+    "force_upcast": True, "use_quant_conv": False, "use_post_quant_conv": False, "mid_block_add_attention": True,
+}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    in_channels: int = 3
+    out_channels: int = 3
+    down_block_types: tuple = ("DownEncoderBlock2D",) * 4
+    up_block_types: tuple = ("UpDecoderBlock2D",) * 4
+    block_out_channels: tuple = (128, 256, 512, 512)
+    layers_per_block: int = 2
+    act_fn: str = "silu"
+    latent_channels: int = 16
+    norm_num_groups: int = 32
+    sample_size: int = 1024
+    scaling_factor: float = 1.5305
+    shift_factor: Optional[float] = 0.0609
+    latents_mean: Optional[tuple] = None
+    latents_std: Optional[tuple] = None
+    force_upcast: bool = True
+    use_quant_conv: bool = False
+    use_post_quant_conv: bool = False
+    mid_block_add_attention: bool = True
+
+
+def activation(name):
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise MlxdiffError(f"VAE config: unsupported act_fn {name!r}; supported: {', '.join(ACTIVATIONS)}") from None
+
+
+def check_block_types(down_block_types, up_block_types):
+    for kind, types, allowed in (("down", down_block_types, "DownEncoderBlock2D"),
+                                 ("up", up_block_types, "UpDecoderBlock2D")):
+        bad = [t for t in types if t != allowed]
+        if bad:
+            raise MlxdiffError(f"VAE config: {kind}_block_types {bad} are not supported; only {allowed}")
+
+
+def group_norm(groups, channels):
+    return nn.GroupNorm(groups, channels, eps=1e-6, pytorch_compatible=True)
+
+
+# -- blocks (NHWC) ---------------------------------------------------------------------------------------------
+
+class ResnetBlock2D(nn.Module):
+    """GN -> act -> conv3x3 -> GN -> act -> conv3x3, plus the input (through a 1x1 conv when channels change)."""
+
+    def __init__(self, in_channels, out_channels, groups, act=nn.silu):
+        super().__init__()
+        self.act = act
+        self.norm1 = group_norm(groups, in_channels)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.norm2 = group_norm(groups, out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        if in_channels != out_channels:
+            self.conv_shortcut = nn.Conv2d(in_channels, out_channels, 1)
+
+    def __call__(self, x):
+        h = self.conv1(self.act(self.norm1(x)))
+        h = self.conv2(self.act(self.norm2(h)))
+        if "conv_shortcut" in self:
+            x = self.conv_shortcut(x)
+        return x + h
+
+
+class Attention(nn.Module):
+    """The mid block's single-head self-attention over all H*W positions, with a residual connection."""
+
+    def __init__(self, channels, groups):
+        super().__init__()
+        self.group_norm = group_norm(groups, channels)
+        self.to_q = nn.Linear(channels, channels)
+        self.to_k = nn.Linear(channels, channels)
+        self.to_v = nn.Linear(channels, channels)
+        self.to_out = [nn.Linear(channels, channels)]
+
+    def __call__(self, x):
+        b, h, w, c = x.shape
+        t = self.group_norm(x).reshape(b, 1, h * w, c)
+        out = mx.fast.scaled_dot_product_attention(self.to_q(t), self.to_k(t), self.to_v(t), scale=c ** -0.5)
+        return x + self.to_out[0](out).reshape(b, h, w, c)
+
+
+class Downsample2D(nn.Module):
+    """Pad right and bottom by one, then a stride-2 3x3 conv (diffusers' padding=0 variant)."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2)
+
+    def __call__(self, x):
+        return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour 2x, then a 3x3 conv."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def __call__(self, x):
+        b, h, w, c = x.shape
+        x = mx.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
+        return self.conv(x)
+
+
+class DownEncoderBlock2D(nn.Module):
+    def __init__(self, in_channels, out_channels, num_layers, groups, act, add_downsample):
+        super().__init__()
+        self.resnets = [ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups, act)
+                        for i in range(num_layers)]
+        if add_downsample:
+            self.downsamplers = [Downsample2D(out_channels)]
+
+    def __call__(self, x):
+        for resnet in self.resnets:
+            x = resnet(x)
+        for down in self.get("downsamplers", []):
+            x = down(x)
+        return x
+
+
+class UpDecoderBlock2D(nn.Module):
+    def __init__(self, in_channels, out_channels, num_layers, groups, act, add_upsample):
+        super().__init__()
+        self.resnets = [ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, groups, act)
+                        for i in range(num_layers)]
+        if add_upsample:
+            self.upsamplers = [Upsample2D(out_channels)]
+
+    def __call__(self, x):
+        for resnet in self.resnets:
+            x = resnet(x)
+        for up in self.get("upsamplers", []):
+            x = up(x)
+        return x
+
+
+class UNetMidBlock2D(nn.Module):
+    """resnet -> (attention) -> resnet at the lowest resolution."""
+
+    def __init__(self, channels, groups, act, add_attention=True):
+        super().__init__()
+        self.resnets = [ResnetBlock2D(channels, channels, groups, act) for _ in range(2)]
+        if add_attention:
+            self.attentions = [Attention(channels, groups)]
+
+    def __call__(self, x):
+        x = self.resnets[0](x)
+        for attn in self.get("attentions", []):
+            x = attn(x)
+        return self.resnets[1](x)
+
+
+class Encoder(nn.Module):
+    """Image (NHWC) -> moments (2 * out_channels when double_z: mean, logvar), at 1 / 2^(blocks-1) resolution."""
+
+    def __init__(self, in_channels, out_channels, block_out_channels, layers_per_block, norm_num_groups,
+                 act_fn="silu", double_z=True, mid_block_add_attention=True):
+        super().__init__()
+        act = activation(act_fn)
+        self.act = act
+        self.conv_in = nn.Conv2d(in_channels, block_out_channels[0], 3, padding=1)
+        self.down_blocks = []
+        prev = block_out_channels[0]
+        for i, ch in enumerate(block_out_channels):
+            self.down_blocks.append(DownEncoderBlock2D(prev, ch, layers_per_block, norm_num_groups, act,
+                                                       add_downsample=i < len(block_out_channels) - 1))
+            prev = ch
+        self.mid_block = UNetMidBlock2D(prev, norm_num_groups, act, mid_block_add_attention)
+        self.conv_norm_out = group_norm(norm_num_groups, prev)
+        self.conv_out = nn.Conv2d(prev, 2 * out_channels if double_z else out_channels, 3, padding=1)
+
+    def __call__(self, x):
+        x = self.conv_in(x)
+        for block in self.down_blocks:
+            x = block(x)
+        x = self.mid_block(x)
+        return self.conv_out(self.act(self.conv_norm_out(x)))
+
+
+class Decoder(nn.Module):
+    """Latent (NHWC) -> image, with layers_per_block + 1 resnets per up block (deepest channels first)."""
+
+    def __init__(self, in_channels, out_channels, block_out_channels, layers_per_block, norm_num_groups,
+                 act_fn="silu", mid_block_add_attention=True):
+        super().__init__()
+        act = activation(act_fn)
+        self.act = act
+        reversed_channels = list(reversed(block_out_channels))
+        self.conv_in = nn.Conv2d(in_channels, reversed_channels[0], 3, padding=1)
+        self.mid_block = UNetMidBlock2D(reversed_channels[0], norm_num_groups, act, mid_block_add_attention)
+        self.up_blocks = []
+        prev = reversed_channels[0]
+        for i, ch in enumerate(reversed_channels):
+            self.up_blocks.append(UpDecoderBlock2D(prev, ch, layers_per_block + 1, norm_num_groups, act,
+                                                   add_upsample=i < len(reversed_channels) - 1))
+            prev = ch
+        self.conv_norm_out = group_norm(norm_num_groups, prev)
+        self.conv_out = nn.Conv2d(prev, out_channels, 3, padding=1)
+
+    def __call__(self, z):
+        x = self.mid_block(self.conv_in(z))
+        for block in self.up_blocks:
+            x = block(x)
+        return self.conv_out(self.act(self.conv_norm_out(x)))
+
+
+# -- the model -------------------------------------------------------------------------------------------------
+
+def nchw_to_nhwc(x):
+    return x.transpose(0, 2, 3, 1)
+
+
+def nhwc_to_nchw(x):
+    return x.transpose(0, 3, 1, 2)
+
+
+class Model(nn.Module):
+    """diffusers AutoencoderKL. `decode(z)` / `encode(x)` take and return NCHW like diffusers.
+
+    Latent scaling is the caller's: the SD3 pipeline denoises (mean - shift_factor) * scaling_factor and decodes
+    z / scaling_factor + shift_factor (see `scale_latents` / `unscale_latents`).
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.compute_dtype = mx.float32
+        check_block_types(args.down_block_types, args.up_block_types)
+        # AutoencoderKLFlux2 may give the decoder its own (smaller) widths
+        decoder_channels = getattr(args, "decoder_block_out_channels", None) or args.block_out_channels
+        self.encoder = Encoder(args.in_channels, args.latent_channels, args.block_out_channels,
+                               args.layers_per_block, args.norm_num_groups, args.act_fn, double_z=True,
+                               mid_block_add_attention=args.mid_block_add_attention)
+        self.decoder = Decoder(args.latent_channels, args.out_channels, decoder_channels, args.layers_per_block,
+                               args.norm_num_groups, args.act_fn, args.mid_block_add_attention)
+        if args.use_quant_conv:
+            self.quant_conv = nn.Conv2d(2 * args.latent_channels, 2 * args.latent_channels, 1)
+        if args.use_post_quant_conv:
+            self.post_quant_conv = nn.Conv2d(args.latent_channels, args.latent_channels, 1)
+
+    def encode_moments(self, x):
+        """Image [B, C, H, W] in [-1, 1] -> (mean, logvar), each [B, latent_channels, H/f, W/f]."""
+        h = self.encoder(nchw_to_nhwc(x.astype(self.compute_dtype)))
+        if "quant_conv" in self:
+            h = self.quant_conv(h)
+        mean, logvar = mx.split(nhwc_to_nchw(h), 2, axis=1)
+        return mean, mx.clip(logvar, -30.0, 20.0)
+
+    def encode(self, x):
+        """Image [B, C, H, W] -> the latent mean (the posterior's mode, what the pipelines use)."""
+        return self.encode_moments(x)[0]
+
+    def decode(self, z):
+        """Latent [B, latent_channels, h, w] -> image [B, out_channels, h*f, w*f] (about [-1, 1])."""
+        z = nchw_to_nhwc(z.astype(self.compute_dtype))
+        if "post_quant_conv" in self:
+            z = self.post_quant_conv(z)
+        return nhwc_to_nchw(self.decoder(z))
+
+    def __call__(self, x):
+        """Reconstruction, as diffusers' forward with sample_posterior=False: decode(encode(x).mode())."""
+        return self.decode(self.encode(x))
+
+    def scale_latents(self, mean):
+        """VAE latent -> the space the transformer denoises in."""
+        shift = self.args.shift_factor or 0.0
+        return (mean - shift) * self.args.scaling_factor
+
+    def unscale_latents(self, z):
+        shift = self.args.shift_factor or 0.0
+        return z / self.args.scaling_factor + shift
+
+    def sanitize(self, weights):
+        """diffusers names and PyTorch layouts -> this module's: conv OIHW -> OHWI (made contiguous lazily)."""
+        weights = remap(weights, DEPRECATED_ATTENTION_KEYMAP)
+        out = {}
+        for key, value in weights.items():
+            if value.ndim == 4:  # every 4-D tensor left here is a conv kernel
+                value = mx.contiguous(value.transpose(0, 2, 3, 1))
+            out[key] = value
+        return out
+
+
+# -- other namings ---------------------------------------------------------------------------------------------
+
+# Old diffusers checkpoints name the mid-block attention query/key/value/proj_attn (diffusers renames them on load)
+DEPRECATED_ATTENTION_KEYMAP = [
+    (r"(.*\.attentions\.\d+)\.query\.(weight|bias)", r"\1.to_q.\2", "squeeze_1x1"),
+    (r"(.*\.attentions\.\d+)\.key\.(weight|bias)", r"\1.to_k.\2", "squeeze_1x1"),
+    (r"(.*\.attentions\.\d+)\.value\.(weight|bias)", r"\1.to_v.\2", "squeeze_1x1"),
+    (r"(.*\.attentions\.\d+)\.proj_attn\.(weight|bias)", r"\1.to_out.0.\2", "squeeze_1x1"),
+]
+
+RESNET_PARAM = r"(norm1|conv1|norm2|conv2)\.(weight|bias)"
+
+
+def ldm_keymap(num_blocks=4):
+    """Rules for original ldm / BFL VAE names (the `first_stage_model.` prefix already stripped) -> diffusers.
+
+    The ldm decoder numbers its levels from the highest resolution (`up.0` is the last to run); diffusers numbers
+    them in execution order, so `decoder.up.{k}` becomes `decoder.up_blocks.{num_blocks - 1 - k}`: one rule per k.
+    """
+    rules = [
+        (r"(encoder|decoder)\.norm_out\.(weight|bias)", r"\1.conv_norm_out.\2"),
+        (rf"encoder\.down\.(\d+)\.block\.(\d+)\.{RESNET_PARAM}", r"encoder.down_blocks.\1.resnets.\2.\3.\4"),
+        (r"encoder\.down\.(\d+)\.block\.(\d+)\.nin_shortcut\.(weight|bias)",
+         r"encoder.down_blocks.\1.resnets.\2.conv_shortcut.\3"),
+        (r"encoder\.down\.(\d+)\.downsample\.conv\.(weight|bias)", r"encoder.down_blocks.\1.downsamplers.0.conv.\2"),
+        (rf"(encoder|decoder)\.mid\.block_1\.{RESNET_PARAM}", r"\1.mid_block.resnets.0.\2.\3"),
+        (rf"(encoder|decoder)\.mid\.block_2\.{RESNET_PARAM}", r"\1.mid_block.resnets.1.\2.\3"),
+        (r"(encoder|decoder)\.mid\.attn_1\.norm\.(weight|bias)", r"\1.mid_block.attentions.0.group_norm.\2"),
+        # 1x1 convs in ldm, Linear layers in diffusers
+        (r"(encoder|decoder)\.mid\.attn_1\.(q|k|v)\.(weight|bias)", r"\1.mid_block.attentions.0.to_\2.\3",
+         "squeeze_1x1"),
+        (r"(encoder|decoder)\.mid\.attn_1\.proj_out\.(weight|bias)", r"\1.mid_block.attentions.0.to_out.0.\2",
+         "squeeze_1x1"),
+    ]
+    for k in range(num_blocks):
+        i = num_blocks - 1 - k
+        rules += [
+            (rf"decoder\.up\.{k}\.block\.(\d+)\.{RESNET_PARAM}", rf"decoder.up_blocks.{i}.resnets.\1.\2.\3"),
+            (rf"decoder\.up\.{k}\.block\.(\d+)\.nin_shortcut\.(weight|bias)",
+             rf"decoder.up_blocks.{i}.resnets.\1.conv_shortcut.\2"),
+            (rf"decoder\.up\.{k}\.upsample\.conv\.(weight|bias)", rf"decoder.up_blocks.{i}.upsamplers.0.conv.\1"),
+        ]
+    return rules
+
+
+# The SD3/SD3.5 VAE (4 levels). conv_in/conv_out/quant_conv/post_quant_conv keep their names.
+LDM_KEYMAP = ldm_keymap(4)
+
+
+def ldm_num_blocks(weights) -> int:
+    """Number of resolution levels in ldm-named VAE weights (counting encoder.down.{i})."""
+    levels = {int(m.group(1)) for k in weights if (m := re.match(r"encoder\.down\.(\d+)\.", k))}
+    return len(levels)
+
+
+def config_from_ldm(weights: dict, defaults: dict = None) -> dict:
+    """A diffusers AutoencoderKL config read off ldm-named weight shapes (prefix stripped).
+
+    Shapes give the channel widths, block count, layers per block, latent channels and the quant convs; the
+    group count and latent scaling cannot be read from shapes and come from `defaults` (SD3_CONFIG by default).
+    """
+    config = dict(SD3_CONFIG if defaults is None else defaults)
+    levels = ldm_num_blocks(weights)
+
+    def shape(key):
+        if key not in weights:
+            raise MlxdiffError(f"VAE weights: {key!r} is missing; this is not an ldm-named VAE (expected "
+                               "encoder.down.*, decoder.up.*, mid.attn_1.*)")
+        return weights[key].shape
+
+    if levels == 0:
+        shape("encoder.down.0.block.0.conv1.weight")  # raises with the message above
+    encoder_channels = [shape(f"encoder.down.{i}.block.0.conv1.weight")[0] for i in range(levels)]
+    decoder_channels = [shape(f"decoder.up.{i}.block.0.conv1.weight")[0] for i in range(levels)]
+    layers = {int(m.group(1)) for k in weights if (m := re.match(r"encoder\.down\.0\.block\.(\d+)\.", k))}
+    config.update(
+        in_channels=shape("encoder.conv_in.weight")[1],
+        out_channels=shape("decoder.conv_out.weight")[0],
+        block_out_channels=encoder_channels,
+        layers_per_block=len(layers),
+        latent_channels=shape("decoder.conv_in.weight")[1],
+        down_block_types=["DownEncoderBlock2D"] * levels,
+        up_block_types=["UpDecoderBlock2D"] * levels,
+        use_quant_conv="quant_conv.weight" in weights or "encoder.quant_conv.weight" in weights,
+        use_post_quant_conv="post_quant_conv.weight" in weights or "decoder.post_quant_conv.weight" in weights,
+        mid_block_add_attention="encoder.mid.attn_1.q.weight" in weights,
+    )
+    if decoder_channels != encoder_channels:
+        config["decoder_block_out_channels"] = decoder_channels
+    return config

@@ -1,0 +1,122 @@
+"""AutoencoderKLFlux2 (diffusers/models/autoencoders/autoencoder_kl_flux2.py), on the blocks of vae.py.
+
+What differs from SD3's AutoencoderKL: 32 latent channels, quant_conv / post_quant_conv, an optional narrower
+decoder (`decoder_block_out_channels`), and no scaling/shift factors: the pipeline patchifies latents 2x2
+([B, 32, H, W] -> [B, 128, H/2, W/2]) and normalises them with the running statistics of a BatchNorm2d named
+`bn` (affine=False), exactly as Flux2Pipeline does by hand.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+
+from . import vae
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    in_channels: int = 3
+    out_channels: int = 3
+    down_block_types: tuple = ("DownEncoderBlock2D",) * 4
+    up_block_types: tuple = ("UpDecoderBlock2D",) * 4
+    block_out_channels: tuple = (128, 256, 512, 512)
+    decoder_block_out_channels: Optional[tuple] = None
+    layers_per_block: int = 2
+    act_fn: str = "silu"
+    latent_channels: int = 32
+    norm_num_groups: int = 32
+    sample_size: int = 1024
+    use_quant_conv: bool = True
+    use_post_quant_conv: bool = True
+    mid_block_add_attention: bool = True
+    batch_norm_eps: float = 1e-4
+    batch_norm_momentum: float = 0.1
+    patch_size: tuple = (2, 2)
+
+
+# the class defaults above are the FLUX.2-dev / klein vae/config.json; used for original single files
+FLUX2_CONFIG = {k: list(v) if isinstance(v, tuple) else v for k, v in ModelArgs().__dict__.items()}
+
+
+def patchify(latents, patch_size=(2, 2)):
+    """[B, C, H, W] -> [B, C*p*q, H/p, W/q]; channel c*p*q + dy*q + dx (Flux2Pipeline._patchify_latents)."""
+    p, q = patch_size
+    b, c, h, w = latents.shape
+    x = latents.reshape(b, c, h // p, p, w // q, q).transpose(0, 1, 3, 5, 2, 4)
+    return x.reshape(b, c * p * q, h // p, w // q)
+
+
+def unpatchify(latents, patch_size=(2, 2)):
+    """The inverse of `patchify` (Flux2Pipeline._unpatchify_latents)."""
+    p, q = patch_size
+    b, c, h, w = latents.shape
+    x = latents.reshape(b, c // (p * q), p, q, h, w).transpose(0, 1, 4, 2, 5, 3)
+    return x.reshape(b, c // (p * q), h * p, w * q)
+
+
+class LatentBatchNorm(nn.Module):
+    """Only the running statistics of diffusers' `bn` (BatchNorm2d, affine=False); the pipeline applies them."""
+
+    def __init__(self, num_features):
+        super().__init__()
+        self.running_mean = mx.zeros((num_features,))
+        self.running_var = mx.ones((num_features,))
+
+
+class Model(vae.Model):
+    """AutoencoderKLFlux2: `decode` / `encode` as vae.Model (NCHW), plus the pipeline's latent normalisation."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.bn = LatentBatchNorm(math.prod(args.patch_size) * args.latent_channels)
+
+    def _stats(self, dtype):
+        # diffusers: mean and sqrt(var + eps) in the stats' dtype, then cast to the latents' dtype
+        mean = self.bn.running_mean.reshape(1, -1, 1, 1)
+        std = mx.sqrt(self.bn.running_var.reshape(1, -1, 1, 1) + self.args.batch_norm_eps)
+        return mean.astype(dtype), std.astype(dtype)
+
+    def normalize_latents(self, latents):
+        """Patchified VAE latents -> the transformer's latent space."""
+        latents = latents.astype(self.compute_dtype)
+        mean, std = self._stats(latents.dtype)
+        return (latents - mean) / std
+
+    def denormalize_latents(self, latents):
+        latents = latents.astype(self.compute_dtype)
+        mean, std = self._stats(latents.dtype)
+        return latents * std + mean
+
+    def patchify_and_normalize(self, latents):
+        """`encode(image)` output [B, 32, H, W] -> [B, 128, H/2, W/2] as Flux2Pipeline._encode_vae_image."""
+        return self.normalize_latents(patchify(latents, self.args.patch_size))
+
+    def denormalize_and_unpatchify(self, latents):
+        """Denoised [B, 128, h, w] -> [B, 32, 2h, 2w], ready for `decode` (the end of Flux2Pipeline.__call__)."""
+        return unpatchify(self.denormalize_latents(latents), self.args.patch_size)
+
+    def sanitize(self, weights):
+        # BatchNorm's step counter (int64) is not used by inference
+        weights = {k: v for k, v in weights.items() if not k.endswith("num_batches_tracked")}
+        return super().sanitize(weights)
+
+
+def original_keymap(num_blocks=4):
+    """BFL `ae.safetensors` names -> diffusers: the ldm names, with the quant convs inside encoder/decoder."""
+    return [
+        (r"encoder\.quant_conv\.(weight|bias)", r"quant_conv.\1"),
+        (r"decoder\.post_quant_conv\.(weight|bias)", r"post_quant_conv.\1"),
+        (r"bn\.num_batches_tracked", None),
+    ] + vae.ldm_keymap(num_blocks)
+
+
+ORIGINAL_KEYMAP = original_keymap(4)
+
+
+def config_from_original(weights: dict) -> dict:
+    """An AutoencoderKLFlux2 config read off BFL-named weight shapes (group count and bn eps: FLUX.2's)."""
+    return vae.config_from_ldm(weights, defaults=FLUX2_CONFIG)
