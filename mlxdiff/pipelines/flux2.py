@@ -144,7 +144,7 @@ class Flux2Pipeline:
                     v_neg = transformer(x.astype(self.dtype), conditioning.negative_prompt_embeds, t, img_ids,
                                         txt_ids, guidance=None)
                     v = v_neg + guidance * (v - v_neg)
-                x = schedulers.euler_step(x, v, sigmas[i], sigmas[i + 1])
+                x = schedulers.euler_step(x, v.astype(mx.float32), sigmas[i], sigmas[i + 1])  # latents stay float32
                 mx.eval(x)
                 if callback is not None:
                     callback(i, float(timesteps[i]), x)

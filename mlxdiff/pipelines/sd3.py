@@ -161,7 +161,7 @@ class SD3Pipeline:
                         v_skip = transformer(x.astype(self.dtype), cond, cond_pooled, t[:batch],
                                              skip_layers=list(skip_guidance_layers))
                         v = v + (v_cond - v_skip) * skip_layer_guidance_scale
-                x = schedulers.euler_step(x, v, sigmas[i], sigmas[i + 1])
+                x = schedulers.euler_step(x, v.astype(mx.float32), sigmas[i], sigmas[i + 1])  # latents stay float32
                 mx.eval(x)
                 if callback is not None:
                     callback(i, float(timesteps[i]), x)
