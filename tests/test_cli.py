@@ -26,8 +26,9 @@ def assert_clean_failure(proc, out_path, *needles):
     for n in needles:
         assert n in lines[0], (n, lines[0])
     assert not os.path.exists(out_path)
-    leftovers = [p for p in os.listdir(os.path.dirname(out_path) or ".") if p.startswith(".mlxdiff-")]
-    assert not leftovers
+    parent = os.path.dirname(out_path) or "."
+    if os.path.isdir(parent):
+        assert not [p for p in os.listdir(parent) if p.startswith(".mlxdiff-")]
 
 
 def test_generate_writes_png_with_metadata(sd3_tiny, tmp_path):
@@ -74,10 +75,8 @@ def test_truncated_weights(sd3_tiny, tmp_path):
 
 
 def test_misshaped_tensor(sd3_tiny, tmp_path):
-    from safetensors.numpy import load_file, save_file
     model = _copy(sd3_tiny[0], tmp_path)
     f = _transformer_file(model)
-    import torch
     from safetensors.torch import load_file as tload, save_file as tsave
     weights = tload(str(f))
     weights["proj_out.weight"] = weights["proj_out.weight"][:, :-1].contiguous()
