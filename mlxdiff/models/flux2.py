@@ -1,0 +1,509 @@
+"""FLUX.2 transformer: diffusers' Flux2Transformer2DModel (models/transformers/transformer_flux2.py) in MLX.
+
+Attribute names mirror diffusers, so a diffusers checkpoint loads as it is (sanitize changes nothing: there are no
+convolutions). Black Forest Labs' original names (the BFL / ComfyUI single files and the GGUF files made from them,
+with or without `model.diffusion_model.`) go through ORIGINAL_KEYMAP; `config_from_original` reads the config of such
+a file from its shapes (klein files come without a config).
+
+Structure: 4-axis RoPE (T, H, W, L position ids; theta 2000; adjacent pairs rotated), one modulation linear per stream
+shared by all blocks, SwiGLU feed-forwards, qk RMSNorm, no biases anywhere, text tokens first in the joint sequence.
+"""
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+
+from ..errors import MlxdiffError
+from ..loading.keymaps import compile_rules, remap, strip_prefix
+from .embeddings import TimestepEmbedding, timestep_embedding
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    # defaults: FLUX.2-dev (black-forest-labs/FLUX.2-dev transformer/config.json = diffusers' class defaults)
+    patch_size: int = 1
+    in_channels: int = 128
+    out_channels: int | None = None          # None: same as in_channels
+    num_layers: int = 8                      # double-stream blocks
+    num_single_layers: int = 48
+    attention_head_dim: int = 128
+    num_attention_heads: int = 48
+    joint_attention_dim: int = 15360
+    timestep_guidance_channels: int = 256
+    mlp_ratio: float = 3.0
+    axes_dims_rope: tuple = (32, 32, 32, 32)
+    rope_theta: int = 2000
+    eps: float = 1e-6
+    guidance_embeds: bool = True
+
+    def __post_init__(self):
+        self.axes_dims_rope = tuple(self.axes_dims_rope)
+        if sum(self.axes_dims_rope) != self.attention_head_dim or any(d % 2 for d in self.axes_dims_rope):
+            raise MlxdiffError(f"FLUX.2 transformer config: axes_dims_rope {list(self.axes_dims_rope)} must be even "
+                               f"numbers summing to attention_head_dim {self.attention_head_dim}; fix config.json")
+        if self.timestep_guidance_channels % 2:
+            raise MlxdiffError(f"FLUX.2 transformer config: timestep_guidance_channels must be even, got "
+                               f"{self.timestep_guidance_channels}")
+
+
+# -- position and time -------------------------------------------------------------------------------------------
+
+def rope_tables(ids, axes_dims, theta) -> tuple:
+    """(L, n_axes>=len(axes_dims)) position ids -> (cos, sin), each (L, sum(axes_dims)) float32.
+
+    As diffusers' Flux2PosEmbed: per axis i, frequencies 1 / theta^(2j / d_i), angles pos * freq in float64,
+    every cos/sin value repeated twice (the rotated pairs are adjacent channels), axes concatenated.
+    Computed with numpy in float64 (like diffusers) because positions reach ~512 and float32 angles would be ~3e-5 off.
+    """
+    pos = np.asarray(ids).astype(np.float32).astype(np.float64)
+    cos, sin = [], []
+    for i, dim in enumerate(axes_dims):
+        freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+        angles = np.outer(pos[:, i], freqs)
+        cos.append(np.repeat(np.cos(angles), 2, axis=1))
+        sin.append(np.repeat(np.sin(angles), 2, axis=1))
+    return (mx.array(np.concatenate(cos, axis=1).astype(np.float32)),
+            mx.array(np.concatenate(sin, axis=1).astype(np.float32)))
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, S, hd); pairs (x0, x1), (x2, x3), ... rotate: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin).
+    The arithmetic is float32 whatever x's dtype (diffusers' apply_rotary_emb), then cast back."""
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    rotated = mx.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    return (x.astype(mx.float32) * cos + rotated.astype(mx.float32) * sin).astype(x.dtype)
+
+
+def scaled_time(values, dtype) -> mx.array:
+    """diffusers' `timestep.to(hidden_states.dtype) * 1000` (the same for guidance): in bfloat16 both the cast and
+    the product round, so sigma 0.99731 embeds as t=996 and guidance 2.5 as 2496 (flux2.md section 7)."""
+    values = values if isinstance(values, mx.array) else mx.array(np.asarray(values, dtype=np.float32))
+    return values.reshape(-1).astype(dtype) * 1000
+
+
+class TimestepGuidanceEmbeddings(nn.Module):
+    """Flux2TimestepGuidanceEmbeddings: sinusoid(256) -> MLP for the timestep, plus the same for guidance (dev)."""
+
+    def __init__(self, channels: int, dim: int, guidance_embeds: bool):
+        super().__init__()
+        self.channels = channels
+        self.timestep_embedder = TimestepEmbedding(channels, dim, bias=False)
+        self.guidance_embedder = TimestepEmbedding(channels, dim, bias=False) if guidance_embeds else None
+
+    def _embed(self, embedder, t):
+        # the sinusoid is float32, then cast to the (scaled) timestep's dtype before the MLP, as diffusers
+        return embedder(timestep_embedding(t, self.channels, flip_sin_to_cos=True, downscale_freq_shift=0)
+                        .astype(t.dtype))
+
+    def __call__(self, timestep, guidance=None):
+        temb = self._embed(self.timestep_embedder, timestep)
+        if guidance is not None and self.guidance_embedder is not None:
+            temb = temb + self._embed(self.guidance_embedder, guidance)
+        return temb
+
+
+class Modulation(nn.Module):
+    """Flux2Modulation: linear(silu(temb)) -> `sets` triples (shift, scale, gate), each (B, 1, D)."""
+
+    def __init__(self, dim: int, sets: int):
+        super().__init__()
+        self.sets = sets
+        self.linear = nn.Linear(dim, 3 * sets * dim, bias=False)
+
+    def __call__(self, temb):
+        chunks = mx.split(self.linear(nn.silu(temb))[:, None], 3 * self.sets, axis=-1)
+        return [tuple(chunks[3 * i:3 * i + 3]) for i in range(self.sets)]
+
+
+# -- blocks --------------------------------------------------------------------------------------------------------
+
+def layer_norm(x, eps):
+    """LayerNorm without affine parameters (every norm outside attention in this model)."""
+    return mx.fast.layer_norm(x, None, None, eps)
+
+
+def modulate(x, shift, scale, eps):
+    return layer_norm(x, eps) * (1 + scale) + shift
+
+
+def swiglu(x):
+    """Flux2SwiGLU: the gate is the FIRST half."""
+    gate, value = mx.split(x, 2, axis=-1)
+    return nn.silu(gate) * value
+
+
+def clip_fp16(x):
+    """diffusers clips the streams to the float16 range when running in float16."""
+    return mx.clip(x, -65504, 65504) if x.dtype == mx.float16 else x
+
+
+def attention(q, k, v, cos, sin):
+    """q, k, v (B, S, H, hd), qk already normalised -> RoPE, SDPA (no mask) -> (B, S, H*hd)."""
+    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+    b, _, s, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
+
+
+class FeedForward(nn.Module):
+    """Flux2FeedForward: linear_in (D -> 2M) -> SwiGLU -> linear_out (M -> D)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
+        self.linear_out = nn.Linear(hidden, dim, bias=False)
+
+    def __call__(self, x):
+        return self.linear_out(swiglu(self.linear_in(x)))
+
+
+class Attention(nn.Module):
+    """Flux2Attention (double-stream blocks): separate q/k/v for the image and the text stream, one joint SDPA over
+    [text; image]."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
+        self.to_out = [nn.Linear(inner, dim, bias=False)]
+        self.add_q_proj = nn.Linear(dim, inner, bias=False)
+        self.add_k_proj = nn.Linear(dim, inner, bias=False)
+        self.add_v_proj = nn.Linear(dim, inner, bias=False)
+        self.norm_added_q = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_added_k = nn.RMSNorm(head_dim, eps=eps)
+        self.to_add_out = nn.Linear(inner, dim, bias=False)
+
+    def _heads(self, x):
+        return x.reshape(*x.shape[:2], self.heads, self.head_dim)
+
+    def __call__(self, x, context, cos, sin):
+        q = self.norm_q(self._heads(self.to_q(x)))
+        k = self.norm_k(self._heads(self.to_k(x)))
+        v = self._heads(self.to_v(x))
+        cq = self.norm_added_q(self._heads(self.add_q_proj(context)))
+        ck = self.norm_added_k(self._heads(self.add_k_proj(context)))
+        cv = self._heads(self.add_v_proj(context))
+        out = attention(*(mx.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v))), cos, sin)
+        n_txt = context.shape[1]
+        return self.to_out[0](out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
+
+
+class TransformerBlock(nn.Module):
+    """Flux2TransformerBlock (double stream). The modulation comes from the model's shared modulation layers."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.attn = Attention(dim, heads, head_dim, eps)
+        self.ff = FeedForward(dim, mlp_hidden)
+        self.ff_context = FeedForward(dim, mlp_hidden)
+
+    def __call__(self, x, context, mod_img, mod_txt, cos, sin):
+        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = mod_img
+        (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = mod_txt
+        eps = self.eps
+        attn_out, context_attn_out = self.attn(modulate(x, shift_msa, scale_msa, eps),
+                                               modulate(context, c_shift_msa, c_scale_msa, eps), cos, sin)
+        x = x + gate_msa * attn_out
+        x = x + gate_mlp * self.ff(modulate(x, shift_mlp, scale_mlp, eps))
+        context = context + c_gate_msa * context_attn_out
+        context = context + c_gate_mlp * self.ff_context(modulate(context, c_shift_mlp, c_scale_mlp, eps))
+        return clip_fp16(context), x
+
+
+class ParallelSelfAttention(nn.Module):
+    """Flux2ParallelSelfAttention: one projection gives q, k, v (3D) and the SwiGLU input (2M); one output projection
+    takes [attention (D); mlp (M)]."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_qkv_mlp_proj = nn.Linear(dim, 3 * inner + 2 * mlp_hidden, bias=False)
+        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
+        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
+        self.to_out = nn.Linear(inner + mlp_hidden, dim, bias=False)
+
+    def __call__(self, x, cos, sin):
+        proj = self.to_qkv_mlp_proj(x)
+        inner = self.heads * self.head_dim
+        q, k, v = (t.reshape(*x.shape[:2], self.heads, self.head_dim)
+                   for t in mx.split(proj[..., :3 * inner], 3, axis=-1))
+        out = attention(self.norm_q(q), self.norm_k(k), v, cos, sin)
+        return self.to_out(mx.concatenate([out, swiglu(proj[..., 3 * inner:])], axis=-1))
+
+
+class SingleTransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_hidden: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.attn = ParallelSelfAttention(dim, heads, head_dim, mlp_hidden, eps)
+
+    def __call__(self, h, mod, cos, sin):
+        shift, scale, gate = mod
+        return clip_fp16(h + gate * self.attn(modulate(h, shift, scale, self.eps), cos, sin))
+
+
+class AdaLayerNormContinuous(nn.Module):
+    """norm_out: linear(silu(temb)) -> (scale, shift) — scale FIRST in diffusers (BFL stores shift first)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.linear = nn.Linear(dim, 2 * dim, bias=False)
+
+    def __call__(self, x, temb):
+        scale, shift = mx.split(self.linear(nn.silu(temb))[:, None], 2, axis=-1)
+        return layer_norm(x, self.eps) * (1 + scale) + shift
+
+
+# -- the model -----------------------------------------------------------------------------------------------------
+
+class Model(nn.Module):
+    """Flux2Transformer2DModel.
+
+    __call__(hidden_states (B, N_img, C), encoder_hidden_states (B, L_txt, J), timestep (B,) = sigma in [0, 1]
+    (the pipeline's t / 1000; scaled by 1000 here, as diffusers), img_ids (B?, N_img, 4), txt_ids (B?, L_txt, 4),
+    guidance (B,) or None = the guidance scale itself, also scaled by 1000 here) -> (B, N_img, patch^2 * C_out).
+    Like diffusers, 3-D ids use batch element 0 only, and guidance is ignored by a model without guidance_embeds.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.compute_dtype = mx.float32
+        dim = args.num_attention_heads * args.attention_head_dim
+        mlp_hidden = int(dim * args.mlp_ratio)
+        out_channels = args.out_channels or args.in_channels
+        block = (dim, args.num_attention_heads, args.attention_head_dim, mlp_hidden, args.eps)
+        self.time_guidance_embed = TimestepGuidanceEmbeddings(args.timestep_guidance_channels, dim,
+                                                              args.guidance_embeds)
+        self.double_stream_modulation_img = Modulation(dim, 2)
+        self.double_stream_modulation_txt = Modulation(dim, 2)
+        self.single_stream_modulation = Modulation(dim, 1)
+        self.x_embedder = nn.Linear(args.in_channels, dim, bias=False)
+        self.context_embedder = nn.Linear(args.joint_attention_dim, dim, bias=False)
+        self.transformer_blocks = [TransformerBlock(*block) for _ in range(args.num_layers)]
+        self.single_transformer_blocks = [SingleTransformerBlock(*block) for _ in range(args.num_single_layers)]
+        self.norm_out = AdaLayerNormContinuous(dim, args.eps)
+        self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * out_channels, bias=False)
+
+    def rope(self, img_ids, txt_ids):
+        """cos, sin (L_txt + N_img, head_dim) for the joint sequence [text; image]."""
+        ids = []
+        for name, x in (("txt_ids", txt_ids), ("img_ids", img_ids)):
+            x = np.asarray(x)
+            x = x[0] if x.ndim == 3 else x
+            if x.ndim != 2 or x.shape[-1] < len(self.args.axes_dims_rope):
+                raise MlxdiffError(f"{name} must be (batch, tokens, {len(self.args.axes_dims_rope)}) position ids, "
+                                   f"got shape {np.asarray(x).shape}")
+            ids.append(x)
+        return rope_tables(np.concatenate(ids, axis=0), self.args.axes_dims_rope, self.args.rope_theta)
+
+    def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None):
+        dtype = self.compute_dtype
+        n_img, n_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
+        cos, sin = self.rope(img_ids, txt_ids)
+        if cos.shape[0] != n_txt + n_img:
+            raise MlxdiffError(f"position ids cover {cos.shape[0]} tokens but the inputs have {n_txt} text + {n_img} "
+                               "image tokens; img_ids/txt_ids must match hidden_states/encoder_hidden_states")
+
+        temb = self.time_guidance_embed(scaled_time(timestep, dtype),
+                                        None if guidance is None else scaled_time(guidance, dtype))
+        mod_img = self.double_stream_modulation_img(temb)
+        mod_txt = self.double_stream_modulation_txt(temb)
+        (mod_single,) = self.single_stream_modulation(temb)
+
+        x = self.x_embedder(hidden_states.astype(dtype))
+        context = self.context_embedder(encoder_hidden_states.astype(dtype))
+        for block in self.transformer_blocks:
+            context, x = block(x, context, mod_img, mod_txt, cos, sin)
+        h = mx.concatenate([context, x], axis=1)
+        for block in self.single_transformer_blocks:
+            h = block(h, mod_single, cos, sin)
+        return self.proj_out(self.norm_out(h[:, n_txt:], temb))
+
+    def sanitize(self, weights: dict) -> dict:
+        """diffusers names and layouts are this module's own (no convolutions): nothing to change."""
+        return dict(weights)
+
+
+# -- original (Black Forest Labs) names: flux2 reference code, ComfyUI and GGUF single files ------------------------
+
+ORIGINAL_PREFIX = "model.diffusion_model."
+_P = r"(?:model\.diffusion_model\.)?"      # accepted with or without the prefix (ComfyUI files have it)
+_DOUBLE, _TO_DOUBLE = _P + r"double_blocks\.(\d+)\.", r"transformer_blocks.\1."
+_SINGLE, _TO_SINGLE = _P + r"single_blocks\.(\d+)\.", r"single_transformer_blocks.\1."
+
+# BFL name -> diffusers name (diffusers' convert_flux2_transformer_checkpoint_to_diffusers). A tuple target splits a
+# fused qkv into q, k, v along axis 0 (rows are [q; k; v]); final_layer's modulation is stored (shift, scale) and read
+# (scale, shift). RMSNorm weights are called `scale` in BFL's code. The single blocks' fused linear1 stays fused.
+ORIGINAL_KEYMAP = [
+    (_P + r"img_in\.weight", "x_embedder.weight"),
+    (_P + r"txt_in\.weight", "context_embedder.weight"),
+    (_P + r"time_in\.in_layer\.weight", "time_guidance_embed.timestep_embedder.linear_1.weight"),
+    (_P + r"time_in\.out_layer\.weight", "time_guidance_embed.timestep_embedder.linear_2.weight"),
+    (_P + r"guidance_in\.in_layer\.weight", "time_guidance_embed.guidance_embedder.linear_1.weight"),
+    (_P + r"guidance_in\.out_layer\.weight", "time_guidance_embed.guidance_embedder.linear_2.weight"),
+    (_P + r"(double_stream_modulation_img|double_stream_modulation_txt|single_stream_modulation)\.lin\.weight",
+     r"\1.linear.weight"),
+    (_P + r"final_layer\.linear\.weight", "proj_out.weight"),
+    (_P + r"final_layer\.adaLN_modulation\.1\.weight", "norm_out.linear.weight", "swap_halves"),
+    (_DOUBLE + r"img_attn\.qkv\.weight",
+     (_TO_DOUBLE + "attn.to_q.weight", _TO_DOUBLE + "attn.to_k.weight", _TO_DOUBLE + "attn.to_v.weight")),
+    (_DOUBLE + r"txt_attn\.qkv\.weight",
+     (_TO_DOUBLE + "attn.add_q_proj.weight", _TO_DOUBLE + "attn.add_k_proj.weight",
+      _TO_DOUBLE + "attn.add_v_proj.weight")),
+    (_DOUBLE + r"img_attn\.norm\.query_norm\.scale", _TO_DOUBLE + "attn.norm_q.weight"),
+    (_DOUBLE + r"img_attn\.norm\.key_norm\.scale", _TO_DOUBLE + "attn.norm_k.weight"),
+    (_DOUBLE + r"txt_attn\.norm\.query_norm\.scale", _TO_DOUBLE + "attn.norm_added_q.weight"),
+    (_DOUBLE + r"txt_attn\.norm\.key_norm\.scale", _TO_DOUBLE + "attn.norm_added_k.weight"),
+    (_DOUBLE + r"img_attn\.proj\.weight", _TO_DOUBLE + "attn.to_out.0.weight"),
+    (_DOUBLE + r"txt_attn\.proj\.weight", _TO_DOUBLE + "attn.to_add_out.weight"),
+    (_DOUBLE + r"img_mlp\.0\.weight", _TO_DOUBLE + "ff.linear_in.weight"),
+    (_DOUBLE + r"img_mlp\.2\.weight", _TO_DOUBLE + "ff.linear_out.weight"),
+    (_DOUBLE + r"txt_mlp\.0\.weight", _TO_DOUBLE + "ff_context.linear_in.weight"),
+    (_DOUBLE + r"txt_mlp\.2\.weight", _TO_DOUBLE + "ff_context.linear_out.weight"),
+    (_SINGLE + r"linear1\.weight", _TO_SINGLE + "attn.to_qkv_mlp_proj.weight"),
+    (_SINGLE + r"linear2\.weight", _TO_SINGLE + "attn.to_out.weight"),
+    (_SINGLE + r"norm\.query_norm\.scale", _TO_SINGLE + "attn.norm_q.weight"),
+    (_SINGLE + r"norm\.key_norm\.scale", _TO_SINGLE + "attn.norm_k.weight"),
+]
+_ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
+_DOUBLE_KEY = re.compile(r"double_blocks\.(\d+)\.")
+_SINGLE_KEY = re.compile(r"single_blocks\.(\d+)\.")
+
+
+def _diffusion_model_keys(weights: dict) -> dict:
+    """With the `model.diffusion_model.` prefix present, only the keys under it (other components left out)."""
+    if any(k.startswith(ORIGINAL_PREFIX) for k in weights):
+        return strip_prefix(weights, ORIGINAL_PREFIX)
+    return weights
+
+
+def is_original(names) -> bool:
+    """Whether tensor names are BFL's (with or without the prefix), as opposed to diffusers'."""
+    return any(re.match(_P + r"(img_in\.weight$|double_blocks\.|single_blocks\.)", n) for n in names)
+
+
+def original_to_diffusers(weights: dict) -> dict:
+    """BFL names -> diffusers names (lazy; nothing is read)."""
+    weights = _diffusion_model_keys(weights)
+    if not is_original(weights):
+        raise MlxdiffError("not a FLUX.2 original checkpoint: no img_in / double_blocks.* / single_blocks.* keys")
+    return remap(weights, _ORIGINAL_RULES)
+
+
+def _shape(weights, key):
+    if key not in weights:
+        raise MlxdiffError(f"not a complete FLUX.2 original checkpoint: {key!r} is missing; re-download the file")
+    return tuple(weights[key].shape)
+
+
+def _block_count(weights, pattern, what):
+    indices = sorted({int(m.group(1)) for k in weights if (m := pattern.match(k))})
+    if indices != list(range(len(indices))):
+        raise MlxdiffError(f"FLUX.2 original checkpoint: {what} indices are not 0..n-1 ({indices[:8]}...); "
+                           "the file is incomplete")
+    return len(indices)
+
+
+# What the weights cannot say; every released FLUX.2 (dev, klein 4B/9B) has these values.
+NOT_IN_WEIGHTS = {"patch_size": 1, "rope_theta": 2000, "eps": 1e-6}
+
+
+def config_from_original(weights: dict) -> dict:
+    """The diffusers config of a BFL-named checkpoint (dev or klein), read from its key names and shapes.
+
+    Rules:
+    - D (hidden) and in_channels from img_in [D, C]; joint_attention_dim from txt_in [D, J];
+      timestep_guidance_channels from time_in.in_layer [D, T]; guidance_embeds = guidance_in.* present (dev: yes,
+      klein: no).
+    - num_layers / num_single_layers = the number of double_blocks.N / single_blocks.N indices.
+    - attention_head_dim = the length of the QK-norm scale (one weight per head channel); heads = D / head_dim.
+      (BFL's own configs give hidden_size and num_heads; the norm length is their quotient, so this is exact.)
+    - mlp hidden M = img_mlp.0 rows / 2 (SwiGLU: gate and value), or (single linear1 rows - 3D) / 2 without double
+      blocks; mlp_ratio = M / D, checked to give back M through diffusers' int(D * mlp_ratio).
+    - out_channels = final_layer.linear rows (patch_size 1; diffusers' config then says null when it equals
+      in_channels, as the released configs do).
+    - axes_dims_rope: only their sum (= head_dim) is fixed by the weights; BFL's FLUX.2 splits the head into 4 equal
+      axes (T, H, W, L) = (32, 32, 32, 32) for 128, so head_dim / 4 each.
+    - patch_size, rope_theta and eps are not in the weights either: NOT_IN_WEIGHTS (the released values).
+    """
+    weights = _diffusion_model_keys(weights)
+    if not is_original(weights):
+        raise MlxdiffError("not a FLUX.2 original checkpoint: no img_in / double_blocks.* / single_blocks.* keys")
+    dim, in_channels = _shape(weights, "img_in.weight")
+    joint_dim = _shape(weights, "txt_in.weight")[1]
+    tg_channels = _shape(weights, "time_in.in_layer.weight")[1]
+    num_layers = _block_count(weights, _DOUBLE_KEY, "double_blocks")
+    num_single = _block_count(weights, _SINGLE_KEY, "single_blocks")
+    if num_layers:
+        head_dim = _shape(weights, "double_blocks.0.img_attn.norm.query_norm.scale")[0]
+        mlp_hidden = _shape(weights, "double_blocks.0.img_mlp.0.weight")[0] // 2
+    elif num_single:
+        head_dim = _shape(weights, "single_blocks.0.norm.query_norm.scale")[0]
+        mlp_hidden = (_shape(weights, "single_blocks.0.linear1.weight")[0] - 3 * dim) // 2
+    else:
+        raise MlxdiffError("FLUX.2 original checkpoint has neither double_blocks nor single_blocks")
+    if dim % head_dim or head_dim % 8:
+        raise MlxdiffError(f"FLUX.2 original checkpoint: hidden size {dim} and QK-norm length {head_dim} do not give "
+                           "a whole number of heads with a 4-axis RoPE")
+    mlp_ratio = mlp_hidden / dim
+    if int(dim * mlp_ratio) != mlp_hidden:
+        raise MlxdiffError(f"FLUX.2 original checkpoint: mlp hidden size {mlp_hidden} is not expressible as "
+                           f"int({dim} * mlp_ratio); pass a config")
+    out_channels = _shape(weights, "final_layer.linear.weight")[0]
+    return {
+        "patch_size": NOT_IN_WEIGHTS["patch_size"],
+        "in_channels": in_channels,
+        "out_channels": None if out_channels == in_channels else out_channels,
+        "num_layers": num_layers,
+        "num_single_layers": num_single,
+        "attention_head_dim": head_dim,
+        "num_attention_heads": dim // head_dim,
+        "joint_attention_dim": joint_dim,
+        "timestep_guidance_channels": tg_channels,
+        "mlp_ratio": mlp_ratio,
+        "axes_dims_rope": [head_dim // 4] * 4,
+        "rope_theta": NOT_IN_WEIGHTS["rope_theta"],
+        "eps": NOT_IN_WEIGHTS["eps"],
+        "guidance_embeds": "guidance_in.in_layer.weight" in weights,
+    }
+
+
+def spec_from_file(path, base_config=None):
+    """A transformer given as one safetensors file: BFL names (with or without `model.diffusion_model.`; the config
+    comes from the shapes, with the RoPE split, theta and eps taken from `base_config` when there is one) or
+    diffusers names (then `base_config`, the pipeline folder's transformer config, is required)."""
+    from ..loading import sources
+    from ..loading.safetensors import check_safetensors, load_safetensors
+    this_module = sys.modules[__name__]
+    path = Path(path)
+    if not path.is_file():
+        raise MlxdiffError(f"{path}: transformer file not found")
+    names = list(check_safetensors(path))
+    prefix = ORIGINAL_PREFIX if any(n.startswith(ORIGINAL_PREFIX) for n in names) else ""
+    if is_original(names):
+        config = config_from_original(load_safetensors(path))
+        for key in ("axes_dims_rope", "rope_theta", "eps"):
+            if base_config and key in base_config:
+                config[key] = base_config[key]
+        return sources.ComponentSpec("transformer", this_module, config, [path], prefix, original_to_diffusers)
+    if base_config is None:
+        raise MlxdiffError(f"{path}: a diffusers-named FLUX.2 transformer file needs its config.json; load the "
+                           "pipeline folder and pass this file as transformer=")
+    return sources.ComponentSpec("transformer", this_module, dict(base_config), [path], prefix)
