@@ -138,7 +138,9 @@ class Flux2Pipeline:
 
         with phase("denoise"), loaded(self.components["transformer"], self.dtype, result) as transformer:
             for i in progress(range(steps), steps, "denoise", progress_bar):
-                t = mx.full((batch,), timesteps[i] / 1000, dtype=mx.float32)
+                # diffusers rounds t to the latents' dtype before dividing by 1000 (bf16 runs: about 25% of the
+                # timesteps move one bf16 step); do the same so bf16 runs match it
+                t = mx.full((batch,), timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
                 v = transformer(x.astype(self.dtype), embeds, t, img_ids, txt_ids, guidance=guidance_arr)
                 if cfg:
                     v_neg = transformer(x.astype(self.dtype), conditioning.negative_prompt_embeds, t, img_ids,
