@@ -1,0 +1,265 @@
+"""T5 encoder (transformers' `T5EncoderModel`, modeling_t5.py) in MLX: SD3's text_encoder_3, T5 v1.1 XXL.
+
+Pre-norm blocks with T5's RMSNorm (variance in float32, no mean, no bias), attention without 1/sqrt(d) scaling plus
+a bucketed relative position bias that only block 0 owns and every block reuses, and a gated-gelu feed-forward
+(gelu_new = tanh GELU). No biases anywhere. The token embedding is `shared.weight`; transformers ties
+`encoder.embed_tokens.weight` to it, so either key is accepted and only one array is ever kept.
+
+float16: transformers keeps `wo` in float32 (`_keep_in_fp32_modules`) and clamps float16 hidden states that reach
+inf; both are reproduced (see T5DenseGatedActDense and clamp_fp16), so the residual stream leaves float16 after
+block 0's feed-forward exactly as it does in transformers.
+"""
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import BaseModelArgs
+
+from ..errors import MlxdiffError
+from ..loading.keymaps import remap
+
+
+# transformers' ACT2FN names -> functions
+ACTIVATIONS = {
+    "gelu_new": nn.gelu_approx,           # 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+    "gelu_pytorch_tanh": nn.gelu_approx,
+    "gelu": nn.gelu,                      # exact erf
+    "relu": nn.relu,
+    "silu": nn.silu,
+}
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """T5Config fields (defaults: google/t5-v1_1-xxl, the SD3 text_encoder_3)."""
+    vocab_size: int = 32128
+    d_model: int = 4096
+    d_kv: int = 64
+    d_ff: int = 10240
+    num_layers: int = 24
+    num_heads: int = 64
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    feed_forward_proj: str = "gated-gelu"
+    # Derived from feed_forward_proj as T5Config does, unless config.json states them (then those win, as there)
+    dense_act_fn: str | None = None
+    is_gated_act: bool | None = None
+
+    def __post_init__(self):
+        parts = self.feed_forward_proj.split("-")
+        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
+            raise MlxdiffError(f"T5 config: feed_forward_proj {self.feed_forward_proj!r} is not 'ACT' or "
+                               "'gated-ACT'")
+        if self.dense_act_fn is None:
+            self.dense_act_fn = "gelu_new" if self.feed_forward_proj == "gated-gelu" else parts[-1]
+        if self.is_gated_act is None:
+            self.is_gated_act = parts[0] == "gated"
+        if self.dense_act_fn not in ACTIVATIONS:
+            raise MlxdiffError(f"T5 config: activation {self.dense_act_fn!r} is not supported; "
+                               f"supported: {', '.join(sorted(ACTIVATIONS))}")
+
+
+# Keys a T5 file may carry that the encoder does not use. transformers' T5EncoderModel ignores `decoder.*`
+# (_keys_to_ignore_on_load_unexpected); lm_head belongs to the full seq2seq model.
+ORIGINAL_KEYMAP = [
+    (r"decoder\..*", None),
+    (r"lm_head\.weight", None),
+]
+
+
+def clamp_fp16(x):
+    """transformers' fp16 guard in T5Block: if any value is inf, clamp everything to +-(max - 1000)."""
+    if x.dtype != mx.float16:
+        return x
+    limit = float(np.finfo(np.float16).max)
+    bound = mx.where(mx.isinf(x).any(), limit - 1000, limit).astype(mx.float16)
+    return mx.clip(x, -bound, bound)
+
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x, dtype):
+        x32 = x.astype(mx.float32)
+        normed = x32 * mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight * normed.astype(dtype)
+
+
+def relative_position_buckets(query_length: int, key_length: int, num_buckets: int, max_distance: int) -> np.ndarray:
+    """(q, k) int32 buckets of key_pos - query_pos, bidirectional, exactly as T5Attention._relative_position_bucket:
+    half the buckets per sign, exact below num_buckets/4, then log-spaced up to max_distance (float32 log, truncated)."""
+    relative = np.arange(key_length)[None, :] - np.arange(query_length)[:, None]
+    half = num_buckets // 2
+    buckets = (relative > 0).astype(np.int64) * half
+    distance = np.abs(relative)
+    max_exact = half // 2
+    # distance 0 takes the exact branch; 1 in its place only keeps log() finite
+    scaled = (np.log(np.maximum(distance, 1).astype(np.float32) / np.float32(max_exact))
+              / np.float32(math.log(max_distance / max_exact)) * np.float32(half - max_exact))
+    large = np.minimum(max_exact + scaled.astype(np.int64), half - 1)
+    return (buckets + np.where(distance < max_exact, distance, large)).astype(np.int32)
+
+
+class T5Attention(nn.Module):
+    def __init__(self, args: ModelArgs, has_relative_attention_bias: bool):
+        super().__init__()
+        inner = args.num_heads * args.d_kv
+        self.num_heads = args.num_heads
+        self.num_buckets = args.relative_attention_num_buckets
+        self.max_distance = args.relative_attention_max_distance
+        self.q = nn.Linear(args.d_model, inner, bias=False)
+        self.k = nn.Linear(args.d_model, inner, bias=False)
+        self.v = nn.Linear(args.d_model, inner, bias=False)
+        self.o = nn.Linear(inner, args.d_model, bias=False)
+        if has_relative_attention_bias:
+            self.relative_attention_bias = nn.Embedding(self.num_buckets, self.num_heads)
+
+    def position_bias(self, length: int, dtype):
+        buckets = relative_position_buckets(length, length, self.num_buckets, self.max_distance)
+        values = self.relative_attention_bias(mx.array(buckets))  # (q, k, heads)
+        return values.transpose(2, 0, 1)[None].astype(dtype)
+
+    def __call__(self, x, position_bias):
+        b, n, _ = x.shape
+        heads = lambda t: t.reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
+        q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
+        # T5 folds the scale into its weights: no 1/sqrt(d). The bias is added to the scores; no padding mask
+        # (the SD3 pipeline passes none).
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=position_bias)
+        return self.o(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class T5LayerSelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs, has_relative_attention_bias: bool):
+        super().__init__()
+        self.SelfAttention = T5Attention(args, has_relative_attention_bias)
+        self.layer_norm = T5LayerNorm(args.d_model, args.layer_norm_epsilon)
+
+    def __call__(self, x, position_bias, dtype):
+        return x + self.SelfAttention(self.layer_norm(x, dtype), position_bias)
+
+
+def _wo_input(h):
+    # transformers keeps wo in float32 when the model runs in float16 (the XXL feed-forward output overflows
+    # float16), so its input is upcast and the block's output, and from then on the residual stream, is float32
+    return h.astype(mx.float32) if h.dtype == mx.float16 else h
+
+
+class T5DenseGatedActDense(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.wi_0 = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.wi_1 = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
+        self.act = ACTIVATIONS[args.dense_act_fn]
+
+    def __call__(self, x):
+        return self.wo(_wo_input(self.act(self.wi_0(x)) * self.wi_1(x)))
+
+
+class T5DenseActDense(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.wi = nn.Linear(args.d_model, args.d_ff, bias=False)
+        self.wo = nn.Linear(args.d_ff, args.d_model, bias=False)
+        self.act = ACTIVATIONS[args.dense_act_fn]
+
+    def __call__(self, x):
+        return self.wo(_wo_input(self.act(self.wi(x))))
+
+
+class T5LayerFF(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.DenseReluDense = T5DenseGatedActDense(args) if args.is_gated_act else T5DenseActDense(args)
+        self.layer_norm = T5LayerNorm(args.d_model, args.layer_norm_epsilon)
+
+    def __call__(self, x, dtype):
+        return x + self.DenseReluDense(self.layer_norm(x, dtype))
+
+
+class T5Block(nn.Module):
+    def __init__(self, args: ModelArgs, has_relative_attention_bias: bool):
+        super().__init__()
+        self.layer = [T5LayerSelfAttention(args, has_relative_attention_bias), T5LayerFF(args)]
+
+    def __call__(self, x, position_bias, dtype):
+        x = clamp_fp16(self.layer[0](x, position_bias, dtype))
+        return clamp_fp16(self.layer[1](x, dtype))
+
+
+class T5Stack(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.block = [T5Block(args, has_relative_attention_bias=(i == 0)) for i in range(args.num_layers)]
+        self.final_layer_norm = T5LayerNorm(args.d_model, args.layer_norm_epsilon)
+
+
+class Model(nn.Module):
+    """T5EncoderModel. `model(input_ids)` -> last_hidden_state (B, T, d_model), after the final RMSNorm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.compute_dtype = mx.float32
+        self.shared = nn.Embedding(args.vocab_size, args.d_model)
+        self.encoder = T5Stack(args)
+
+    def __call__(self, input_ids):
+        input_ids = mx.array(input_ids)
+        if input_ids.ndim == 1:
+            input_ids = input_ids[None]
+        dtype = self.compute_dtype
+        x = self.shared(input_ids).astype(dtype)
+        # block 0 computes the bias; every block reuses it
+        bias = self.encoder.block[0].layer[0].SelfAttention.position_bias(input_ids.shape[-1], dtype)
+        for block in self.encoder.block:
+            x = block(x, bias, dtype)
+        return self.encoder.final_layer_norm(x, dtype)
+
+    def sanitize(self, weights: dict) -> dict:
+        weights = remap(weights, ORIGINAL_KEYMAP)
+        # encoder.embed_tokens is tied to shared: keep one (lazy arrays, so the other is never read)
+        tied = weights.pop("encoder.embed_tokens.weight", None)
+        if tied is not None:
+            weights.setdefault("shared.weight", tied)
+        return weights
+
+
+def config_from_weights(weights: dict) -> dict:
+    """The T5Config of an original single file (`t5xxl_fp16.safetensors`: `shared.weight`, `encoder.block.N...`).
+
+    diffusers does not infer this: `create_diffusers_t5_model_from_checkpoint` loads the text_encoder_3 config of the
+    detected SD3 repo (google/t5-v1_1-xxl's: gated-gelu, 32 buckets, max distance 128, eps 1e-6). Here every size
+    comes from the tensor shapes (vocab and d_model from the embedding, heads and buckets from the relative bias,
+    d_kv = q rows / heads, d_ff from wi_0, layers counted); the rest are those T5 v1.1 values.
+    """
+    def shape(key):
+        if key not in weights:
+            raise MlxdiffError(f"T5 weights: key {key!r} is missing; this is not a T5 encoder file "
+                               "(expected shared.weight and encoder.block.N.* names)")
+        return tuple(weights[key].shape)
+
+    embed = "shared.weight" if "shared.weight" in weights else "encoder.embed_tokens.weight"
+    vocab, d_model = shape(embed)
+    found = {int(m.group(1)) for k in weights
+             if (m := re.fullmatch(r"encoder\.block\.(\d+)\.layer\.0\.SelfAttention\.q\.weight", k))}
+    if not found or found != set(range(len(found))):
+        raise MlxdiffError(f"T5 weights: encoder block indices {sorted(found)} are not 0..N-1; the file is "
+                           "incomplete or not a T5 encoder")
+    buckets, heads = shape("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+    inner = shape("encoder.block.0.layer.0.SelfAttention.q.weight")[0]
+    gated = "encoder.block.0.layer.1.DenseReluDense.wi_0.weight" in weights
+    d_ff = shape("encoder.block.0.layer.1.DenseReluDense." + ("wi_0" if gated else "wi") + ".weight")[0]
+    return dict(vocab_size=vocab, d_model=d_model, d_kv=inner // heads, d_ff=d_ff, num_layers=len(found),
+                num_heads=heads, relative_attention_num_buckets=buckets, relative_attention_max_distance=128,
+                layer_norm_epsilon=1e-6, feed_forward_proj="gated-gelu" if gated else "relu")
