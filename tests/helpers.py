@@ -17,7 +17,7 @@ def max_rel_err(ours, ref) -> float:
 
 
 def randomize_(module, seed=0, scale=0.2):
-    """Fill every parameter and float buffer of a torch module with seeded noise, so that zero-initialised
+    """Fill every parameter (not buffers) of a torch module with seeded noise, so that zero-initialised
     gates and identity norms cannot hide a wrong mapping."""
     import torch
     g = torch.Generator().manual_seed(seed)

@@ -98,7 +98,8 @@ def test_bf16_stays_finite_and_close(sd3_tiny):
     bf16 = mlxdiff.load(str(folder), dtype="bfloat16").generate("a cat", width=W, height=H, steps=3, guidance=4.0,
                                                                 latents=noise, progress_bar=False)
     assert np.isfinite(bf16.latents).all()
-    # measured on this tiny model: a few percent of the latent scale (bf16 has an 8-bit mantissa)
-    assert max_rel_err(bf16.latents, f32.latents) < 0.05
+    # measured on this tiny model (2026-11-30, CPU): latents 6.0e-3 relative, pixels at most 1/255 apart.
+    # The bounds leave room for other BLAS/backends, not for a broken bf16 path (which gives O(1) errors).
+    assert max_rel_err(bf16.latents, f32.latents) < 2e-2
     diff = np.abs(np.asarray(bf16.image, np.int16) - np.asarray(f32.image, np.int16)).max()
-    assert diff <= 16
+    assert diff <= 4

@@ -1,0 +1,289 @@
+"""GGUF test material: valid random blocks for every supported type, small reference-style encoders for the
+K-quants (gguf-py cannot quantize them), a writer, and a walker that finds header fields to corrupt.
+
+`python tests/gguf_helpers.py` prints the measurements quoted in mlxdiff/loading/gguf.py (choices for Q3_K, Q6_K
+and Q2_K, and the error of 16-bit scales).
+"""
+
+import struct
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import quants as gq
+
+T = GGMLQuantizationType
+# float16 fields (byte offsets in the block) that must hold sane finite values
+F16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,), T.Q2_K: (80, 82),
+              T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+QUANTIZABLE = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0)   # gguf-py can quantize these
+
+
+def random_blocks(qtype, rows, row_len, rng, scale=0.01):
+    """[rows, bytes] uint8: random bytes with random finite float16 scales (every code value occurs)."""
+    block, nbytes = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, row_len // block, nbytes), dtype=np.uint8)
+    for off in F16_FIELDS[qtype]:
+        d = (rng.standard_normal((rows, row_len // block)) * scale).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(rows, row_len // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(path, tensors, metadata=None, alignment=None):
+    """tensors: {name: (qtype, array)}; arrays are float data for F32/F16 or raw uint8 [..., bytes] blocks."""
+    w = GGUFWriter(str(path), "test")
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, list):
+            w.add_array(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, (qtype, arr) in tensors.items():
+        if qtype in (T.F32, T.F16):
+            w.add_tensor(name, arr)
+        else:
+            w.add_tensor(name, arr, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def header_fields(data: bytes) -> dict:
+    """Byte positions of the header fields of a VALID little-endian GGUF (for writing corrupt variants).
+
+    Returns {"tensor_count": 8, "kv_count": 16, "kvs": [{key, key_len, type, value, [item_type, length]}],
+    "tensors": [{name, name_len, n_dims, dims: [...], type, offset}], "data_start": int}.
+    """
+    pos = 24
+    (n_tensors, n_kv) = struct.unpack_from("<QQ", data, 8)
+
+    def skip_value(pos, vtype):
+        sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+        if vtype in sizes:
+            return pos + sizes[vtype]
+        if vtype == 8:
+            return pos + 8 + struct.unpack_from("<Q", data, pos)[0]
+        itype, n = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        for _ in range(n):
+            pos = skip_value(pos, itype)
+        return pos
+
+    kvs = []
+    for _ in range(n_kv):
+        entry = {"key_len": pos}
+        klen = struct.unpack_from("<Q", data, pos)[0]
+        entry["key"] = data[pos + 8:pos + 8 + klen].decode()
+        pos += 8 + klen
+        entry["type"] = pos
+        vtype = struct.unpack_from("<I", data, pos)[0]
+        pos += 4
+        entry["value"] = pos
+        if vtype == 9:
+            entry["item_type"], entry["length"] = pos, pos + 4
+        pos = skip_value(pos, vtype)
+        kvs.append(entry)
+    tensors = []
+    for _ in range(n_tensors):
+        entry = {"name_len": pos}
+        nlen = struct.unpack_from("<Q", data, pos)[0]
+        entry["name"] = data[pos + 8:pos + 8 + nlen].decode()
+        pos += 8 + nlen
+        entry["n_dims"] = pos
+        n_dims = struct.unpack_from("<I", data, pos)[0]
+        pos += 4
+        entry["dims"] = [pos + 8 * i for i in range(n_dims)]
+        pos += 8 * n_dims
+        entry["type"], entry["offset"] = pos, pos + 4
+        pos += 12
+        tensors.append(entry)
+    return {"tensor_count": 8, "kv_count": 16, "kvs": kvs, "tensors": tensors, "header_end": pos}
+
+
+def patched(data: bytes, pos: int, fmt: str, value) -> bytes:
+    out = bytearray(data)
+    struct.pack_into("<" + fmt, out, pos, value)
+    return bytes(out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Reference-style K-quant encoders (simplified llama.cpp: signed max-abs scales for symmetric types, min/max for
+# the affine ones), only for measurements on realistic weights.
+
+
+def _round(x):
+    return np.floor(x + 0.5)
+
+
+def _f16_bytes(x):
+    return x.astype(np.float16).view(np.uint8).reshape(x.shape[0], 2)
+
+
+def _signed_absmax(x, axis=-1):
+    idx = np.abs(x).argmax(axis=axis)
+    return np.take_along_axis(x, np.expand_dims(idx, axis), axis=axis).squeeze(axis)
+
+
+def encode_q6_k(w):
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    nb = x.shape[0]
+    sub = _signed_absmax(x) / -32                                    # per sub-block signed scale
+    big = _signed_absmax(sub)
+    d = np.where(big == 0, 0, big / -128).astype(np.float16).astype(np.float32)
+    sc = np.clip(_round(np.divide(sub, d[:, None], out=np.zeros_like(sub), where=d[:, None] != 0)), -128, 127)
+    step = d[:, None] * sc
+    q = np.clip(_round(np.divide(x, step[..., None], out=np.zeros_like(x), where=step[..., None] != 0)), -32, 31)
+    q = (q + 32).astype(np.uint8).reshape(nb, 2, 128)
+    ql = (q[:, :, :64] & 15) | ((q[:, :, 64:] & 15) << 4)
+    hi = (q >> 4).reshape(nb, 2, 4, 32)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    return np.concatenate([ql.reshape(nb, 128), qh.reshape(nb, 64), sc.astype(np.int8).view(np.uint8),
+                           _f16_bytes(d)], axis=1)
+
+
+def encode_q3_k(w):
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    nb = x.shape[0]
+    sub = _signed_absmax(x) / -4
+    big = _signed_absmax(sub)
+    d = np.where(big == 0, 0, big / -32).astype(np.float16).astype(np.float32)
+    sc = np.clip(_round(np.divide(sub, d[:, None], out=np.zeros_like(sub), where=d[:, None] != 0)), -32, 31)
+    step = d[:, None] * sc
+    q = np.clip(_round(np.divide(x, step[..., None], out=np.zeros_like(x), where=step[..., None] != 0)), -4, 3)
+    q = (q + 4).astype(np.uint8).reshape(nb, 256)
+    low = (q & 3).reshape(nb, 2, 4, 32)
+    qs = low[:, :, 0] | (low[:, :, 1] << 2) | (low[:, :, 2] << 4) | (low[:, :, 3] << 6)
+    hb = (q >> 2).reshape(nb, 8, 32)
+    hmask = np.zeros((nb, 32), np.uint8)
+    for b in range(8):
+        hmask |= hb[:, b] << b
+    s6 = (sc + 32).astype(np.uint8)
+    scales = np.zeros((nb, 12), np.uint8)
+    scales[:, :8] = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
+    for s in range(4):
+        scales[:, 8:] |= ((s6[:, 4 * s:4 * s + 4] >> 4) & 3) << (2 * s)
+    return np.concatenate([hmask, qs.reshape(nb, 64), scales, _f16_bytes(d)], axis=1)
+
+
+def encode_q2_k(w):
+    x = w.reshape(-1, 16, 16).astype(np.float32)
+    nb = x.shape[0]
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    scale, mins = (hi - lo) / 3, -lo
+    d = (scale.max(-1) / 15).astype(np.float16).astype(np.float32)
+    dmin = (mins.max(-1) / 15).astype(np.float16).astype(np.float32)
+    sc = np.clip(_round(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] != 0)), 0, 15)
+    mq = np.clip(_round(np.divide(mins, dmin[:, None], out=np.zeros_like(mins), where=dmin[:, None] != 0)), 0, 15)
+    step, off = d[:, None] * sc, dmin[:, None] * mq
+    q = np.clip(_round(np.divide(x + off[..., None], step[..., None], out=np.zeros_like(x),
+                                 where=step[..., None] != 0)), 0, 3).astype(np.uint8).reshape(nb, 2, 4, 32)
+    qs = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    scales = (sc.astype(np.uint8) | (mq.astype(np.uint8) << 4))
+    return np.concatenate([scales, qs.reshape(nb, 64), _f16_bytes(d), _f16_bytes(dmin)], axis=1)
+
+
+def encode_q4_k(w, high_bits=False):
+    """Q4_K (or Q5_K with high_bits=True): min/max affine per 32, 6-bit scale and min codes."""
+    levels = 31 if high_bits else 15
+    x = w.reshape(-1, 8, 32).astype(np.float32)
+    nb = x.shape[0]
+    lo, hi = np.minimum(x.min(-1), 0), x.max(-1)
+    scale, mins = (hi - lo) / levels, -lo
+    d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
+    dmin = (mins.max(-1) / 63).astype(np.float16).astype(np.float32)
+    sc = np.clip(_round(np.divide(scale, d[:, None], out=np.zeros_like(scale), where=d[:, None] != 0)), 0, 63)
+    mq = np.clip(_round(np.divide(mins, dmin[:, None], out=np.zeros_like(mins), where=dmin[:, None] != 0)), 0, 63)
+    step, off = d[:, None] * sc, dmin[:, None] * mq
+    q = np.clip(_round(np.divide(x + off[..., None], step[..., None], out=np.zeros_like(x),
+                                 where=step[..., None] != 0)), 0, levels).astype(np.uint8)
+    sc, mq = sc.astype(np.uint8), mq.astype(np.uint8)
+    scales = np.zeros((nb, 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = mq[:, :4] | ((mq[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 15) | ((mq[:, 4:] & 15) << 4)
+    low = (q & 15).reshape(nb, 4, 2, 32)
+    qs = (low[:, :, 0] | (low[:, :, 1] << 4)).reshape(nb, 128)
+    parts = [_f16_bytes(d), _f16_bytes(dmin), scales]
+    if high_bits:
+        qh = np.zeros((nb, 32), np.uint8)
+        for j in range(8):
+            qh |= (q[:, j] >> 4) << j
+        parts.append(qh)
+    return np.concatenate(parts + [qs], axis=1)
+
+
+ENCODERS = {T.Q2_K: encode_q2_k, T.Q3_K: encode_q3_k, T.Q4_K: encode_q4_k,
+            T.Q5_K: lambda w: encode_q4_k(w, high_bits=True), T.Q6_K: encode_q6_k}
+
+
+def encode(w, qtype):
+    """float [rows, K] -> raw GGUF bytes [rows, row bytes]."""
+    rows = w.shape[0]
+    if qtype in ENCODERS:
+        return ENCODERS[qtype](w).reshape(rows, -1)
+    return gq.quantize(w.astype(np.float32), qtype)
+
+
+def realistic_weights(rows, cols, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((rows, cols)) * np.exp(rng.normal(0, 0.5, (rows, 1))) * 0.02).astype(np.float32)
+
+
+def measure(rows=512, cols=4096):
+    """Print the numbers behind the type choices in mlxdiff/loading/gguf.py.
+
+    own: rms(file's weights - original) / rms(original); +x: rms(ours - file's weights) / rms(original);
+    worse: how much larger rms(ours - original) is than the file's own error. 16-bit scales: max |error| / max |w|
+    of the stored form (scales and biases rounded to float16 / bfloat16, then evaluated in float32).
+    """
+    import tempfile
+    from pathlib import Path
+
+    import mlxdiff  # noqa: F401
+    import mlx.core as mx
+    from mlxdiff.loading.gguf import load_gguf
+
+    w = realistic_weights(rows, cols).astype(np.float64)
+    rms_w = float(np.sqrt((w ** 2).mean()))
+
+    def rms(a, b):
+        return float(np.sqrt(((np.asarray(a, np.float64) - b) ** 2).mean())) / rms_w
+
+    def describe(deq, ref, own):
+        return f"+{rms(deq, ref):.1e} (worse {100 * (rms(deq, w) / own - 1):.0f}%)"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for qtype in (T.Q3_K, T.Q6_K, T.Q2_K, T.Q4_K, T.Q5_K, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0):
+            raw = encode(w, qtype)
+            ref = gq.dequantize(raw, qtype).astype(np.float64)
+            own = rms(ref, w)
+            path = write_gguf(Path(tmp) / f"{qtype.name}.gguf", {"w.weight": (qtype, raw)})
+            block, nbytes = GGML_QUANT_SIZES[qtype]
+            ours = load_gguf(path, mx.float32)["w.weight"]
+            line = (f"{qtype.name} ({8 * nbytes / block:.2f} bpw) own {own:.2e} | ours {ours.bits}b "
+                    f"g{ours.group_size} ({ours.bits + 64 / ours.group_size:.2f} bpw) "
+                    f"{describe(ours.dequantize(), ref, own)}")
+            if qtype in (T.Q3_K, T.Q6_K, T.Q2_K):
+                for bits, group in ((6, 32), (4, 32), (4, 64), (3, 32)):
+                    rq = mx.dequantize(*mx.quantize(mx.array(ref.astype(np.float32)), group_size=group, bits=bits),
+                                       group_size=group, bits=bits)
+                    line += f" | {bits}b g{group} ({bits + 64 / group:.2f}) {describe(rq, ref, own)}"
+            errs = []
+            for dt in (mx.float16, mx.bfloat16):
+                q16 = load_gguf(path, dt)["w.weight"]
+                stored = mx.dequantize(q16.weight, q16.scales.astype(mx.float32), q16.biases.astype(mx.float32),
+                                       group_size=q16.group_size, bits=q16.bits)
+                errs.append(float(np.abs(np.array(stored, np.float64) - np.array(ours.dequantize(), np.float64)).max()
+                                  / np.abs(ref).max()))
+            print(line + f" | scales f16 {errs[0]:.1e}, bf16 {errs[1]:.1e}")
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    measure()

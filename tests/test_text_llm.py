@@ -1,0 +1,315 @@
+"""FLUX.2 text encoders (mlxdiff.models.text_llm) against transformers and diffusers' own prompt helpers.
+
+Tiny Mistral3ForConditionalGeneration (text + Pixtral vision tower) and Qwen3ForCausalLM models are randomized,
+saved with save_pretrained and loaded through our loader; every dimension differs from the others. diffusers'
+`Flux2Pipeline._get_mistral_3_small_prompt_embeds` / `Flux2KleinPipeline._get_qwen3_prompt_embeds` run the torch
+model with a stand-in tokenizer (byte-level BPE + the family's special tokens + a chat template in the family's format),
+and a forward pre-hook records the input_ids / attention_mask they pass, so our tokenization is checked against theirs.
+"""
+
+import json
+import os
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from mlxdiff import backend  # noqa: F401  (before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxdiff.errors import MlxdiffError
+from mlxdiff.loading.quantize import materialize
+from mlxdiff.models import text_llm
+from tests.helpers import max_rel_err, randomize_
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CORPUS = ["a red fox sitting in the snow at dawn, soft light", "a photo of a cat on a wooden table",
+          "You are an AI that reasons about image descriptions.", "object relationships, attribution and actions",
+          "a watercolor painting of a lighthouse by the sea", "the quick brown fox jumps over the lazy dog"]
+PROMPTS = ["a red fox [IMG]in the snow",
+           "a watercolor painting of a lighthouse by the sea at dawn with a cat on a wooden table " * 3]
+
+MISTRAL_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
+    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{%- if system_message is defined %}{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST]' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for block in message['content'] %}{%- if block['type'] == 'text' %}{{- block['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}{{- '[/INST]' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}{%- endif %}"
+    "{%- endfor %}")
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+# (text_config, vision_config, taps, max_sequence_length); B: a sliding window shorter than the sequence, and a tap on
+# the last layer (transformers' last hidden state is the final-normed one)
+MISTRAL_CASES = {
+    "A": (dict(hidden_size=48, intermediate_size=80, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=20, vocab_size=333, rope_theta=1e6, sliding_window=None),
+          dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+               image_size=28, patch_size=14), (1, 3, 4), 150),
+    "B": (dict(hidden_size=56, intermediate_size=72, num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=24, vocab_size=347, rope_theta=1e9, sliding_window=9, rms_norm_eps=1e-6),
+          dict(hidden_size=24, intermediate_size=36, num_hidden_layers=2, num_attention_heads=3, head_dim=8,
+               image_size=42, patch_size=14), (2, 4, 5), 168),
+}
+QWEN3_CASES = {
+    "A": (dict(hidden_size=40, intermediate_size=72, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=12, vocab_size=321, rope_theta=1e6), (1, 3, 4), 60),
+    "B": (dict(hidden_size=36, intermediate_size=52, num_hidden_layers=6, num_attention_heads=3, num_key_value_heads=1,
+               head_dim=16, vocab_size=339, rope_theta=1e4, use_sliding_window=True, sliding_window=10,
+               max_window_layers=3, rms_norm_eps=1e-5), (2, 5, 6), 72),
+}
+
+
+def build_tokenizer(folder, specials, template, padding_side, pad, bos=None, eos=None, add_bos=False):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if add_bos:  # like Mistral's tokenizer.json: add_special_tokens prepends <s>, so a doubled BOS would show
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
+                                              padding_side=padding_side, chat_template=template)
+    hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def mistral_tokenizer(tmp_path_factory):
+    # LlamaTokenizer (Mistral's class in transformers) pads on the left
+    folder = build_tokenizer(tmp_path_factory.mktemp("mistral_tok"),
+                             ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                              "<pad>", "[IMG]"], MISTRAL_TEMPLATE, "left", "<pad>", "<s>", "</s>", add_bos=True)
+    return text_llm.load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    # Qwen2Tokenizer pads on the right with <|endoftext|>
+    folder = build_tokenizer(tmp_path_factory.mktemp("qwen3_tok"),
+                             ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+                             QWEN3_TEMPLATE, "right", "<|endoftext|>", eos="<|im_end|>")
+    return text_llm.load_tokenizer(folder)
+
+
+def save_mistral3(folder, text, vision, seed):
+    config = transformers.Mistral3Config(text_config=dict(model_type="mistral", max_position_embeddings=128, **text),
+                                         vision_config=dict(model_type="pixtral", **vision))
+    model = randomize_(transformers.Mistral3ForConditionalGeneration(config).eval(), seed)
+    model.save_pretrained(folder)
+    return model
+
+
+def save_qwen3(folder, text, seed):
+    config = transformers.Qwen3Config(max_position_embeddings=128, **text)
+    model = randomize_(transformers.Qwen3ForCausalLM(config).eval(), seed)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(MISTRAL_CASES))
+def mistral_case(request, tmp_path_factory):
+    text, vision, taps, length = MISTRAL_CASES[request.param]
+    folder = tmp_path_factory.mktemp(f"mistral3_{request.param}")
+    return save_mistral3(folder, text, vision, seed=ord(request.param)), folder, taps, length
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN3_CASES))
+def qwen3_case(request, tmp_path_factory):
+    text, taps, length = QWEN3_CASES[request.param]
+    folder = tmp_path_factory.mktemp(f"qwen3_{request.param}")
+    return save_qwen3(folder, text, seed=10 + ord(request.param)), folder, taps, length
+
+
+def run_diffusers_helper(helper, torch_model, **kwargs):
+    """diffusers' prompt_embeds, and the input_ids / attention_mask it fed the text encoder."""
+    fed = {}
+    hook = torch_model.register_forward_pre_hook(lambda module, args, kw: fed.update(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            embeds = helper(text_encoder=torch_model, dtype=torch.float32, device=torch.device("cpu"), **kwargs)
+    finally:
+        hook.remove()
+    return embeds.numpy(), fed["input_ids"].numpy(), fed["attention_mask"].numpy()
+
+
+def test_system_message_is_diffusers():
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    assert text_llm.SYSTEM_MESSAGE == SYSTEM_MESSAGE
+
+
+def test_dev_matches_diffusers(mistral_case, mistral_tokenizer):
+    from diffusers import Flux2Pipeline
+    torch_model, folder, taps, length = mistral_case
+    ref, ref_ids, ref_mask = run_diffusers_helper(
+        Flux2Pipeline._get_mistral_3_small_prompt_embeds, torch_model, tokenizer=mistral_tokenizer,
+        prompt=PROMPTS, max_sequence_length=length, hidden_states_layers=taps)
+
+    ids, mask = text_llm.tokenize_dev(mistral_tokenizer, PROMPTS, length)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(mask, ref_mask)
+    assert mask[0, 0] == 0 and mask[0, -1] == 1 and mask[1].all()   # left-padded short prompt, truncated long one
+    assert ids[0, -1] == mistral_tokenizer.convert_tokens_to_ids("[/INST]")
+    assert mistral_tokenizer.convert_tokens_to_ids("[IMG]") not in ids[0]
+    assert (ids[:, :1] == mistral_tokenizer.bos_token_id).sum() == 1 and (ids == mistral_tokenizer.bos_token_id).sum() == 2
+
+    encoder = text_llm.load_text_encoder(folder, taps)
+    assert len(encoder.layers) == max(taps)
+    ours = encoder(ids, mask)
+    assert ours.shape == (2, length, 3 * torch_model.config.text_config.hidden_size)
+    err = max_rel_err(np.array(ours), ref)
+    print(f"dev {taps}: max_rel_err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_klein_matches_diffusers(qwen3_case, qwen3_tokenizer):
+    from diffusers import Flux2KleinPipeline
+    torch_model, folder, taps, length = qwen3_case
+    ref, ref_ids, ref_mask = run_diffusers_helper(
+        Flux2KleinPipeline._get_qwen3_prompt_embeds, torch_model, tokenizer=qwen3_tokenizer,
+        prompt=PROMPTS, max_sequence_length=length, hidden_states_layers=taps)
+
+    ids, mask = text_llm.tokenize_klein(qwen3_tokenizer, PROMPTS, length)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_array_equal(mask, ref_mask)
+    assert mask[0, 0] == 1 and mask[0, -1] == 0 and mask[1].all()   # right-padded short prompt, truncated long one
+    think = qwen3_tokenizer.convert_tokens_to_ids("</think>")
+    assert think in ids[0]                                          # enable_thinking=False's empty think block
+
+    encoder = text_llm.load_text_encoder(folder, taps)
+    ours = encoder(ids, mask)
+    assert ours.shape == (2, length, 3 * torch_model.config.hidden_size)
+    err = max_rel_err(np.array(ours), ref)
+    print(f"klein {taps}: max_rel_err {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_layers_below_the_deepest_tap_are_all_that_is_read(tmp_path):
+    """Put what the taps need in shard 1 and the rest (deeper layers, final norm, lm_head) in shard 2, build the
+    encoder, then cut shard 2's data off the file: evaluating any of its tensors now fails (checked), yet the encoder
+    materializes and matches transformers."""
+    from safetensors.numpy import load_file, save_file
+    text, taps = QWEN3_CASES["A"][0], (1, 2, 3)
+    torch_model = save_qwen3(tmp_path / "hf", text, seed=5)
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    needed = {k for k in tensors if k.startswith("model.embed_tokens.")
+              or (k.startswith("model.layers.") and int(k.split(".")[2]) < max(taps))}
+    assert len(needed) < len(tensors) and any(k.startswith("model.layers.4.") for k in tensors)
+    split = tmp_path / "split"
+    split.mkdir()
+    shards = {"model-00001-of-00002.safetensors": sorted(needed),
+              "model-00002-of-00002.safetensors": sorted(set(tensors) - needed)}
+    for name, keys in shards.items():
+        save_file({k: tensors[k] for k in keys}, split / name)
+    (split / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: name for name, keys in shards.items() for k in keys}}))
+    shutil.copy(tmp_path / "hf" / "config.json", split / "config.json")
+    deep = split / "model-00002-of-00002.safetensors"
+    shard1 = split / "model-00001-of-00002.safetensors"
+    with open(shard1, "rb") as f:
+        shard1_data = os.path.getsize(shard1) - 8 - struct.unpack("<Q", f.read(8))[0]
+    assert text_llm.tapped_nbytes(split, taps) == shard1_data
+
+    encoder = text_llm.load_text_encoder(split, taps)
+    witness = mx.load(str(deep))["model.layers.4.mlp.up_proj.weight"]   # mapped now, read on evaluation
+    with open(deep, "rb") as f:
+        header = struct.unpack("<Q", f.read(8))[0]
+    os.truncate(deep, 8 + header)
+    with pytest.raises((RuntimeError, ValueError)):
+        mx.eval(witness)
+
+    materialize(encoder)
+    ids = np.random.default_rng(0).integers(0, text["vocab_size"], (2, 9))
+    mask = np.ones((2, 9), np.int64)
+    mask[1, 6:] = 0
+    with torch.no_grad():
+        out = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+    ref = torch.cat([out.hidden_states[k] for k in taps], dim=-1).numpy()
+    assert max_rel_err(np.array(encoder(ids, mask)), ref) <= 1e-4
+
+
+@pytest.mark.parametrize("family", ["mistral3", "qwen3"])
+def test_mlx_lm_4bit_folder(tmp_path, family):
+    """mlx-lm's load_model + quantize_model (4-bit, group 32) + save_model/save_config, loaded back through ours."""
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+    text = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=5, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=200, rope_theta=1e6)
+    if family == "mistral3":
+        torch_model = save_mistral3(tmp_path / "hf", dict(text, sliding_window=None),
+                                    MISTRAL_CASES["A"][1], seed=7)
+    else:
+        torch_model = save_qwen3(tmp_path / "hf", text, seed=7)
+    model, config = load_model(tmp_path / "hf", lazy=True)
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    save_model(tmp_path / "q4", model)
+    save_config(config, tmp_path / "q4" / "config.json")
+
+    taps = (1, 2, 4)
+    encoder = text_llm.load_text_encoder(tmp_path / "q4", taps)
+    assert isinstance(encoder.embed_tokens, nn.QuantizedEmbedding)
+    assert isinstance(encoder.layers[0].mlp.down_proj, nn.QuantizedLinear) and len(encoder.layers) == 4
+    ids = np.random.default_rng(1).integers(0, 200, (1, 11))
+    mask = np.ones((1, 11), np.int64)
+    mask[0, :3] = 0
+    ours = np.array(encoder(ids, mask))
+    with torch.no_grad():
+        out = torch_model(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+    ref = torch.cat([out.hidden_states[k] for k in taps], dim=-1).numpy()
+    err = max_rel_err(ours, ref)
+    print(f"{family} 4-bit g32 vs float: max_rel_err {err:.3f}")
+    # Bound: 4-bit affine groups of 32 (per-weight error up to scale/2, about 1/30 of a group's range) over
+    # four residual layers of random weights stays well under 15% of the largest activation; a mis-mapped or
+    # unquantized-as-quantized layer gives errors of order 1.
+    assert 0 < err < 0.15
+
+
+def test_wrong_architecture_and_bad_taps(tmp_path, qwen3_case):
+    clip = tmp_path / "clip"
+    clip.mkdir()
+    (clip / "config.json").write_text(json.dumps({"architectures": ["CLIPTextModelWithProjection"],
+                                                  "model_type": "clip_text_model", "hidden_size": 32}))
+    with pytest.raises(MlxdiffError, match="clip_text_model.*not a FLUX.2 text encoder"):
+        text_llm.load_text_encoder(clip, (10, 20, 30))
+
+    _, folder, _, _ = qwen3_case
+    with pytest.raises(MlxdiffError, match="need 9 decoder layers"):
+        text_llm.load_text_encoder(folder, (1, 9))
+
+    bnb = tmp_path / "bnb"
+    shutil.copytree(folder, bnb)
+    config = json.loads((bnb / "config.json").read_text())
+    (bnb / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(MlxdiffError, match="bitsandbytes"):
+        text_llm.load_text_encoder(bnb, (1, 2))
+
+
+def test_chat_template_missing_or_in_processor_file(tmp_path, mistral_tokenizer):
+    bare = tmp_path / "bare"
+    build_tokenizer(bare, ["<s>", "</s>", "<pad>"], None, "left", "<pad>", "<s>", "</s>")
+    with pytest.raises(MlxdiffError, match="no chat template"):
+        text_llm.load_tokenizer(bare)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bare)
+    with pytest.raises(MlxdiffError, match="no chat template"):
+        text_llm.tokenize_dev(tokenizer, ["a fox"], 16)
+
+    # a processor folder may keep the template only in the processor's legacy chat_template.json
+    (bare / "chat_template.json").write_text(json.dumps({"chat_template": MISTRAL_TEMPLATE}))
+    assert text_llm.load_tokenizer(bare).chat_template == MISTRAL_TEMPLATE
