@@ -15,8 +15,12 @@ ASSETS = Path(mlxdiff.__file__).parent / "assets" / "tokenizers"
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
 
 
-def sd3_tiny_components(seed=0):
-    """A tiny SD3.5-architecture pipeline (dual attention in block 0, qk rms_norm), every dimension distinct."""
+def sd3_tiny_components(seed=0, single_file=False):
+    """A tiny SD3.5-architecture pipeline (dual attention in block 0, qk rms_norm), every dimension distinct.
+
+    single_file=True picks sizes whose config can be read back from original single-file shapes, as mlxdiff
+    must for real sd3.5_*.safetensors + clip_l/clip_g/t5xxl files: 64-wide CLIP heads (gelu below width 768),
+    T5 with 32 buckets / max distance 128, VAE with 32 groups."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel,
@@ -41,6 +45,24 @@ def sd3_tiny_components(seed=0):
         in_channels=3, out_channels=3, block_out_channels=(8, 12), layers_per_block=1, latent_channels=16,
         norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
         scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
+    if single_file:
+        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=49408, hidden_size=64, intermediate_size=80, projection_dim=64, num_hidden_layers=2,
+            num_attention_heads=1, max_position_embeddings=77, hidden_act="gelu", eos_token_id=2))
+        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=49408, hidden_size=128, intermediate_size=144, projection_dim=96, num_hidden_layers=3,
+            num_attention_heads=2, max_position_embeddings=77, hidden_act="gelu", eos_token_id=2))
+        t5 = T5EncoderModel(T5Config(
+            vocab_size=32128, d_model=224, d_kv=12, d_ff=70, num_layers=2, num_heads=5, feed_forward_proj="gated-gelu",
+            relative_attention_num_buckets=32, relative_attention_max_distance=128))
+        transformer = SD3Transformer2DModel(
+            sample_size=16, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=8, num_attention_heads=3,
+            joint_attention_dim=224, caption_projection_dim=24, pooled_projection_dim=160, out_channels=16,
+            pos_embed_max_size=20, dual_attention_layers=(1,), qk_norm="rms_norm")
+        vae = AutoencoderKL(
+            in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=16,
+            norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+            scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
     for i, m in enumerate((clip_l, clip_g, t5, transformer, vae)):
         randomize_(m, seed=seed * 10 + i, scale=0.15)
         m.eval()  # diffusers models come in eval mode from from_pretrained; here T5 dropout would be on

@@ -112,7 +112,8 @@ def qwen3_tokenizer(tmp_path_factory):
 
 def save_mistral3(folder, text, vision, seed):
     config = transformers.Mistral3Config(text_config=dict(model_type="mistral", max_position_embeddings=128, **text),
-                                         vision_config=dict(model_type="pixtral", **vision))
+                                         vision_config=dict(model_type="pixtral", **vision),
+                                         tie_word_embeddings=False)   # as Mistral-Small: its own lm_head
     model = randomize_(transformers.Mistral3ForConditionalGeneration(config).eval(), seed)
     model.save_pretrained(folder)
     return model

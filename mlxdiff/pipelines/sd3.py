@@ -260,8 +260,10 @@ def from_single_file(path: Path, dtype=None, transformer=None, text_encoders=Non
     specs = {"transformer": transformer_from_file(transformer or path)}
     if not any(n.startswith("first_stage_model.") for n in names):
         raise MlxdiffError(f"{path}: has no VAE (first_stage_model.*); use the full sd3.5 checkpoint")
-    specs["vae"] = sources.ComponentSpec("vae", vae, dict(vae.SD3_CONFIG), [path], "first_stage_model.",
-                                         lambda w: remap(w, vae.LDM_KEYMAP))
+    vae_weights = _lazy(path, "first_stage_model.")
+    vae_keymap = vae.ldm_keymap(vae.ldm_num_blocks(vae_weights))
+    specs["vae"] = sources.ComponentSpec("vae", vae, vae.config_from_ldm(vae_weights), [path], "first_stage_model.",
+                                         lambda w: remap(w, vae_keymap))
     text_encoders = dict(text_encoders or {})
     search = [path.parent / "text_encoders", path.parent]
     for short, (component, prefix, pattern) in TEXT_ENCODER_FILES.items():
