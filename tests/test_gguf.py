@@ -4,6 +4,7 @@ quantized-layer plumbing, and hostile files (each a clean MlxdiffError; a seeded
 import json
 import math
 import os
+import re
 import resource
 import struct
 import subprocess
@@ -22,6 +23,7 @@ from gguf import quants as gq
 
 from gguf_helpers import QUANTIZABLE, T, header_fields, patched, random_blocks, realistic_weights, write_gguf
 from mlxdiff.errors import MlxdiffError
+from mlxdiff.loading import gguf as gguf_module
 from mlxdiff.loading.gguf import (QuantizedTensor, check_gguf, concat_rows, flatten_quantized, load_gguf,
                                   quantized_predicate, split_rows)
 
@@ -57,7 +59,8 @@ def _assert_clean(err, path):
 
 
 @pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
-def test_quantized_types_match_gguf_py(tmp_path, qtype):
+def test_quantized_types_match_gguf_py(tmp_path, monkeypatch, qtype):
+    monkeypatch.setattr(gguf_module, "CHUNK_WEIGHTS", 1024)   # 2-row chunks: the 7-row tensor takes 4
     rng = np.random.default_rng(int(qtype))
     sources = [_tensors(qtype, rng)] + ([_tensors(qtype, rng, real=True)] if qtype in QUANTIZABLE else [])
     for i, tensors in enumerate(sources):
@@ -177,9 +180,10 @@ def test_16_bit_scales(tmp_path, dtype, unit_roundoff):
         assert np.all(np.abs(np.array(stored, np.float64) - ref) <= bound), name
 
 
-def test_float16_overflow_keeps_float32_scales(tmp_path):
+def test_float16_overflow_keeps_float32_scales(tmp_path, monkeypatch):
+    monkeypatch.setattr(gguf_module, "CHUNK_WEIGHTS", 64)   # one row per chunk: the overflow is in the 2nd
     raw = random_blocks(T.Q8_0, 2, 64, np.random.default_rng(3))
-    raw[0, 0:2] = np.array([1000.0], np.float16).view(np.uint8)   # bias -128 d overflows float16
+    raw[1, 0:2] = np.array([1000.0], np.float16).view(np.uint8)   # bias -128 d overflows float16
     path = write_gguf(tmp_path / "o.gguf", {"w.weight": (T.Q8_0, raw)})
     q = load_gguf(path, mx.float16)["w.weight"]
     assert q.scales.dtype == mx.float32
@@ -276,7 +280,7 @@ def valid_file(tmp_path_factory):
                       "t.q4k.weight": (T.Q4_K, random_blocks(T.Q4_K, 2, 256, rng)),
                       "t.f16": (T.F16, rng.standard_normal(16).astype(np.float16))},
                metadata={"general.name": "tiny", "test.u32": 7, "test.ints": [1, 2, 3],
-                         "test.strs": ["a", "bc"], "test.bytes": [True, False]})
+                         "test.strs": ["a", "bc"], "test.bytes": [True, False], "test.nested": [[1, 2], [3, 4, 5]]})
     return path
 
 
@@ -288,20 +292,30 @@ def test_header_agrees_with_gguf_py(valid_file):
     theirs = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())), t.data_offset,
                t.n_bytes) for t in reader.tensors]
     assert ours == theirs
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        value = header.metadata[key]
-        expected = field.contents()
-        assert (value.tolist() if isinstance(value, np.ndarray) else value) == expected, key
+    def flat(value):   # gguf-py flattens nested arrays
+        if isinstance(value, np.ndarray):
+            return value.tolist()
+        if isinstance(value, list):
+            return [x for v in value for x in (flat(v) if isinstance(v, (list, np.ndarray)) else [v])]
+        return value
+
+    assert [k for k in reader.fields if not k.startswith("GGUF.")] == list(header.metadata)
+    for key, value in header.metadata.items():
+        assert flat(value) == reader.fields[key].contents(), key
+    assert header.metadata["test.nested"][1].tolist() == [3, 4, 5]
 
 
-def test_custom_alignment(tmp_path):
+@pytest.mark.parametrize("alignment", [1, 64])
+def test_custom_alignment(tmp_path, alignment):
     data = np.arange(12, dtype=np.float32).reshape(3, 4)
-    path = write_gguf(tmp_path / "a64.gguf", {"x": (T.F32, data), "y": (T.F32, data[:1])}, alignment=64)
+    raw = random_blocks(T.Q5_0, 2, 64, np.random.default_rng(2))
+    path = write_gguf(tmp_path / "a.gguf", {"h": (T.F16, data[0].astype(np.float16)), "x": (T.F32, data),
+                                            "q.weight": (T.Q5_0, raw)}, alignment=alignment)
     header = check_gguf(path)
-    assert header.alignment == 64 and all(t.offset % 64 == 0 for t in header.tensors)
-    assert np.array_equal(np.array(load_gguf(path)["y"]), data[:1])
+    assert header.alignment == alignment and all(t.offset % alignment == 0 for t in header.tensors)
+    out = load_gguf(path)
+    assert np.array_equal(np.array(out["x"]), data)   # unaligned float views when alignment is 1
+    assert np.array_equal(np.array(out["q.weight"].dequantize(), np.float64), _reference(T.Q5_0, raw))
 
 
 def _hostile_cases(data: bytes) -> dict:
@@ -330,7 +344,7 @@ def _hostile_cases(data: bytes) -> dict:
         "uint8 array length 2^40": patched(patched(data, ints["item_type"], "I", 0), ints["length"], "Q", 1 << 40),
         "array of arrays": patched(data, ints["item_type"], "I", 9),
         "array of unknown type": patched(data, ints["item_type"], "I", 77),
-        "alignment 0": None,   # filled below
+        "nested array length 2^40": patched(data, kv["test.nested"]["value"] + 12 + 4, "Q", 1 << 40),
         "n_dims 0": patched(data, t0["n_dims"], "I", 0),
         "n_dims 5": patched(data, t0["n_dims"], "I", 5),
         "n_dims 2^31": patched(data, t0["n_dims"], "I", 1 << 31),
@@ -354,19 +368,44 @@ def _hostile_cases(data: bytes) -> dict:
     return cases
 
 
+# what each hostile case's message must say (the check that caught it)
+EXPECTED = {
+    "empty": "too short", "truncated header": "truncated", "truncated data": "runs past the end",
+    "wrong magic": "magic", "version 1": "version 1", "version 4": "version 4", "big-endian": "big-endian",
+    "tensor count 2^40": "tensor count", "kv count 2^40": "key/value count", "kv count 2^64-1": "key/value count",
+    "key length 2^62": "key length", "string length 2^62": "string value of key 'general.name'",
+    "unknown value type": "unknown value type 13", "string read as bool": "key length",
+    "uint8 array length 2^40": "declares 1099511627776 items", "nested array length 2^40": "declares",
+    "array of arrays": "test.ints", "array of unknown type": "unknown type 77",
+    "nested too deep": "nested deeper", "alignment 0": "alignment 0", "alignment 3": "alignment 3",
+    "alignment as uint8": "general.alignment must be a uint32",
+    "n_dims 0": "n_dims 0", "n_dims 5": "n_dims 5", "n_dims 2^31": "n_dims 2147483648", "dim 0": "dims [0",
+    "dim 2^31": "dims [2147483648", "dims 2^30 x 2^30": "runs past the end", "dims wrap u64": "dims [1844",
+    "unknown type 4 (Q4_2)": "unknown type id 4", "unknown type 99": "unknown type id 99",
+    "row not a block multiple": "not a multiple of the block size", "offset past EOF": "runs past the end",
+    "offset wraps to the header": "runs past the end", "misaligned offset": "not a multiple of the alignment",
+    "overlapping tensors": "overlap", "tensor name not UTF-8": "not UTF-8",
+    "duplicate tensor name": "duplicate tensor name 't.f32'", "duplicate key": "duplicate metadata key 'test.strs'",
+}
+
+
 def test_hostile_files_are_clean_errors(tmp_path, valid_file):
     data = valid_file.read_bytes()
     cases = _hostile_cases(data)
     align_file = write_gguf(tmp_path / "align.gguf", {"x": (T.F32, np.ones((2, 8), np.float32))}, alignment=32)
     align_bytes = align_file.read_bytes()
-    align_value = next(e for e in header_fields(align_bytes)["kvs"] if e["key"] == "general.alignment")["value"]
-    cases["alignment 0"] = patched(align_bytes, align_value, "I", 0)
-    cases["alignment 3"] = patched(align_bytes, align_value, "I", 3)
+    align = next(e for e in header_fields(align_bytes)["kvs"] if e["key"] == "general.alignment")
+    cases["alignment 0"] = patched(align_bytes, align["value"], "I", 0)
+    cases["alignment 3"] = patched(align_bytes, align["value"], "I", 3)
+    cases["alignment as uint8"] = patched(align_bytes, align["type"], "I", 0)
+    deep = write_gguf(tmp_path / "deep.gguf", {"x": (T.F32, np.ones(2, np.float32))}, metadata={"d": [[[[[1]]]]]})
+    cases["nested too deep"] = deep.read_bytes()
+    assert set(cases) == set(EXPECTED)
     for name, content in cases.items():
         path = tmp_path / (name.replace(" ", "_").replace("^", "") + ".gguf")
         path.write_bytes(content)
         start = time.perf_counter()
-        with pytest.raises(MlxdiffError) as err:
+        with pytest.raises(MlxdiffError, match=re.escape(EXPECTED[name])) as err:
             load_gguf(path, mx.float32)
         assert time.perf_counter() - start < 1.0, name
         _assert_clean(err, path)
@@ -455,7 +494,7 @@ FUZZ = textwrap.dedent("""
 def test_fuzzed_headers_never_crash_or_hang(tmp_path, valid_file):
     """Seeded header mutants of a valid file, in a subprocess (so a segfault is caught) with a memory cap and a
     time limit: each one either loads or raises MlxdiffError."""
-    script = FUZZ.format(tests=str(Path(__file__).parent), base=str(valid_file), seed=20261130, n=300,
+    script = FUZZ.format(tests=str(Path(__file__).parent), base=str(valid_file), seed=20261130, n=500,
                          out=str(tmp_path / "mutant.gguf"))
 
     def limits():
@@ -467,5 +506,5 @@ def test_fuzzed_headers_never_crash_or_hang(tmp_path, valid_file):
                           preexec_fn=limits, env=env)
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["error"] + result["ok"] == 300 and result["error"] > 150
+    assert result["error"] + result["ok"] == 500 and result["error"] > 250
     assert result["slowest"] < 2.0, result

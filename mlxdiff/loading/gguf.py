@@ -1,0 +1,607 @@
+"""GGUF files read with their weights kept quantized, as MLX affine (scale * code + bias) triplets.
+
+Safety first: `check_gguf` parses the whole header itself (struct over a read-only mmap, every length and count
+checked against the bytes that remain) before anything else looks at the file. gguf-py's GGUFReader can loop for
+minutes eating memory on a forged array length, and lets a tensor offset wrap into the header; `mx.load` segfaults
+on forged counts and decodes Q4_K wrongly (../../shared/specs/readers-robustness.md, mlx.md section 2). mx.load is
+never called on a GGUF. Tensor bytes are then read through a numpy memmap of exactly the validated ranges (what
+GGUFReader does too, without its per-metadata-element cost: 13 s and 0.9 GB RSS for a 786k-entry tokenizer).
+
+Each GGUF type maps onto MLX's affine quantization (`mx.dequantize`: w = scale * code + bias per group), converted
+with MLX ops, a bounded chunk of rows at a time (never a float copy of a whole tensor):
+
+| GGUF  | MLX        | scale        | bias        | how                                                        |
+|-------|------------|--------------|-------------|------------------------------------------------------------|
+| Q4_0  | 4-bit g32  | d            | -8 d        | exact (the file's codes)                                   |
+| Q4_1  | 4-bit g32  | d            | m           | exact                                                      |
+| Q5_0  | 5-bit g32  | d            | -16 d       | exact                                                      |
+| Q5_1  | 5-bit g32  | d            | m           | exact                                                      |
+| Q8_0  | 8-bit g32  | d            | -128 d      | exact, code = q + 128                                      |
+| Q4_K  | 4-bit g32  | d * sc_j     | -dmin * m_j | exact in float32 (11-bit x 6-bit products)                 |
+| Q5_K  | 5-bit g32  | d * sc_j     | -dmin * m_j | exact in float32                                           |
+| Q3_K  | 8-bit g128 | -d           | 128 d       | exact, code = 128 - (sc_j - 32)(q - 4), in [0, 252]        |
+| Q6_K  | 8-bit g32  | d * sc_dom/4 | -128 scale  | near-exact (below)                                         |
+| Q2_K  | 4-bit g64  | requantized  |             | mx.quantize of the float32 weights, chunk by chunk         |
+| F32, F16, BF16 | kept as stored (bf16 stays bf16)                                                  |
+Any other type is refused with one error naming the tensor and its type, before anything is converted.
+
+Why (numbers from `python tests/gguf_helpers.py`: 512 x 4096 Gaussian weights with a spread of row scales,
+quantized by the simplified reference encoders there; "own" = rms(file - original) / rms(original), "+" = rms(ours
+- file) / rms(original), "worse" = how much larger rms(ours - original) is than the file's own error; bpw with the
+float32 scales and biases of the CPU default, 16-bit ones cost 1 bpw less at g32, 0.5 at g64, 0.25 at g128):
+- Q3_K (3.44 bpw, own 0.155): exact 8-bit g128 costs 8.5 bpw. Requantizing instead: 4-bit g32 (6 bpw) or g64
+  (5 bpw) is 12-13% worse than the file, 3-bit g32 25% worse, 6-bit g32 (8 bpw) +1.6e-2 (under 1% worse) but
+  still not the file. MLX groups are at least 32 wide and Q3_K's scales change every 16 weights, so no exact
+  3/4-bit form exists. Chosen: exact (a Q3_K file's bytes are not what it costs in memory here).
+- Q6_K (6.56 bpw, own 1.9e-2): near-exact 8-bit g32 (10 bpw) keeps the file's codes for the 16-weight sub-block
+  with the larger |scale| in each group of 32 and rounds the other one onto that lattice (at most half a step;
+  a full step in the rare group whose two scales are equal and opposite): +3.8e-3, 2% worse. A 6-bit g32
+  requantization (8 bpw) adds 1.9e-2, 41% worse; 4-bit 350% worse. Chosen: near-exact 8-bit.
+- Q2_K (2.63 bpw, own 0.33): two real lattices (d, dmin) per 16 weights have no exact MLX form. Requantized to
+  4-bit g64 (5 bpw): +9.1e-2, 3% worse; 4-bit g32 (6 bpw) 2%; 3-bit g32 12%; 6-bit g32 (8 bpw) under 1%.
+  Chosen: 4-bit g64 (whoever picks Q2_K wants memory; 4-bit is also the CUDA fast-path width).
+
+Scales and biases are float32 when the compute dtype is float32 (the CPU default; every exact type is then exact
+bit for bit against gguf-py), else float16 / bfloat16 like the compute dtype (quantized_matmul's output dtype
+follows the scales). What rounding the scales and biases to 16 bits adds (max |error| / max |w|, stored form
+evaluated in float32, same data): float16: 0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K (d is float16 already and
+the biases are power-of-two multiples or float16 themselves), 2.0e-4 for Q6_K, 5.9e-4 Q5_K, 8.3e-4 Q4_K (d * sc
+needs 17 bits), 7.4e-4 Q2_K; bfloat16: 2.4e-3 (Q8_0) to 5.6e-3 (Q4_K), i.e. 2^-9 to 2^-8 (bfloat16 keeps 8
+significant bits). On top of that, mx.dequantize and quantized_matmul do their arithmetic in the scales' dtype.
+A tensor whose float16 scales or biases would overflow keeps float32 ones.
+
+1-D quantized tensors (biases, norm scales; rare) are returned dequantized, in the scales' dtype.
+"""
+
+import math
+import mmap
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+import numpy as np
+
+from ..errors import MlxdiffError
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+MAX_TENSORS = 1 << 17               # FLUX.2-dev has 299 tensors, large LLMs a few thousand
+MAX_KVS = 1 << 17
+MAX_KEY_BYTES = 65535               # the GGUF spec's limit on key and tensor-name length
+MAX_METADATA_ELEMENTS = 1 << 23     # array elements over all keys (a 262k-token tokenizer has ~800k)
+MAX_ARRAY_DEPTH = 4                 # arrays of arrays of ...
+MAX_DIMS = 4                        # GGML_MAX_DIMS
+MAX_DIM = (1 << 31) - 1             # MLX shapes are int32
+DEFAULT_ALIGNMENT = 32
+CHUNK_WEIGHTS = 1 << 22             # rows are converted in chunks of about this many weights
+
+# GGUF metadata value types: id -> (name, struct format, size); 8 = string and 9 = array are handled apart
+SCALAR_TYPES = {0: ("uint8", "B", 1), 1: ("int8", "b", 1), 2: ("uint16", "H", 2), 3: ("int16", "h", 2),
+                4: ("uint32", "I", 4), 5: ("int32", "i", 4), 6: ("float32", "f", 4), 7: ("bool", "?", 1),
+                10: ("uint64", "Q", 8), 11: ("int64", "q", 8), 12: ("float64", "d", 8)}
+STRING, ARRAY = 8, 9
+NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8",
+               11: "<i8", 12: "<f8"}
+
+
+def _ggml_types():
+    """{type id: (name, block weights, block bytes)} for every type gguf-py knows the size of."""
+    from gguf import GGML_QUANT_SIZES
+    return {int(t): (t.name, block, nbytes) for t, (block, nbytes) in GGML_QUANT_SIZES.items()}
+
+
+GGML_TYPES = _ggml_types()
+BLOCKS = {name: (block, nbytes) for name, block, nbytes in GGML_TYPES.values()}   # by type name
+
+
+def _bad(path, what):
+    return MlxdiffError(f"{path}: not a valid GGUF file ({what}); re-download or re-convert it")
+
+
+@dataclass
+class GGUFTensorInfo:
+    name: str
+    type_name: str          # GGML type name, e.g. "Q4_K"
+    shape: tuple            # PyTorch order (GGUF stores dims reversed: ne[0] is the row length)
+    offset: int             # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass
+class GGUFHeader:
+    path: Path
+    version: int
+    alignment: int
+    data_start: int
+    file_size: int
+    metadata: dict = field(default_factory=dict)    # key -> int | float | bool | str | list | np.ndarray
+    tensors: list = field(default_factory=list)     # [GGUFTensorInfo] in file order
+
+
+class _Cursor:
+    """Bounded little-endian reads over a buffer: every read is checked against the end first."""
+
+    def __init__(self, buf, size, path):
+        self.buf, self.size, self.path, self.pos = buf, size, path, 0
+
+    def need(self, n, what):
+        if n < 0 or self.pos + n > self.size:
+            raise _bad(self.path, f"{what} needs {n} bytes at offset {self.pos}, the file has {self.size} "
+                                  "(truncated?)")
+
+    def unpack(self, fmt, size, what):
+        self.need(size, what)
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
+
+    def raw(self, n, what):
+        self.need(n, what)
+        data = self.buf[self.pos:self.pos + n]
+        self.pos += n
+        return data
+
+    def string(self, what, limit=None):
+        n = self.unpack("Q", 8, f"{what} length")
+        if limit is not None and n > limit:
+            raise _bad(self.path, f"{what} length {n} exceeds {limit}")
+        return self.raw(n, what)
+
+
+def _name(cur, what):
+    raw = cur.string(what, MAX_KEY_BYTES)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _bad(cur.path, f"{what} at offset {cur.pos - len(raw)} is not UTF-8") from None
+
+
+class _Metadata:
+    def __init__(self, cur):
+        self.cur, self.elements = cur, 0
+
+    def value(self, vtype, key, depth=0):
+        cur = self.cur
+        if vtype in SCALAR_TYPES:
+            _, fmt, size = SCALAR_TYPES[vtype]
+            return cur.unpack(fmt, size, f"value of key {key!r}")
+        if vtype == STRING:
+            return cur.string(f"string value of key {key!r}").decode("utf-8", errors="replace")
+        if vtype != ARRAY:
+            raise _bad(cur.path, f"key {key!r} has unknown value type {vtype}")
+        if depth >= MAX_ARRAY_DEPTH:
+            raise _bad(cur.path, f"key {key!r}: arrays nested deeper than {MAX_ARRAY_DEPTH}")
+        itype = cur.unpack("I", 4, f"array item type of key {key!r}")
+        n = cur.unpack("Q", 8, f"array length of key {key!r}")
+        # the smallest encoding of one item: its fixed size, 8 for a string's length, 12 for an array's header
+        min_item = SCALAR_TYPES[itype][2] if itype in SCALAR_TYPES else {STRING: 8, ARRAY: 12}.get(itype)
+        if min_item is None:
+            raise _bad(cur.path, f"key {key!r} is an array of unknown type {itype}")
+        if n * min_item > cur.size - cur.pos:
+            raise _bad(cur.path, f"array of key {key!r} declares {n} items, more than the "
+                                 f"{cur.size - cur.pos} bytes left in the file")
+        self.elements += n
+        if self.elements > MAX_METADATA_ELEMENTS:
+            raise _bad(cur.path, f"more than {MAX_METADATA_ELEMENTS} metadata array elements (at key {key!r})")
+        if itype in SCALAR_TYPES:
+            data = cur.raw(n * min_item, f"array of key {key!r}")
+            return np.frombuffer(data, dtype=NUMPY_TYPES[itype]).copy()
+        return [self.value(itype, key, depth + 1) for _ in range(n)]
+
+
+def check_gguf(path) -> GGUFHeader:
+    """Parse and validate a GGUF header without trusting any count, length or offset in it. Raises MlxdiffError.
+
+    Checked: magic, version 2 or 3, tensor and KV counts against the file size, every key/string/array length
+    against the bytes left, value types, unique UTF-8 keys and tensor names, general.alignment (uint32, a power of
+    two), n_dims 1..4, dims 1..2^31-1, known tensor types, row length a multiple of the type's block, data offsets
+    aligned, inside the file and not overlapping.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            if size < 24:
+                raise _bad(path, f"file is {size} bytes, too short for a GGUF header")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                return _parse(buf, size, path)
+    except OSError as e:
+        raise MlxdiffError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
+def _parse(buf, size, path):
+    cur = _Cursor(buf, size, path)
+    magic = cur.raw(4, "magic")
+    if magic != MAGIC:
+        raise _bad(path, f"magic is {bytes(magic)!r}, expected b'GGUF'")
+    version = cur.unpack("I", 4, "version")
+    if version not in VERSIONS:
+        if int.from_bytes(version.to_bytes(4, "little"), "big") in VERSIONS:
+            raise MlxdiffError(f"{path}: big-endian GGUF files are not supported; use a little-endian conversion")
+        raise _bad(path, f"version {version}; only GGUF versions 2 and 3 are supported")
+    n_tensors = cur.unpack("Q", 8, "tensor count")
+    n_kv = cur.unpack("Q", 8, "key/value count")
+    # a tensor entry takes at least 32 bytes (8 name length + 4 n_dims + 8 dim + 4 type + 8 offset), a KV 13
+    if n_tensors > min(MAX_TENSORS, (size - 24) // 32):
+        raise _bad(path, f"tensor count {n_tensors} is impossible for a file of {size} bytes")
+    if n_kv > min(MAX_KVS, (size - 24 - 32 * n_tensors) // 13):
+        raise _bad(path, f"key/value count {n_kv} is impossible for a file of {size} bytes")
+
+    meta = _Metadata(cur)
+    metadata = {}
+    for _ in range(n_kv):
+        key = _name(cur, "metadata key")
+        if key in metadata:
+            raise _bad(path, f"duplicate metadata key {key!r}")
+        vtype = cur.unpack("I", 4, f"value type of key {key!r}")
+        metadata[key] = meta.value(vtype, key)
+        if key == "general.alignment" and vtype != 4:
+            raise _bad(path, "general.alignment must be a uint32")
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise _bad(path, f"general.alignment {alignment} is not a positive power of two")
+
+    entries, names = [], set()
+    for _ in range(n_tensors):
+        name = _name(cur, "tensor name")
+        if name in names:
+            raise _bad(path, f"duplicate tensor name {name!r}")
+        names.add(name)
+        n_dims = cur.unpack("I", 4, f"n_dims of tensor {name!r}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise _bad(path, f"tensor {name!r} has n_dims {n_dims}, expected 1 to {MAX_DIMS}")
+        dims = [cur.unpack("Q", 8, f"dims of tensor {name!r}") for _ in range(n_dims)]
+        if not all(1 <= d <= MAX_DIM for d in dims):
+            raise _bad(path, f"tensor {name!r} has dims {dims}, each must be 1 to {MAX_DIM}")
+        ttype = cur.unpack("I", 4, f"type of tensor {name!r}")
+        if ttype not in GGML_TYPES:
+            raise _bad(path, f"tensor {name!r} has unknown type id {ttype}")
+        offset = cur.unpack("Q", 8, f"data offset of tensor {name!r}")
+        entries.append((name, dims, ttype, offset))
+
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = []
+    for name, dims, ttype, offset in entries:
+        type_name, block, block_bytes = GGML_TYPES[ttype]
+        if dims[0] % block:
+            raise _bad(path, f"tensor {name!r} ({type_name}) has rows of {dims[0]} weights, not a multiple of the "
+                             f"block size {block}")
+        nbytes = math.prod(dims) // block * block_bytes
+        if offset % alignment:
+            raise _bad(path, f"tensor {name!r} data offset {offset} is not a multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + nbytes > size:
+            raise _bad(path, f"tensor {name!r} data [{start}, {start + nbytes}) runs past the end of the file at "
+                             f"{size} (truncated?)")
+        tensors.append(GGUFTensorInfo(name, type_name, tuple(reversed(dims)), start, nbytes))
+    previous = None
+    for t in sorted(tensors, key=lambda t: t.offset):
+        if previous is not None and t.offset < previous.offset + previous.nbytes:
+            raise _bad(path, f"tensors {previous.name!r} and {t.name!r} overlap")
+        previous = t
+    return GGUFHeader(path, version, alignment, data_start, size, metadata, tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantized tensors
+
+
+@dataclass
+class QuantizedTensor:
+    """A weight kept in MLX affine form: w = scales * code + biases per group of `group_size` along the last axis.
+
+    The arrays are exactly those of an `nn.QuantizedLinear` / `nn.QuantizedEmbedding`: `weight` uint32 packed
+    [*rows, K * bits / 32], `scales` and `biases` [*rows, K / group_size]. `shape` is the logical PyTorch shape.
+    """
+    weight: mx.array
+    scales: mx.array
+    biases: mx.array
+    bits: int
+    group_size: int
+    source_type: str = ""   # the GGUF type it came from
+
+    @property
+    def shape(self):
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
+
+    @property
+    def quantization(self) -> dict:
+        """The per-layer settings `nn.quantize`'s class_predicate returns for this weight."""
+        return {"bits": self.bits, "group_size": self.group_size}
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
+
+    def dequantize(self, dtype=None) -> mx.array:
+        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        return w.astype(dtype) if dtype is not None else w
+
+    def arrays(self, prefix) -> dict:
+        """{prefix.weight, prefix.scales, prefix.biases}: the parameters of the quantized layer at `prefix`."""
+        return {f"{prefix}.weight": self.weight, f"{prefix}.scales": self.scales, f"{prefix}.biases": self.biases}
+
+
+def split_rows(tensor, n: int) -> list:
+    """Split a weight into `n` equal parts along its rows (axis 0), e.g. a fused qkv into q, k, v.
+
+    A QuantizedTensor is split while still quantized (rows of weight, scales and biases); an array with mx.split.
+    """
+    if not isinstance(tensor, QuantizedTensor):
+        return mx.split(tensor, n, axis=0)
+    rows = tensor.weight.shape[0]
+    if tensor.weight.ndim < 2 or rows % n:
+        raise MlxdiffError(f"cannot split a quantized weight of shape {tensor.shape} into {n} equal row blocks")
+    return [QuantizedTensor(w, s, b, tensor.bits, tensor.group_size, tensor.source_type)
+            for w, s, b in zip(*(mx.split(a, n, axis=0) for a in (tensor.weight, tensor.scales, tensor.biases)))]
+
+
+def concat_rows(parts: list):
+    """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share bits and group size."""
+    if not all(isinstance(p, QuantizedTensor) for p in parts):
+        return mx.concatenate([p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts], axis=0)
+    settings = {(p.bits, p.group_size) for p in parts}
+    if len(settings) != 1:
+        raise MlxdiffError(f"cannot join quantized weights with different settings {sorted(settings)}")
+    return QuantizedTensor(*(mx.concatenate([getattr(p, a) for p in parts], axis=0)
+                             for a in ("weight", "scales", "biases")), parts[0].bits, parts[0].group_size,
+                           parts[0].source_type)
+
+
+def flatten_quantized(weights: dict):
+    """{name: array | QuantizedTensor} -> (flat {name: array}, {layer path: {"bits", "group_size"}}).
+
+    A quantized "<layer>.weight" becomes "<layer>.weight" / ".scales" / ".biases". Use the second dict with
+    `nn.quantize(model, class_predicate=quantized_predicate(layers))` before `load_weights`.
+    """
+    flat, layers = {}, {}
+    for name, value in weights.items():
+        if not isinstance(value, QuantizedTensor):
+            flat[name] = value
+            continue
+        if not name.endswith(".weight"):
+            raise MlxdiffError(f"quantized tensor {name!r} is not a layer weight (no '.weight' suffix); only "
+                               "Linear and Embedding weights can stay quantized")
+        prefix = name[: -len(".weight")]
+        flat.update(value.arrays(prefix))
+        layers[prefix] = value.quantization
+    return flat, layers
+
+
+def quantized_predicate(layers: dict):
+    """class_predicate for nn.quantize: per-layer {"bits", "group_size"} for the layers stored quantized."""
+    def predicate(path, module):
+        return layers.get(path, False) if hasattr(module, "to_quantized") else False
+    return predicate
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block decoders: blocks [R, nb, block bytes] uint8 -> (codes uint8 [R, nb, block], scales, biases float32
+# [R, nb, groups per block]). Layouts: ../../shared/specs/mlx.md section 3 and gguf-py's quants.py.
+
+
+def _f16(blocks, offset):
+    """The float16 field at `offset` of every block, as float32 [R, nb]."""
+    return mx.view(blocks[..., offset:offset + 2], mx.float16)[..., 0].astype(mx.float32)
+
+
+def _nibbles(qs):
+    """[..., n] bytes -> [..., 2n]: all low nibbles, then all high nibbles (the ggml order)."""
+    return mx.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _fields(x, width, count):
+    """[..., n] bytes -> [..., count * n]: bit field k (of `width` bits) of every byte, field-major."""
+    shifts = mx.arange(0, width * count, width, dtype=mx.uint8)[:, None]
+    return ((x[..., None, :] >> shifts) & ((1 << width) - 1)).reshape(*x.shape[:-1], count * x.shape[-1])
+
+
+def _bits_of_bytes(x):
+    """[..., n] bytes -> [..., 8n]: bit j of byte k is element 8k + j (a little-endian bit mask)."""
+    return ((x[..., :, None] >> mx.arange(8, dtype=mx.uint8)) & 1).reshape(*x.shape[:-1], 8 * x.shape[-1])
+
+
+def _k_scales(s):
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit (scale, min) pairs."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = mx.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
+    mins = mx.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc.astype(mx.float32), mins.astype(mx.float32)
+
+
+def _q4_0(b):
+    d = _f16(b, 0)[..., None]
+    return _nibbles(b[..., 2:18]), d, -8 * d
+
+
+def _q4_1(b):
+    return _nibbles(b[..., 4:20]), _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+
+
+def _q5_0(b):
+    d = _f16(b, 0)[..., None]
+    return _nibbles(b[..., 6:22]) | (_bits_of_bytes(b[..., 2:6]) << 4), d, -16 * d
+
+
+def _q5_1(b):
+    codes = _nibbles(b[..., 8:24]) | (_bits_of_bytes(b[..., 4:8]) << 4)
+    return codes, _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+
+
+def _q8_0(b):
+    d = _f16(b, 0)[..., None]
+    return b[..., 2:34] ^ 0x80, d, -128 * d   # int8 q + 128 is its byte with the sign bit flipped
+
+
+def _q4_k_like(b, high_bits):
+    d, dmin = _f16(b, 0)[..., None], _f16(b, 2)[..., None]
+    sc, mins = _k_scales(b[..., 4:16])
+    qs = b[..., -128:]
+    codes = _nibbles(qs.reshape(*qs.shape[:-1], 4, 32)).reshape(*qs.shape[:-1], 256)
+    if high_bits is not None:
+        codes = codes | (_fields(high_bits, 1, 8) << 4)
+    return codes, d * sc, -(dmin * mins)
+
+
+def _q4_k(b):
+    return _q4_k_like(b, None)
+
+
+def _q5_k(b):
+    return _q4_k_like(b, b[..., 16:48])
+
+
+def _q3_k(b):
+    lead = b.shape[:-1]
+    low2 = _fields(b[..., 32:96].reshape(*lead, 2, 32), 2, 4).reshape(*lead, 256)
+    q = low2.astype(mx.int16) + 4 * _fields(b[..., 0:32], 1, 8).astype(mx.int16) - 4           # -4..3
+    s = b[..., 96:108]
+    sc = (_fields(s[..., 0:8], 4, 2) | (_fields(s[..., 8:12], 2, 4) << 4)).astype(mx.int16) - 32  # -32..31
+    # w = d * p with p = (sc - 32)(q - 4) in [-124, 128]; as scale -d, code 128 - p in [0, 252], bias 128 d
+    # (a power-of-two multiple: exact in float16 too)
+    codes = (128 - sc[..., None] * q.reshape(*lead, 16, 16)).astype(mx.uint8).reshape(*lead, 256)
+    d = _f16(b, 108)[..., None]
+    return codes, mx.repeat(-d, 2, axis=-1), mx.repeat(128 * d, 2, axis=-1)
+
+
+def _q6_k(b):
+    """Near-exact: per group of 32 (two sub-blocks of 16), scale = d * sc_dom / 4 with sc_dom the sub-scale of
+    larger magnitude; that sub-block's codes are 4 (q - 32) + 128 exactly, the other's are rounded."""
+    lead = b.shape[:-1]
+    low4 = _nibbles(b[..., 0:128].reshape(*lead, 2, 64)).reshape(*lead, 256)
+    high2 = _fields(b[..., 128:192].reshape(*lead, 2, 32), 2, 4).reshape(*lead, 256)
+    q = ((low4 | (high2 << 4)).astype(mx.int32) - 32).reshape(*lead, 8, 2, 16)
+    sc = mx.view(b[..., 192:208], mx.int8).astype(mx.int32).reshape(*lead, 8, 2)
+    first_dominates = mx.abs(sc[..., 0]) >= mx.abs(sc[..., 1])
+    dom = mx.where(first_dominates, sc[..., 0], sc[..., 1])
+    ratio = (4 * sc[..., None] * q).astype(mx.float32) / mx.where(dom == 0, 1, dom)[..., None, None]
+    codes = mx.clip(mx.round(ratio) + 128, 0, 255).astype(mx.uint8).reshape(*lead, 256)
+    scale = _f16(b, 208)[..., None] * dom.astype(mx.float32) / 4
+    return codes, scale, -128 * scale
+
+
+def _q2_k_float(b):
+    """Q2_K weights in float32 [R, nb, 256], computed as gguf-py does."""
+    lead = b.shape[:-1]
+    s = b[..., 0:16]
+    q = _fields(b[..., 16:80].reshape(*lead, 2, 32), 2, 4).reshape(*lead, 16, 16).astype(mx.float32)
+    dl = _f16(b, 80)[..., None] * (s & 15).astype(mx.float32)
+    ml = _f16(b, 82)[..., None] * (s >> 4).astype(mx.float32)
+    return (dl[..., None] * q - ml[..., None]).reshape(*lead, 256)
+
+
+# GGUF type -> (decoder, bits, group size)
+AFFINE = {"Q4_0": (_q4_0, 4, 32), "Q4_1": (_q4_1, 4, 32), "Q5_0": (_q5_0, 5, 32), "Q5_1": (_q5_1, 5, 32),
+          "Q8_0": (_q8_0, 8, 32), "Q4_K": (_q4_k, 4, 32), "Q5_K": (_q5_k, 5, 32), "Q3_K": (_q3_k, 8, 128),
+          "Q6_K": (_q6_k, 8, 32)}
+# GGUF type -> (float32 decoder, bits, group size) of the requantization
+REQUANTIZED = {"Q2_K": (_q2_k_float, 4, 64)}
+PLAIN_NUMPY = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}   # numpy has no bfloat16: its bits, then mx.view
+PLAIN = tuple(PLAIN_NUMPY)
+SUPPORTED = (*PLAIN, *AFFINE, *REQUANTIZED)
+
+
+def pack_codes(codes, bits):
+    """[..., K] integer codes (K % 32 == 0) -> [..., K * bits / 32] uint32: MLX's LSB-first bit stream per row."""
+    *lead, k = codes.shape
+    if 32 % bits == 0:
+        per_word = 32 // bits
+        c = codes.reshape(*lead, k // per_word, per_word).astype(mx.uint32)
+        return (c << mx.arange(0, 32, bits, dtype=mx.uint32)).sum(axis=-1)   # disjoint bit fields: sum == or
+    c = codes.reshape(*lead, k // 32, 32).astype(mx.uint32)
+    words = []
+    for w in range(bits):   # 32 codes fill `bits` words; code i covers stream bits [bits*i, bits*(i+1))
+        word = None
+        for i in range(32):
+            shift = bits * i - 32 * w
+            if -bits < shift < 32:
+                part = c[..., i] << shift if shift >= 0 else c[..., i] >> -shift
+                word = part if word is None else word | part
+        words.append(word)
+    return mx.stack(words, axis=-1).reshape(*lead, k * bits // 32)
+
+
+def scale_dtype(compute_dtype) -> mx.Dtype:
+    """float32 scales for float32 compute (exact); otherwise the compute dtype's own 16-bit type."""
+    return compute_dtype if compute_dtype in (mx.float16, mx.bfloat16) else mx.float32
+
+
+def _convert_chunk(raw, type_name, block_bytes):
+    """raw uint8 [R, row bytes] -> (packed uint32, scales float32, biases float32)."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, block_bytes)
+    if type_name in REQUANTIZED:
+        decode, bits, group = REQUANTIZED[type_name]
+        return mx.quantize(decode(blocks).reshape(rows, -1), group_size=group, bits=bits)
+    decode, bits, _ = AFFINE[type_name]
+    codes, scales, biases = decode(blocks)
+    return pack_codes(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1)
+
+
+def _quantized(path, info, data, sdtype):
+    """Convert one quantized tensor, `CHUNK_WEIGHTS` weights at a time. Returns a QuantizedTensor (2-D for a
+    1-D tensor: one row)."""
+    type_name = info.type_name
+    block, block_bytes = BLOCKS[type_name]
+    bits, group = (AFFINE.get(type_name) or REQUANTIZED[type_name])[1:]
+    k = info.shape[-1]
+    raw = data.reshape(-1, k // block * block_bytes)
+    step = max(1, CHUNK_WEIGHTS // k)
+    parts = []
+    for r in range(0, raw.shape[0], step):
+        w, s, b = _convert_chunk(mx.array(raw[r:r + step]), type_name, block_bytes)
+        finite = mx.all(mx.isfinite(s) & mx.isfinite(b))
+        s16, b16 = s.astype(sdtype), b.astype(sdtype)
+        fits = mx.all(mx.isfinite(s16) & mx.isfinite(b16))
+        mx.eval(w, s, b, s16, b16, finite, fits)
+        if not finite.item():
+            raise MlxdiffError(f"{path}: tensor {info.name!r} ({type_name}) has non-finite scales; the file is "
+                               "corrupt, re-download it")
+        if not fits.item():   # float16 overflow (|d| * 128 > 65504): this tensor keeps float32 scales
+            return _quantized(path, info, data, mx.float32)
+        parts.append((w, s16, b16))
+    arrays = [mx.concatenate(a, axis=0) if len(a) > 1 else a[0] for a in zip(*parts)]
+    if len(info.shape) > 2:
+        arrays = [a.reshape(*info.shape[:-1], a.shape[-1]) for a in arrays]
+    return QuantizedTensor(*arrays, bits, group, type_name)
+
+
+def load_gguf(path, compute_dtype=None) -> dict:
+    """Check `path` (check_gguf), then read every tensor: {GGUF name: mx.array | QuantizedTensor}.
+
+    Shapes are in PyTorch order. F32/F16/BF16 stay as stored; quantized types become QuantizedTensor (see the
+    module docstring for each type's form); any other type is an MlxdiffError naming the tensor. Scales and biases
+    are float32 for float32 compute (the default on the CPU), else float16/bfloat16 like the compute dtype.
+    Each tensor is converted and evaluated before the next: the peak is what is loaded so far plus about twice
+    the tensor being converted (its chunks, then their concatenation).
+    """
+    header = check_gguf(path)
+    unsupported = [t for t in header.tensors if t.type_name not in SUPPORTED]
+    if unsupported:
+        t = unsupported[0]
+        more = f" (and {len(unsupported) - 1} more tensors)" if len(unsupported) > 1 else ""
+        raise MlxdiffError(f"{path}: tensor {t.name!r} has GGUF type {t.type_name}{more}, which mlxdiff does not "
+                           f"support; supported types: {', '.join(SUPPORTED)}. Use a file quantized with one of them")
+    sdtype = scale_dtype(backend.compute_dtype(compute_dtype))
+    try:
+        filemap = np.memmap(path, mode="r") if header.tensors else None
+    except (OSError, ValueError) as e:
+        raise MlxdiffError(f"{path}: cannot map the file ({e})") from None
+    if filemap is not None and filemap.size != header.file_size:
+        raise MlxdiffError(f"{path}: the file changed size while being read; try again once it is complete")
+    out = {}
+    for info in header.tensors:
+        data = filemap[info.offset:info.offset + info.nbytes]   # validated by check_gguf: inside the file
+        if info.type_name in PLAIN:
+            arr = mx.array(data.view(PLAIN_NUMPY[info.type_name]).reshape(info.shape))
+            out[info.name] = mx.view(arr, mx.bfloat16) if info.type_name == "BF16" else arr
+            mx.eval(out[info.name])
+            continue
+        qt = _quantized(path, info, data, sdtype)
+        if len(info.shape) == 1:   # no MLX layer takes a quantized vector: dequantize it (it is small)
+            qt = qt.dequantize().astype(qt.scales.dtype).reshape(info.shape)
+            mx.eval(qt)
+        out[info.name] = qt
+    return out
