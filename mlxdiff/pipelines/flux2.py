@@ -7,7 +7,7 @@
     decode:  unpack, batch-norm de-normalise, unpatchify, FLUX.2 VAE
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,6 @@ import mlx.core as mx
 from .. import schedulers
 from ..errors import MlxdiffError
 from ..loading import sources
-from ..tokenizers import load_tokenizer
 from .images import to_pil
 from .phases import Result, PhaseLog, loaded, progress
 
@@ -37,13 +36,14 @@ class Conditioning:
 @dataclass
 class TextEncoderSpec:
     """The LLM text encoder: built through mlx-lm with only the layers up to the deepest tap."""
+    name: str
     folder: Path
     taps: tuple
-    kind: str  # "mistral" (dev) or "qwen3" (klein)
+    quantize: dict | None = None
 
     def build(self, compute_dtype=None):
         from ..models import text_llm
-        return text_llm.load_text_encoder(self.folder, self.taps, compute_dtype)
+        return text_llm.load_text_encoder(self.folder, self.taps, compute_dtype, quantize=self.quantize)
 
     def nbytes(self) -> int:
         from ..models import text_llm
@@ -68,17 +68,20 @@ class Flux2Pipeline:
             return {"steps": 4, "guidance": 1.0}
         return {"steps": 50, "guidance": 4.0}
 
-    def _encode(self, prompts, max_sequence_length):
+    def _encode(self, prompts, max_sequence_length, text_encoder_out_layers=None):
         from ..models import text_llm
         format_ = text_llm.tokenize_klein if self.is_klein else text_llm.tokenize_dev
         ids, mask = format_(self.tokenizer, prompts, max_sequence_length)
-        with loaded(self.components["text_encoder"], self.dtype) as encoder:
+        spec = self.components["text_encoder"]
+        if text_encoder_out_layers is not None:
+            spec = replace(spec, taps=tuple(text_encoder_out_layers))
+        with loaded(spec, self.dtype) as encoder:
             embeds = encoder(mx.array(ids), mx.array(mask))
             mx.eval(embeds)
         return embeds
 
     def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=None,
-                      max_sequence_length=512) -> Conditioning:
+                      max_sequence_length=512, text_encoder_out_layers=None) -> Conditioning:
         """prompt_embeds (and, for klein base with CFG, negative_prompt_embeds of "")."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if do_classifier_free_guidance is None:
@@ -86,16 +89,16 @@ class Flux2Pipeline:
         if do_classifier_free_guidance:
             # diffusers' klein pipeline always uses "" as the negative prompt; we allow a user negative prompt
             negs = [negative_prompt or ""] * len(prompts) if not isinstance(negative_prompt, list) else negative_prompt
-            embeds = self._encode(prompts + list(negs), max_sequence_length)
+            embeds = self._encode(prompts + list(negs), max_sequence_length, text_encoder_out_layers)
             return Conditioning(embeds[:len(prompts)], embeds[len(prompts):])
-        return Conditioning(self._encode(prompts, max_sequence_length))
+        return Conditioning(self._encode(prompts, max_sequence_length, text_encoder_out_layers))
 
     def vae_scale_factor(self):
         return 2 ** (len(self.components["vae"].config.get("block_out_channels", [0] * 4)) - 1)
 
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
-                 guidance=None, seed=0, latents=None, max_sequence_length=512, callback=None,
-                 progress_bar=True) -> Result:
+                 guidance=None, seed=0, latents=None, max_sequence_length=512, text_encoder_out_layers=None,
+                 callback=None, progress_bar=True) -> Result:
         defaults = self.cli_defaults()
         steps = steps or defaults["steps"]
         guidance = defaults["guidance"] if guidance is None else guidance
@@ -115,7 +118,8 @@ class Flux2Pipeline:
                 if prompt is None:
                     raise MlxdiffError("give a prompt or a conditioning")
                 conditioning = self.encode_prompt(prompt, negative_prompt, do_classifier_free_guidance=cfg,
-                                                  max_sequence_length=max_sequence_length)
+                                                  max_sequence_length=max_sequence_length,
+                                                  text_encoder_out_layers=text_encoder_out_layers)
             elif cfg and conditioning.negative_prompt_embeds is None:
                 raise MlxdiffError("CFG needs a conditioning with negative_prompt_embeds")
         embeds = conditioning.prompt_embeds
@@ -198,8 +202,9 @@ def from_folder(root: Path, pipeline_class: str, components: dict, dtype=None, t
     taps = TAPS[pipeline_class]
     if not (root / "text_encoder").is_dir():
         raise MlxdiffError(f"{root / 'text_encoder'}: text encoder folder is missing")
-    specs["text_encoder"] = TextEncoderSpec(root / "text_encoder", taps, "qwen3" if "Klein" in pipeline_class else "mistral")
-    tokenizer = load_tokenizer(root / "tokenizer", None)
+    specs["text_encoder"] = TextEncoderSpec("text_encoder", root / "text_encoder", taps)
+    from ..models import text_llm
+    tokenizer = text_llm.load_tokenizer(root / "tokenizer")
     if transformer is not None:
         from ..models import flux2
         specs["transformer"] = flux2.spec_from_file(transformer, base_config=specs["transformer"].config)
