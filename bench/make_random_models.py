@@ -75,7 +75,71 @@ def sd35_medium(out: Path):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
-MODELS = {"sd3.5-medium": sd35_medium}
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+
+def qwen_like_tokenizer(folder: Path):
+    """A small byte-level BPE with Qwen3's chat format (the real Qwen vocabulary is not available offline; token ids
+    only need to be valid for the random model)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = ["a photo of a fox in the snow", "a red circle on a blue background", "a watercolor lighthouse"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                              padding_side="right", chat_template=QWEN3_CHAT_TEMPLATE)
+    hf.save_pretrained(str(folder))
+
+
+def klein_4b(out: Path):
+    """FLUX.2 klein-4B: Qwen3-4B encoder (hidden 2560, 36 layers), transformer 3.88 B, FLUX.2 VAE."""
+    import json
+    import torch
+    import transformers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    torch.set_default_dtype(torch.bfloat16)
+    builders = {
+        "transformer": lambda: Flux2Transformer2DModel(
+            patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+            num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+            axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False),
+        "vae": lambda: AutoencoderKLFlux2(),
+        "text_encoder": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+            rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True)),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in builders.items():
+        if (out / name / "config.json").exists():
+            continue
+        t = time.time()
+        model = make().to(torch.bfloat16)
+        model.save_pretrained(str(out / name), max_shard_size="5GB")
+        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {time.time() - t:.0f} s",
+              flush=True)
+        del model
+        gc.collect()
+    qwen_like_tokenizer(out / "tokenizer")
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+                                    time_shift_type="exponential").save_pretrained(str(out / "scheduler"))
+    index = {"_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.42.1", "is_distilled": True,
+             "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
+             "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+
+
+MODELS = {"sd3.5-medium": sd35_medium, "klein-4b": klein_4b}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
