@@ -1,0 +1,384 @@
+"""FLUX.2's LLM text encoders through mlx-lm, stopped at the deepest hidden-state tap.
+
+    dev:   Mistral3ForConditionalGeneration (Mistral-Small-3.x; text_config nested), taps (10, 20, 30)
+    klein: Qwen3ForCausalLM (Qwen3-4B / 8B), taps (9, 18, 27)
+
+diffusers (`_get_mistral_3_small_prompt_embeds`, `_get_qwen3_prompt_embeds`) runs the whole LLM with
+`output_hidden_states=True` and keeps hidden_states[k] for k in the taps: [0] is the embedding output, [k] the output of
+decoder layer k (1-based), and the last entry is the final-normed output. The taps are concatenated per token,
+[tap0 | tap1 | tap2] -> (B, L, 3 * hidden). So only the embedding and the first max(taps) layers are ever needed: the
+mlx-lm language model is built with num_hidden_layers = max(taps), and the deeper layers, the final norm (unless a tap
+is the last layer), the lm_head, the vision tower and the projector are dropped from the lazily mapped weights before
+anything is read.
+
+The layers are mlx-lm's own (llama.LlamaModel for Mistral, qwen3.Qwen3Model). We run embed -> layers ourselves with the
+mask transformers builds: causal AND the tokenizer's padding mask (AND a sliding window where the config has one).
+Left padding (Mistral's tokenizer) makes every pad query see no key at all; torch's SDPA, which diffusers runs by
+default, returns a zero attention output for such a row, where MLX's SDPA returns the mean of the values. Those pad
+positions reach the DiT (it gets no text mask), so for them we compose mlx-lm's block ourselves with a zero attention
+output (`block_with_blind_rows`); every other row goes through the mlx-lm layer unchanged.
+
+Accepted folders: a diffusers `text_encoder/` (transformers names: `model.language_model.*` or the older
+`language_model.model.*` for Mistral3, `model.*` for Qwen3) or an mlx-lm converted one, also quantized (config has
+"quantization"; layers are quantized exactly where the file has `.scales`, with mlx-lm's per-layer settings).
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama, qwen3
+from mlx_lm.models.base import BaseModelArgs
+
+from ..errors import MlxdiffError
+from ..loading import safetensors as st
+from ..loading.keymaps import compile_rules, remap
+from ..loading.weights import load_into
+
+# diffusers' text_encoder_out_layers defaults
+TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
+# config.json model_type -> the class it comes from (for error messages)
+ARCHITECTURES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM"}
+# Mistral3's text_config model_type -> mlx-lm language model (as mlx_lm.models.mistral3 chooses it)
+MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
+
+# transformers / mlx-lm names -> this module's names (embed_tokens, layers.N, norm). Everything else (vision tower,
+# multi_modal_projector, lm_head) is dropped.
+KEYMAP = compile_rules([
+    (r"model\.language_model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, transformers >= 4.52
+    (r"language_model\.model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, older / mlx-lm converted
+    (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),                   # Qwen3ForCausalLM and mlx-lm
+    (r".*", None),
+])
+
+# pipelines/flux2/system_messages.py SYSTEM_MESSAGE (BFL's), exact: note the newline after "object"
+SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                  "object relationships, object\nattribution and actions without speculation.")
+
+
+@dataclass
+class ModelArgs(BaseModelArgs):
+    """config.json of the text encoder. For Qwen3 (a flat config) text_config is the config itself."""
+    model_type: str = "mistral3"
+    text_config: dict = field(default_factory=dict)
+    taps: tuple | None = None                 # hidden_states indices; None: diffusers' default for the model type
+    quantization: dict | None = None          # mlx-lm converted folders
+    quantization_config: dict | None = None   # transformers-quantized (bitsandbytes, ...): not supported
+    architectures: list | None = None
+
+    @classmethod
+    def from_dict(cls, params):
+        params = dict(params)
+        if "text_config" not in params:
+            params["text_config"] = {k: v for k, v in params.items() if k not in ("taps", "quantization")}
+        return super().from_dict(params)
+
+    def __post_init__(self):
+        self.taps = tuple(TAPS.get(self.model_type, ()) if self.taps is None else self.taps)
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers in the checkpoint (not all are loaded)."""
+        return int(self.text_config.get("num_hidden_layers", 0))
+
+    @property
+    def depth(self) -> int:
+        """Decoder layers actually built: up to the deepest tap."""
+        return max(self.taps)
+
+    @property
+    def tapped_final_norm(self) -> bool:
+        """hidden_states[num_layers] is the final-normed output, so that tap needs the final norm."""
+        return self.depth == self.num_layers
+
+
+def check_args(args: ModelArgs, source) -> None:
+    """Raise MlxdiffError when the folder is not a text encoder we can tap as asked."""
+    if args.model_type not in ARCHITECTURES:
+        what = ", ".join(args.architectures or []) or "no architectures"
+        raise MlxdiffError(f"{source}: model_type {args.model_type!r} ({what}) is not a FLUX.2 text encoder; "
+                           "expected Mistral3ForConditionalGeneration (FLUX.2-dev) or Qwen3ForCausalLM (FLUX.2-klein)")
+    if args.model_type == "mistral3":
+        text_type = args.text_config.get("model_type")
+        if text_type not in MISTRAL3_TEXT_MODELS:
+            raise MlxdiffError(f"{source}: Mistral3 text_config model_type {text_type!r} is not supported; "
+                               f"supported: {', '.join(sorted(MISTRAL3_TEXT_MODELS))}")
+    if args.quantization_config and not args.quantization:
+        method = args.quantization_config.get("quant_method", "?")
+        raise MlxdiffError(f"{source}: the text encoder is quantized with {method!r}, which MLX cannot load; use the "
+                           "bf16 text encoder, or convert it with mlx_lm.convert (-q for an MLX-quantized one)")
+    if not args.taps or any(not isinstance(t, int) or t < 0 for t in args.taps):
+        raise MlxdiffError(f"{source}: taps {args.taps!r} must be hidden-state indices (0 = the embeddings, "
+                           "k = decoder layer k's output)")
+    if args.depth > args.num_layers:
+        raise MlxdiffError(f"{source}: taps {args.taps} need {args.depth} decoder layers but the model has "
+                           f"{args.num_layers}; this is not the text encoder the pipeline expects")
+
+
+def language_model_config(args: ModelArgs) -> dict:
+    """The language model's config with only the layers the taps need, in the form mlx-lm's ModelArgs reads."""
+    text = dict(args.text_config)
+    text["num_hidden_layers"] = args.depth
+    if text.get("layer_types"):
+        text["layer_types"] = list(text["layer_types"])[:args.depth]
+    # transformers >= 5 nests rope_theta (and any scaling) under rope_parameters; llama.ModelArgs reads neither there
+    rope = text.get("rope_parameters") or {}
+    if text.get("rope_theta") is None and "rope_theta" in rope:
+        text["rope_theta"] = rope["rope_theta"]
+    if not text.get("rope_scaling") and rope.get("rope_type", "default") != "default":
+        text["rope_scaling"] = rope
+    return text
+
+
+def attention_windows(args: ModelArgs) -> list:
+    """Per built layer: the sliding window transformers applies (None: full causal attention)."""
+    text = args.text_config
+    if args.model_type == "mistral3":
+        # MistralModel: one window for every layer; MistralConfig's default is 4096 when config.json omits it
+        window = text.get("sliding_window", 4096) if text.get("model_type") == "mistral" else None
+        return [window] * args.depth
+    # Qwen3Config: sliding_window only with use_sliding_window, on the layers layer_types marks
+    window = text.get("sliding_window", 4096) if text.get("use_sliding_window") else None
+    types = text.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= text.get("max_window_layers", 28) else "full_attention"
+        for i in range(args.num_layers)]
+    return [window if types[i] == "sliding_attention" else None for i in range(args.depth)]
+
+
+def visible_keys(attention_mask: np.ndarray, window) -> np.ndarray:
+    """(B, L) padding mask -> (B, 1, L, L) bool, True where query q may attend key k (transformers' sdpa_mask)."""
+    length = attention_mask.shape[1]
+    q = np.arange(length)[:, None]
+    k = np.arange(length)[None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= q - k < window
+    return allowed[None, None] & (attention_mask[:, None, None, :] != 0)
+
+
+def reads(key: str, args: ModelArgs) -> bool:
+    """Whether the encoder reads this (mapped) weight: the embedding, layers below the deepest tap, and the final norm
+    only when a tap is the last layer's output."""
+    if key.startswith("layers."):
+        return int(key.split(".")[1]) < args.depth
+    return key.startswith("embed_tokens.") or (key.startswith("norm.") and args.tapped_final_norm)
+
+
+def block_with_blind_rows(layer, h, mask, blind):
+    """mlx-lm's TransformerBlock.__call__ (pre-norm attention and MLP residuals), except that query rows that see no
+    key (`blind`, (B, L, 1)) get the attention output torch's SDPA gives them: zero (o_proj's bias, if any)."""
+    attn = layer.self_attn
+    r = attn(layer.input_layernorm(h), mask)
+    zero = attn.o_proj["bias"].astype(r.dtype) if "bias" in attn.o_proj else mx.zeros((), r.dtype)
+    h = h + mx.where(blind, zero, r)
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+class Model(nn.Module):
+    """embed_tokens + layers[:max(taps)] (+ the final norm when a tap is the last layer) of the mlx-lm model.
+
+    __call__(input_ids (B, L), attention_mask (B, L) or None) -> prompt_embeds (B, L, len(taps) * hidden) in
+    compute_dtype: diffusers' stacked hidden states, per token [tap0 | tap1 | ...]."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.windows = attention_windows(args)
+        self.compute_dtype = mx.float32
+        text = language_model_config(args)
+        if args.model_type == "mistral3":
+            arch = MISTRAL3_TEXT_MODELS[args.text_config.get("model_type")]
+            language_model = arch.LlamaModel(arch.ModelArgs.from_dict(text))
+        else:
+            language_model = qwen3.Qwen3Model(qwen3.ModelArgs.from_dict(text))
+        self.embed_tokens = language_model.embed_tokens
+        self.layers = language_model.layers
+        if args.tapped_final_norm:
+            self.norm = language_model.norm
+
+    def sanitize(self, weights: dict) -> dict:
+        """transformers / mlx-lm names -> ours, keeping only what the taps need (the rest is never read)."""
+        return {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
+
+    def __call__(self, input_ids, attention_mask=None):
+        if not isinstance(input_ids, mx.array):
+            input_ids = mx.array(np.asarray(input_ids), dtype=mx.int32)
+        batch, length = input_ids.shape
+        pad = np.ones((batch, length), np.int32) if attention_mask is None else np.asarray(attention_mask)
+        if pad.shape != (batch, length):
+            raise MlxdiffError(f"attention_mask has shape {pad.shape}, input_ids {(batch, length)}")
+
+        masks = {}  # window -> (mask for mlx-lm's attention, blind rows or None)
+        for window in set(self.windows):
+            if pad.all() and (window is None or window >= length):
+                masks[window] = ("causal", None)
+                continue
+            visible = visible_keys(pad, window)
+            blind = ~visible.any(axis=-1)                                   # (B, 1, L)
+            masks[window] = (mx.array(visible), mx.array(blind.reshape(batch, length, 1)) if blind.any() else None)
+
+        h = self.embed_tokens(input_ids).astype(self.compute_dtype)
+        states = {0: h}
+        for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
+            mask, blind = masks[window]
+            h = layer(h, mask) if blind is None else block_with_blind_rows(layer, h, mask, blind)
+            states[i + 1] = h
+        if self.args.tapped_final_norm:
+            states[self.args.depth] = self.norm(h)
+        return mx.concatenate([states[t] for t in self.args.taps], axis=-1)
+
+
+def quantize_as_mlx_lm(model: Model, weights: dict, quantization: dict) -> None:
+    """mlx_lm.utils.load_model's rule: quantize exactly the modules the file has `.scales` for, with the per-layer
+    settings in config["quantization"] (keyed by mlx-lm's module paths, mapped to ours here)."""
+    from mlx_lm.utils import infer_quant_config
+    overrides = {}
+    for path, setting in quantization.items():
+        if isinstance(setting, (dict, bool)):
+            mapped = list(remap({f"{path}.weight": None}, KEYMAP))
+            if mapped:
+                overrides[mapped[0][:-len(".weight")]] = setting
+
+    def predicate(path, module):
+        if path in overrides:
+            return overrides[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
+                mode=quantization.get("mode", "affine"), class_predicate=predicate)
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MlxdiffError(f"{path}: the text encoder config is missing; the model folder is incomplete") from None
+    except (OSError, ValueError) as e:
+        raise MlxdiffError(f"{path}: cannot read the text encoder config ({e})") from None
+
+
+def load_text_encoder(folder, taps=None, compute_dtype=None, quantize=None) -> Model:
+    """The text encoder of a diffusers `text_encoder/` or mlx-lm folder, with only the layers `taps` need.
+
+    Lazy: nothing is read until the model runs or its parameters are evaluated (mlxdiff's `materialize`).
+    quantize: {"bits", "group_size"} to quantize a full-precision encoder while loading (mlxdiff's rule)."""
+    folder = Path(folder)
+    config = read_config(folder)
+    args = ModelArgs.from_dict({**config, "taps": taps})
+    check_args(args, folder)
+    model = Model(args)
+    model.compute_dtype = compute_dtype or mx.float32
+    weights = model.sanitize(st.load_folder(folder))   # drops every unneeded array before anything is evaluated
+    if args.quantization:
+        quantize_as_mlx_lm(model, weights, args.quantization)
+    load_into(model, weights, folder)
+    if quantize:
+        from ..loading.quantize import quantize_model
+        quantize_model(model, quantize["bits"], quantize.get("group_size", 64))
+    return model
+
+
+def tapped_nbytes(folder, taps=None) -> int:
+    """Bytes of the tensors load_text_encoder reads for these taps (headers only)."""
+    folder = Path(folder)
+    args = ModelArgs.from_dict({**read_config(folder), "taps": taps})
+    check_args(args, folder)
+    total = 0
+    for f in st.safetensors_files(folder):
+        for name, (dtype, shape) in st.check_safetensors(f).items():
+            mapped = list(remap({name: None}, KEYMAP))
+            if mapped and reads(mapped[0], args):
+                total += int(np.prod(shape, dtype=np.int64)) * st.ITEMSIZE[dtype]
+    return total
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Tokenization, exactly as diffusers' pipelines format prompts
+
+def load_tokenizer(folder):
+    """The transformers tokenizer of a FLUX.2 `tokenizer/` folder, with its chat template.
+
+    FLUX.2-dev's folder is a processor (PixtralProcessor) folder: its chat template may only be in the processor's
+    legacy chat_template.json, which a tokenizer does not read, so that file is used as a fallback."""
+    from ..tokenizers import load_tokenizer as load_hf_tokenizer
+    folder = Path(folder)
+    tokenizer = load_hf_tokenizer(folder)
+    if not getattr(tokenizer, "chat_template", None):
+        for name in ("chat_template.json", "processor_config.json"):
+            try:
+                template = json.loads((folder / name).read_text()).get("chat_template")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if template:
+                tokenizer.chat_template = template
+                break
+    require_chat_template(tokenizer)
+    return tokenizer
+
+
+def require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise MlxdiffError(f"{where}: the tokenizer has no chat template, and FLUX.2 formats prompts with it; add the "
+                           "model's chat_template.jinja (or tokenizer_config.json with chat_template) to the folder")
+
+
+def dev_messages(prompts, system_message=SYSTEM_MESSAGE) -> list:
+    """diffusers' flux2 `format_input` for text-only prompts: "[IMG]" removed, system + user message, content parts."""
+    return [[{"role": "system", "content": [{"type": "text", "text": system_message}]},
+             {"role": "user", "content": [{"type": "text", "text": p.replace("[IMG]", "")}]}] for p in prompts]
+
+
+def _warn_if_truncated(tokenizer, texts, ids, add_special_tokens):
+    from ..tokenizers import report_truncation
+    truncated = []
+    for text, kept in zip(texts, ids):
+        whole = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if len(whole) > len(kept):
+            truncated.append((text, tokenizer.decode(whole[len(kept):])))
+    report_truncation(truncated, f"{len(ids[0])} tokens")
+
+
+def tokenize_dev(tokenizer, prompts, max_sequence_length=512, system_message=SYSTEM_MESSAGE):
+    """Flux2Pipeline's tokenization: (input_ids, attention_mask), int32 (B, max_sequence_length).
+
+    diffusers calls the processor's apply_chat_template(add_generation_prompt=False, tokenize=True,
+    padding="max_length", truncation=True, max_length=...). The processor renders the template and tokenizes the text
+    with add_special_tokens unless the text already starts with the BOS token (processing_utils), padding on the
+    tokenizer's padding_side (left for Mistral's LlamaTokenizer). `tokenizer` may be that processor or its tokenizer;
+    either way this does what the processor does."""
+    require_chat_template(tokenizer)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    texts = tokenizer.apply_chat_template(dev_messages(prompts, system_message), add_generation_prompt=False,
+                                          tokenize=False)
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    add_special = not (tok.bos_token is not None and texts[0].startswith(tok.bos_token))
+    enc = tok(texts, padding="max_length", truncation=True, max_length=max_sequence_length,
+              add_special_tokens=add_special)
+    _warn_if_truncated(tok, texts, enc["input_ids"], add_special)
+    return np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32)
+
+
+def tokenize_klein(tokenizer, prompts, max_sequence_length=512):
+    """Flux2KleinPipeline's tokenization: per prompt, the user message alone through the chat template
+    (add_generation_prompt=True, enable_thinking=False), then tokenizer(padding="max_length", truncation=True), on the
+    tokenizer's padding_side (right for Qwen2Tokenizer)."""
+    require_chat_template(tokenizer)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=False) for p in prompts]
+    ids, mask = [], []
+    for text in texts:
+        enc = tokenizer(text, padding="max_length", truncation=True, max_length=max_sequence_length)
+        ids.append(enc["input_ids"])
+        mask.append(enc["attention_mask"])
+    _warn_if_truncated(tokenizer, texts, ids, True)
+    return np.array(ids, np.int32), np.array(mask, np.int32)
