@@ -13,6 +13,7 @@ from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.loading.keymaps import remap
 from mlxdiff.loading.safetensors import load_folder, load_safetensors
+from mlxdiff.loading import sources
 from mlxdiff.loading.weights import build
 from mlxdiff.models import flux2
 
@@ -274,7 +275,7 @@ def test_original_naming_parity(single_files, which):
     assert by_table.keys() - mapped.keys() == ({"text_encoders.qwen3.embed.weight"} if which == "prefixed" else set())
 
     # the pipeline's path: a spec from the file alone (config from the shapes), built and run
-    spec = flux2.spec_from_file(path)
+    spec = sources.transformer_from_file(path, flux2)
     assert spec.config == config
     inputs = make_inputs(name, seed=1)
     ref = torch_forward(torch_model, inputs)
@@ -287,8 +288,8 @@ def test_diffusers_named_file_needs_config(saved):
     _, _, folder = saved
     file = next(folder.glob("*.safetensors"))
     with pytest.raises(MlxdiffError, match="config"):
-        flux2.spec_from_file(file)
-    spec = flux2.spec_from_file(file, base_config=json.loads((folder / "config.json").read_text()))
+        sources.transformer_from_file(file, flux2)
+    spec = sources.transformer_from_file(file, flux2, base_config=json.loads((folder / "config.json").read_text()))
     assert spec.keymap is None and spec.prefix == ""
 
 

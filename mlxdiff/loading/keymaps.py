@@ -13,10 +13,17 @@ import re
 import mlx.core as mx
 
 
+def split_rows(w, n):
+    """Equal row blocks of an array, or of a GGUF weight that stays quantized (rows of weight/scales/biases)."""
+    from .gguf import split_rows as split
+    return split(w, n)
+
+
 def swap_halves(w):
     """Original checkpoints order adaLN chunks (shift, scale); diffusers uses (scale, shift)."""
-    shift, scale = mx.split(w, 2, axis=0)
-    return mx.concatenate([scale, shift], axis=0)
+    from .gguf import concat_rows
+    shift, scale = split_rows(w, 2)
+    return concat_rows([scale, shift])
 
 
 def squeeze_1x1(w):
@@ -43,7 +50,7 @@ def remap(weights: dict, rules) -> dict:
             if target is None:
                 break
             if isinstance(target, tuple):
-                for name, part in zip(target, mx.split(value, len(target), axis=0)):
+                for name, part in zip(target, split_rows(value, len(target))):
                     out[m.expand(name)] = transform(part) if transform else part
             else:
                 out[m.expand(target)] = transform(value) if transform else value

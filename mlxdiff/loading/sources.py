@@ -59,10 +59,10 @@ class ComponentSpec:
     def source(self):
         return ", ".join(str(f) for f in self.files)
 
-    def weights(self) -> dict:
+    def weights(self, compute_dtype=None) -> dict:
         weights = {}
         for f in self.files:
-            weights.update(st.load_safetensors(f))
+            weights.update(read_weights_file(f, compute_dtype))
         if self.prefix:
             weights = strip_prefix(weights, self.prefix)
         if self.keymap:
@@ -72,8 +72,13 @@ class ComponentSpec:
         return weights
 
     def nbytes(self) -> int:
+        """Bytes of this component's tensors as stored (headers only; nothing is read)."""
         total = 0
         for f in self.files:
+            if Path(f).suffix == ".gguf":
+                from .gguf import check_gguf
+                total += sum(t.nbytes for t in check_gguf(f).tensors if t.name.startswith(self.prefix))
+                continue
             for name, (dtype, shape) in st.check_safetensors(f).items():
                 if name.startswith(self.prefix):
                     n = st.ITEMSIZE[dtype]
@@ -83,8 +88,60 @@ class ComponentSpec:
         return total
 
     def build(self, compute_dtype=None):
-        return build(self.arch, self.config, self.weights(), self.source, compute_dtype,
+        return build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+
+
+def read_weights_file(path, compute_dtype=None) -> dict:
+    """{name: array} from a safetensors file, or {name: array | QuantizedTensor} from a GGUF file (checked first)."""
+    if Path(path).suffix == ".gguf":
+        from .gguf import load_gguf
+        return load_gguf(path, compute_dtype)
+    return st.load_safetensors(path)
+
+
+class TensorShape:
+    """Stands in for an array where only its shape is needed (config inference from a file's header)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+        self.ndim = len(self.shape)
+
+
+def tensor_shapes(path) -> dict:
+    """{name: TensorShape} from a safetensors or GGUF header, without reading any tensor."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from .gguf import check_gguf
+        return {t.name: TensorShape(t.shape) for t in check_gguf(path).tensors}
+    return {k: TensorShape(shape) for k, (_, shape) in st.check_safetensors(path).items()}
+
+
+def transformer_from_file(path, arch, base_config=None) -> ComponentSpec:
+    """A denoiser given as one file (safetensors or GGUF) with original (SAI / BFL) names, with or without the
+    `model.diffusion_model.` prefix, or with diffusers names. The config comes from the file's shapes
+    (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
+    folder's transformer config; diffusers-named files need that folder config."""
+    path = Path(path)
+    if not path.is_file():
+        raise MlxdiffError(f"{path}: transformer file not found")
+    if path.suffix not in WEIGHT_SUFFIXES:
+        raise MlxdiffError(f"{path}: expected a .safetensors or .gguf transformer file")
+    shapes = tensor_shapes(path)
+    prefix = arch.ORIGINAL_PREFIX if any(n.startswith(arch.ORIGINAL_PREFIX) for n in shapes) else ""
+    if arch.is_original(list(shapes)):
+        config = arch.config_from_original({k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)})
+        for key in arch.FROM_BASE_CONFIG:
+            if base_config and key in base_config:
+                config[key] = base_config[key]
+        return ComponentSpec("transformer", arch, config, [path], prefix, arch.original_to_diffusers)
+    if base_config is None:
+        raise MlxdiffError(f"{path}: a diffusers-named transformer file needs its config.json; load the pipeline "
+                           "folder and pass this file as transformer=")
+    return ComponentSpec("transformer", arch, dict(base_config), [path], prefix)
 
 
 def read_json(path, what):

@@ -38,6 +38,7 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters.
     """
     import mlx.core as mx
+    from .gguf import flatten_quantized, quantized_predicate
     from .quantize import prepare_quantized, quantize_model
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
@@ -46,6 +47,10 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
         weights = model.sanitize(weights)
     if config.get("quantization"):  # saved quantized by mlxdiff.convert
         prepare_quantized(model, weights, config["quantization"])
+    weights, gguf_layers = flatten_quantized(weights)
+    if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear, per their own bits
+        import mlx.nn as nn
+        nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
     load_into(model, weights, source)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
         quantize_model(model, quantize["bits"], quantize.get("group_size", 64))

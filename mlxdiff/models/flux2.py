@@ -423,6 +423,7 @@ def _block_count(weights, pattern, what):
 
 # What the weights cannot say; every released FLUX.2 (dev, klein 4B/9B) has these values.
 NOT_IN_WEIGHTS = {"patch_size": 1, "rope_theta": 2000, "eps": 1e-6}
+FROM_BASE_CONFIG = ("axes_dims_rope", "rope_theta", "eps")  # taken from a pipeline folder's config when given
 
 
 def config_from_original(weights: dict) -> dict:
@@ -484,26 +485,3 @@ def config_from_original(weights: dict) -> dict:
         "guidance_embeds": "guidance_in.in_layer.weight" in weights,
     }
 
-
-def spec_from_file(path, base_config=None):
-    """A transformer given as one safetensors file: BFL names (with or without `model.diffusion_model.`; the config
-    comes from the shapes, with the RoPE split, theta and eps taken from `base_config` when there is one) or
-    diffusers names (then `base_config`, the pipeline folder's transformer config, is required)."""
-    from ..loading import sources
-    from ..loading.safetensors import check_safetensors, load_safetensors
-    this_module = sys.modules[__name__]
-    path = Path(path)
-    if not path.is_file():
-        raise MlxdiffError(f"{path}: transformer file not found")
-    names = list(check_safetensors(path))
-    prefix = ORIGINAL_PREFIX if any(n.startswith(ORIGINAL_PREFIX) for n in names) else ""
-    if is_original(names):
-        config = config_from_original(load_safetensors(path))
-        for key in ("axes_dims_rope", "rope_theta", "eps"):
-            if base_config and key in base_config:
-                config[key] = base_config[key]
-        return sources.ComponentSpec("transformer", this_module, config, [path], prefix, original_to_diffusers)
-    if base_config is None:
-        raise MlxdiffError(f"{path}: a diffusers-named FLUX.2 transformer file needs its config.json; load the "
-                           "pipeline folder and pass this file as transformer=")
-    return sources.ComponentSpec("transformer", this_module, dict(base_config), [path], prefix)

@@ -272,6 +272,12 @@ class Model(nn.Module):
 # -- original single-file checkpoints (Stability's sd3.5_*.safetensors, `model.diffusion_model.*`) ------------
 
 ORIGINAL_PREFIX = "model.diffusion_model."
+FROM_BASE_CONFIG = ("sample_size",)  # not in the weights; taken from a pipeline folder's config when there is one
+
+
+def is_original(names) -> bool:
+    """Whether tensor names are Stability's original ones (with or without the prefix), not diffusers'."""
+    return any(n.split(ORIGINAL_PREFIX)[-1].startswith("joint_blocks.") for n in names)
 
 # original name -> diffusers name (see convert_sd3_transformer_checkpoint_to_diffusers). A tuple target splits a fused
 # qkv along axis 0. The 2-chunk modulations (final_layer, and the last block's context adaLN) are stored

@@ -207,6 +207,6 @@ def from_folder(root: Path, pipeline_class: str, components: dict, dtype=None, t
     tokenizer = text_llm.load_tokenizer(root / "tokenizer")
     if transformer is not None:
         from ..models import flux2
-        specs["transformer"] = flux2.spec_from_file(transformer, base_config=specs["transformer"].config)
+        specs["transformer"] = sources.transformer_from_file(transformer, flux2, specs["transformer"].config)
     scheduler = sources.read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
     return Flux2Pipeline(pipeline_class, specs, tokenizer, scheduler, bool(index.get("is_distilled", False)), dtype)

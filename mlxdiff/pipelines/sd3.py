@@ -211,26 +211,9 @@ def from_folder(root: Path, components: dict, dtype=None, transformer=None) -> S
             raise MlxdiffError(f"{root / 'model_index.json'}: component {name!r} is missing")
     scheduler = sources.read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
     if transformer is not None:
-        specs["transformer"] = transformer_from_file(transformer, base_config=specs["transformer"].config)
+        from ..models import mmdit
+        specs["transformer"] = sources.transformer_from_file(transformer, mmdit, specs["transformer"].config)
     return SD3Pipeline(specs, tokenizers, scheduler, dtype)
-
-
-def transformer_from_file(path, base_config=None):
-    """A transformer override: a single file with original (`model.diffusion_model.*`) or diffusers names."""
-    from ..models import mmdit
-    path = Path(path)
-    if not path.is_file():
-        raise MlxdiffError(f"{path}: transformer file not found")
-    names = st_names(path)
-    prefix = "model.diffusion_model." if any(n.startswith("model.diffusion_model.") for n in names) else ""
-    original = any(n[len(prefix):].startswith("joint_blocks.") for n in names)
-    if original:
-        config = base_config or mmdit.config_from_original(_lazy(path, prefix))
-        return sources.ComponentSpec("transformer", mmdit, config, [path], prefix, mmdit.original_to_diffusers)
-    if base_config is None:
-        raise MlxdiffError(f"{path}: a diffusers-named transformer file needs its config.json; load the folder "
-                           "it came from and pass this file as transformer=")
-    return sources.ComponentSpec("transformer", mmdit, base_config, [path], prefix)
 
 
 def st_names(path):
@@ -253,11 +236,11 @@ TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "
 
 def from_single_file(path: Path, dtype=None, transformer=None, text_encoders=None) -> SD3Pipeline:
     """sd3.5_medium.safetensors / sd3.5_large.safetensors (+ clip_l, clip_g, t5xxl beside it or inside)."""
-    from ..models import clip, t5, vae
+    from ..models import clip, mmdit, t5, vae
     names = st_names(path)
     if not any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
         raise MlxdiffError(f"{path}: not an SD3 single file (no model.diffusion_model.joint_blocks.* keys)")
-    specs = {"transformer": transformer_from_file(transformer or path)}
+    specs = {"transformer": sources.transformer_from_file(transformer or path, mmdit)}
     if not any(n.startswith("first_stage_model.") for n in names):
         raise MlxdiffError(f"{path}: has no VAE (first_stage_model.*); use the full sd3.5 checkpoint")
     vae_weights = _lazy(path, "first_stage_model.")
