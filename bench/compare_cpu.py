@@ -1,7 +1,9 @@
-"""SD3.5 Medium at its real config (random bf16 weights), mlxdiff beside diffusers, on the same files.
+"""A real-config pipeline (random bf16 weights), mlxdiff beside diffusers, on the same files, on this CPU.
 
     python bench/make_random_models.py sd3.5-medium          # once: ~16 GB under weights/
-    python bench/sd3_medium_cpu.py [--size 512] [--steps 2] [--skip-diffusers]
+    python bench/compare_cpu.py --model weights/bench-sd3.5-medium-random [--size 512] [--steps 2]
+    python bench/make_random_models.py klein-4b              # once: ~16 GB
+    python bench/compare_cpu.py --model weights/bench-klein-4b-random --steps 1 --guidance 1
 
 Each path runs in its own process. Reported per phase: seconds and peak process RSS (VmHWM, reset at every phase
 start via /proc/self/clear_refs), plus MLX's own peak for mlxdiff. diffusers runs as is (from_pretrained in bf16,
@@ -28,14 +30,9 @@ import numpy as np
 args = json.loads(sys.argv[1])
 pipe = mlxdiff.load(args["model"])
 size, steps = args["size"], args["steps"]
-step_times = []
-last = [None]
-def cb(i, t, x):
-    now = time.perf_counter(); step_times.append(now); 
-start = time.perf_counter()
-r = pipe.generate("a photo of a fox in the snow", width=size, height=size, steps=steps, guidance=7.0,
-                  latents=np.random.default_rng(0).standard_normal((1, 16, size // 8, size // 8)).astype(np.float32),
-                  callback=cb, progress_bar=False)
+shape = (1, 16, size // 8, size // 8) if pipe.family == "sd3" else (1, 128, size // 16, size // 16)
+r = pipe.generate("a photo of a fox in the snow", width=size, height=size, steps=steps, guidance=args["guidance"],
+                  latents=np.random.default_rng(0).standard_normal(shape).astype(np.float32), progress_bar=False)
 den = r.timings["denoise"] - r.load_seconds.get("transformer", 0)
 out = {"timings": r.timings, "load_seconds": r.load_seconds, "memory": r.memory,
        "seconds_per_step": den / steps, "total": time.perf_counter() - t0,
@@ -47,33 +44,42 @@ DIFFUSERS_CHILD = r"""
 import json, sys, time
 t0 = time.perf_counter()
 import numpy as np, torch
-from diffusers import StableDiffusion3Pipeline
+import diffusers
 sys.path.insert(0, sys.argv[2])
 from mlxdiff.memory import reset_footprint_peak, process_footprint
 args = json.loads(sys.argv[1])
-torch.set_num_threads(max(1, torch.get_num_threads()))
 timings, memory = {}, {}
 def mark(name, start):
     timings[name] = time.perf_counter() - start
     memory[name] = {"footprint_peak": process_footprint()["peak"], "footprint": process_footprint()["footprint"]}
+index = json.load(open(args["model"] + "/model_index.json"))
+cls = getattr(diffusers, index["_class_name"])
+sd3 = index["_class_name"] == "StableDiffusion3Pipeline"
 reset_footprint_peak(); s = time.perf_counter()
-pipe = StableDiffusion3Pipeline.from_pretrained(args["model"], torch_dtype=torch.bfloat16)
+pipe = cls.from_pretrained(args["model"], torch_dtype=torch.bfloat16)
 mark("load", s)
-size, steps = args["size"], args["steps"]
+size, steps, g = args["size"], args["steps"], args["guidance"]
+prompt = "a photo of a fox in the snow"
 reset_footprint_peak(); s = time.perf_counter()
 with torch.no_grad():
-    pe, npe, pp, npp = pipe.encode_prompt("a photo of a fox in the snow", None, None, do_classifier_free_guidance=True)
+    if sd3:
+        pe, npe, pp, npp = pipe.encode_prompt(prompt, None, None, do_classifier_free_guidance=g > 1)
+        cond = dict(prompt_embeds=pe, negative_prompt_embeds=npe, pooled_prompt_embeds=pp,
+                    negative_pooled_prompt_embeds=npp)
+    else:
+        pe, _ = pipe.encode_prompt(prompt)
+        cond = dict(prompt_embeds=pe)
 mark("encode", s)
-lat = torch.from_numpy(np.random.default_rng(0).standard_normal((1, 16, size // 8, size // 8)).astype(np.float32)).to(torch.bfloat16)
+shape = (1, 16, size // 8, size // 8) if sd3 else (1, 128, size // 16, size // 16)
+lat = torch.from_numpy(np.random.default_rng(0).standard_normal(shape).astype(np.float32)).to(torch.bfloat16)
 reset_footprint_peak(); s = time.perf_counter()
 with torch.no_grad():
-    lat_out = pipe(prompt_embeds=pe, negative_prompt_embeds=npe, pooled_prompt_embeds=pp,
-                   negative_pooled_prompt_embeds=npp, height=size, width=size, num_inference_steps=steps,
-                   guidance_scale=7.0, latents=lat, output_type="latent").images
+    lat_out = pipe(**cond, height=size, width=size, num_inference_steps=steps, guidance_scale=g, latents=lat,
+                   output_type="latent").images
 mark("denoise", s)
 reset_footprint_peak(); s = time.perf_counter()
 with torch.no_grad():
-    z = lat_out / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+    z = lat_out / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor if sd3 else lat_out
     img = pipe.vae.decode(z, return_dict=False)[0]
 mark("decode", s)
 out = {"timings": timings, "memory": memory, "seconds_per_step": timings["denoise"] / steps,
@@ -99,17 +105,19 @@ def fmt(n):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "weights" / "bench-sd3.5-medium-random"))
+    ap.add_argument("--guidance", type=float, default=7.0)
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--skip-diffusers", action="store_true")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    args = {"model": a.model, "size": a.size, "steps": a.steps}
+    args = {"model": str(Path(a.model).resolve()), "size": a.size, "steps": a.steps, "guidance": a.guidance}
     results = {"mlxdiff": run_child(MLXDIFF_CHILD, args)}
     if not a.skip_diffusers:
         results["diffusers"] = run_child(DIFFUSERS_CHILD, args, [str(ROOT)])
     import mlx.core as mx
-    print(f"SD3.5 Medium real config, random bf16 weights, {a.size}x{a.size}, {a.steps} steps, CFG 7.0")
+    print(f"{Path(a.model).name}: real config, random bf16 weights, {a.size}x{a.size}, {a.steps} steps, "
+          f"guidance {a.guidance}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.1f} GiB; mlx {mx.__version__} (CPU, "
           f"float32 compute, OpenBLAS); diffusers bf16 on torch CPU\n")
