@@ -24,6 +24,9 @@ def parse_args(argv=None):
     p.add_argument("--quantize", default=None,
                    help="quantize while loading: bits for all (e.g. 4) or per component "
                         "(e.g. transformer=4,text_encoder_3=8)")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   help="cap MLX memory; a phase whose weights cannot fit stops before loading")
+    p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
     p.add_argument("--output", default="out.png")
     p.add_argument("--no-progress", action="store_true")
@@ -49,6 +52,9 @@ def main(argv=None) -> int:
         from .pipelines.images import check_writable, save_png
         output = check_writable(args.output)
         import mlxdiff
+        if args.memory_limit is not None:
+            from .memory import set_memory_limit
+            set_memory_limit(args.memory_limit)
         model = args.model
         if model is None:
             from . import default_model
@@ -75,7 +81,7 @@ def main(argv=None) -> int:
                   "steps": kwargs["steps"], "guidance": kwargs["guidance"], "seed": args.seed,
                   "dtype": str(pipe.dtype).replace("mlx.core.", ""), "generator": "mlxdiff"}
         save_png(result.image, output, params)
-        print(result.summary())
+        print(result.memory_report() if args.report_memory else result.summary())
         print(f"mlxdiff: total {time.perf_counter() - t0:.1f} s; image written to {output.resolve()}")
         return 0
     except MlxdiffError as e:

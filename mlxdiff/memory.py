@@ -74,4 +74,67 @@ def snapshot() -> Snapshot:
 
 
 def fmt_gb(n) -> str:
-    return "-" if n is None else f"{n / GB:.2f} GB"
+    if n is None:
+        return "-"
+    return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 2**20:.1f} MB"
+
+
+# -- limits -------------------------------------------------------------------------------------------------------
+
+memory_limit = None  # bytes, set by set_memory_limit (--memory-limit); None: only the machine's free memory counts
+
+
+def set_memory_limit(gb: float):
+    """Cap MLX's memory and cache, and make every phase check that its weights fit before loading them."""
+    from .errors import MlxdiffError
+    global memory_limit
+    if gb <= 0:
+        raise MlxdiffError(f"--memory-limit {gb}: must be a positive number of GB")
+    memory_limit = int(gb * GB)
+    mx.set_memory_limit(memory_limit)
+    mx.set_cache_limit(min(memory_limit, mx.get_cache_memory() + memory_limit // 4))
+
+
+def available_bytes():
+    """Memory the next phase may use: MemAvailable on Linux, the recommended working set on Metal, else None."""
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024 + mx.get_active_memory()
+        except OSError:
+            return None
+    try:
+        info = mx.device_info()
+        return info.get("max_recommended_working_set_size") or info.get("memory_size")
+    except Exception:  # device_info is backend specific
+        return None
+
+
+def check_fits(spec):
+    """Before a component loads: refuse, with a line saying what would fit, if its weights exceed the limit."""
+    from .errors import MlxdiffError
+    budget = [b for b in (memory_limit, available_bytes()) if b]
+    if not budget or not hasattr(spec, "loaded_nbytes"):
+        return
+    need, budget = spec.loaded_nbytes(), min(budget)
+    if need <= budget:
+        return
+    name = getattr(spec, "name", "component")
+    stored = spec.nbytes()
+    hints = []
+    for bits in (8, 4):
+        est = _quantized_estimate(stored, bits)
+        if est <= budget:
+            hints.append(f"quantize it: --quantize {name}={bits} (about {fmt_gb(est)})")
+            break
+    hint = hints[0] if hints else "no quantization makes it fit; use a machine with more memory"
+    limit = "the memory limit" if memory_limit and budget == memory_limit else "the free memory"
+    raise MlxdiffError(f"{name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")
+
+
+def _quantized_estimate(stored_bf16_bytes, bits, group_size=64):
+    """Rough size of a bf16 component quantized at `bits` (almost all bytes are Linear weights)."""
+    weights = stored_bf16_bytes // 2
+    return weights * bits // 8 + weights // group_size * 4

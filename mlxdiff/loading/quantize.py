@@ -2,9 +2,12 @@
 
 Rule for what stays in full precision (`KEEP_FULL_PRECISION`, matched against module paths): embeddings and
 embedders (token/position embeddings, patch embedding, timestep/text/guidance embedders, T5's relative position
-bias), modulation layers (adaLN `norm*.linear`, FLUX.2's shared `*_modulation*`), the final projection (`proj_out`),
-CLIP's text projection, and every non-Linear module (norms, convolutions). Those are small, and errors there
-propagate through every block. A Linear whose input width is not a multiple of the group size also stays as it is.
+bias), the output modulation and projection (`norm_out.linear`, `proj_out`), FLUX.2's shared modulations
+(`*_modulation*`: one small layer per stream that every block reads), CLIP's text projection, and every
+non-Linear module (norms, convolutions). Those are small, and an error there reaches every block. SD3's per-block
+adaLN layers (`norm1.linear`, `norm1_context.linear`) ARE quantized: they hold about a third of the MMDiT's
+weights, so keeping them would forfeit much of the saving. A Linear whose input width is not a multiple of the
+group size also stays as it is.
 
 Streaming: nn.quantize replaces each Linear by a QuantizedLinear whose arrays are still lazy functions of the lazily
 mapped file; `materialize` then evaluates one module at a time, so the full-precision model never exists at once.
@@ -23,7 +26,7 @@ KEEP_FULL_PRECISION = [
     r"(^|.*\.)(embed_tokens|token_embedding|position_embedding|shared|relative_attention_bias)$",
     r"(^|.*\.)(pos_embed|x_embedder|context_embedder|time_text_embed|time_guidance_embed|timestep_embedder|"
     r"guidance_embedder|text_embedder)(\..*)?$",
-    r"(^|.*\.)norm[^.]*\.linear$",          # AdaLayerNormZero / Continuous modulation
+    r"(^|.*\.)norm_out\.linear$",          # the output AdaLayerNormContinuous
     r"(^|.*\.)[^.]*modulation[^.]*(\..*)?$",  # FLUX.2 shared modulation
     r"(^|.*\.)(proj_out|text_projection)$",
 ]

@@ -87,6 +87,29 @@ class ComponentSpec:
                     total += n
         return total
 
+    def loaded_nbytes(self) -> int:
+        """Bytes in memory once loaded: as stored, or after quantize-while-loading (Linear weights outside the
+        full-precision rule become bits/8 per weight plus a 16-bit scale and bias per group)."""
+        if not self.quantize:
+            return self.nbytes()
+        from .quantize import keeps_full_precision
+        bits, group = self.quantize["bits"], self.quantize.get("group_size", 64)
+        total = 0
+        for f in self.files:
+            for name, shape in tensor_shapes(f).items():
+                if not name.startswith(self.prefix):
+                    continue
+                n = 1
+                for d in shape.shape:
+                    n *= d
+                layer = name[len(self.prefix):].rsplit(".", 1)[0]
+                if (len(shape.shape) == 2 and name.endswith(".weight") and not keeps_full_precision(layer)
+                        and shape.shape[-1] % group == 0):
+                    total += n * bits // 8 + n // group * 4
+                else:
+                    total += n * 2
+        return total
+
     def build(self, compute_dtype=None):
         return build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)

@@ -49,6 +49,10 @@ class TextEncoderSpec:
         from ..models import text_llm
         return text_llm.tapped_nbytes(self.folder, self.taps)
 
+    def loaded_nbytes(self) -> int:
+        from ..memory import _quantized_estimate
+        return _quantized_estimate(self.nbytes(), self.quantize["bits"]) if self.quantize else self.nbytes()
+
 
 class Flux2Pipeline:
     family = "flux2"

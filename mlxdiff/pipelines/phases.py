@@ -18,7 +18,7 @@ from .. import backend  # noqa: F401
 import mlx.core as mx
 
 from ..loading.quantize import materialize
-from ..memory import snapshot, fmt_gb, reset_footprint_peak
+from ..memory import check_fits, snapshot, fmt_gb, reset_footprint_peak
 
 
 @dataclass
@@ -31,11 +31,24 @@ class Result:
     load_seconds: dict = field(default_factory=dict)  # component -> seconds to map and read its weights
 
     def summary(self) -> str:
-        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'MLX after':>10} {'process peak':>13}"]
+        """Time and peak memory per phase (what the CLI prints)."""
+        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'process peak':>13}"]
         for name, seconds in self.timings.items():
             m = self.memory.get(name, {})
-            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('after')):>10} "
-                        f"{fmt_gb(m.get('footprint_peak')):>13}")
+            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('footprint_peak')):>13}")
+        return "\n".join(rows)
+
+    def memory_report(self) -> str:
+        """The per-phase memory table (--report-memory): peaks during, and what remains after each phase."""
+        rows = [f"{'phase':<9} {'load s':>7} {'MLX peak':>10} {'MLX after':>10} {'process peak':>13} "
+                f"{'process after':>14}"]
+        loads = {"denoise": self.load_seconds.get("transformer"), "decode": self.load_seconds.get("vae")}
+        for name in self.timings:
+            m = self.memory.get(name, {})
+            load = loads.get(name)
+            rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} {fmt_gb(m.get('peak')):>10} "
+                        f"{fmt_gb(m.get('after')):>10} {fmt_gb(m.get('footprint_peak')):>13} "
+                        f"{fmt_gb(m.get('footprint')):>14}")
         return "\n".join(rows)
 
 
@@ -79,6 +92,7 @@ def release():
 @contextmanager
 def loaded(spec, compute_dtype, result: Result | None = None):
     """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
+    check_fits(spec)  # refuse before loading anything that cannot fit
     start = time.perf_counter()
     model = spec.build(compute_dtype)
     materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
