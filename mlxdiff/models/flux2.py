@@ -331,9 +331,11 @@ class Model(nn.Module):
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
         for block in self.transformer_blocks:
             context, x = block(x, context, mod_img, mod_txt, cos, sin)
+            mx.eval(context, x)  # one block's graph at a time: transient buffers are freed block by block
         h = mx.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
             h = block(h, mod_single, cos, sin)
+            mx.eval(h)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
 
     def sanitize(self, weights: dict) -> dict:

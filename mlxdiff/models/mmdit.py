@@ -255,6 +255,7 @@ class Model(nn.Module):
         for i, block in enumerate(self.transformer_blocks):
             if i not in skip:  # a skipped block changes neither stream
                 context, x = block(x, context, temb)
+                mx.eval(x) if context is None else mx.eval(context, x)  # free each block's buffers before the next
         x = self.proj_out(self.norm_out(x, temb))
         h, w = height // p, width // p
         x = x.reshape(b, h, w, p, p, -1).transpose(0, 5, 1, 3, 2, 4)  # einsum nhwpqc -> nchpwq
