@@ -203,7 +203,9 @@ def from_folder(root: Path, pipeline_class: str, components: dict, dtype=None, t
         if not entry or entry[1] is None:
             raise MlxdiffError(f"{root / 'model_index.json'}: component {name!r} is missing")
     specs = {name: sources.folder_component(root, name, components[name][1]) for name in ("transformer", "vae")}
-    taps = TAPS[pipeline_class]
+    # a folder may name its own taps (a small encoder has fewer layers); diffusers ignores this key and takes
+    # text_encoder_out_layers per call instead
+    taps = tuple(index.get("text_encoder_out_layers") or TAPS[pipeline_class])
     if not (root / "text_encoder").is_dir():
         raise MlxdiffError(f"{root / 'text_encoder'}: text encoder folder is missing")
     specs["text_encoder"] = TextEncoderSpec("text_encoder", root / "text_encoder", taps)
