@@ -41,6 +41,9 @@ def save_png(image, path, parameters: dict) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             image.save(f, format="PNG", pnginfo=info)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an image should get the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
