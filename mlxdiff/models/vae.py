@@ -246,11 +246,65 @@ def nhwc_to_nchw(x):
     return x.transpose(0, 3, 1, 2)
 
 
+def tile_stride(tile, overlap):
+    if not 0 <= overlap < 1:
+        raise MlxdiffError(f"VAE tiling: overlap must be in [0, 1), got {overlap}")
+    stride = int(tile * (1 - overlap))
+    if stride < 1:
+        raise MlxdiffError(f"VAE tiling: a tile of {tile} with overlap {overlap} does not advance; "
+                           "use a larger tile or a smaller overlap")
+    return stride
+
+
+def blend(a, b, extent, axis):
+    """diffusers' blend_v (axis 1 here, NHWC) / blend_h (axis 2): the first `extent` rows of tile b fade in
+    linearly from the last `extent` rows of its neighbour a."""
+    extent = min(a.shape[axis], b.shape[axis], extent)
+    if extent == 0:
+        return b
+    shape = [1] * b.ndim
+    shape[axis] = extent
+    # the weights as diffusers computes them (Python floats), rounded once to the tile's dtype
+    fade_in = mx.array([y / extent for y in range(extent)]).reshape(shape).astype(b.dtype)
+    fade_out = mx.array([1 - y / extent for y in range(extent)]).reshape(shape).astype(b.dtype)
+    tail = [slice(None)] * a.ndim
+    tail[axis] = slice(a.shape[axis] - extent, None)
+    a_tail = a[tuple(tail)]
+    b_head, b_rest = mx.split(b, [extent], axis=axis)
+    return mx.concatenate([a_tail * fade_out + b_head * fade_in, b_rest], axis=axis)
+
+
+def tiled_apply(x, fn, tile, stride, blend_extent, keep):
+    """Apply `fn` (NHWC -> NHWC at another resolution) to `tile`-sized windows of x every `stride` pixels,
+    blend each output with its upper and left neighbours over `blend_extent` output pixels and keep the first
+    `keep` rows and columns of each: diffusers' tiling loop. diffusers blends in place, so a tile's neighbours
+    are used already blended; here each blended tile replaces its raw output, which gives the same numbers.
+    Each tile is evaluated before the next one is built, and only the previous row of outputs is kept."""
+    above, rows = None, []
+    for i in range(0, x.shape[1], stride):
+        row = []
+        for j in range(0, x.shape[2], stride):
+            out = fn(x[:, i:i + tile, j:j + tile])
+            if above is not None:
+                out = blend(above[len(row)], out, blend_extent, axis=1)
+            if row:
+                out = blend(row[-1], out, blend_extent, axis=2)
+            mx.eval(out)
+            row.append(out)
+        rows.append(mx.concatenate([t[:, :keep, :keep] for t in row], axis=2))
+        mx.eval(rows[-1])
+        above = row
+    return mx.concatenate(rows, axis=1)
+
+
 class Model(nn.Module):
     """diffusers AutoencoderKL. `decode(z)` / `encode(x)` take and return NCHW like diffusers.
 
     Latent scaling is the caller's: the SD3 pipeline denoises (mean - shift_factor) * scaling_factor and decodes
     z / scaling_factor + shift_factor (see `scale_latents` / `unscale_latents`).
+
+    Inputs larger than a tile (by default diffusers' tile sizes, from config sample_size) are encoded / decoded
+    tile by tile as diffusers does after `enable_tiling()`; `tiling=False` forces the plain path.
     """
 
     def __init__(self, args: ModelArgs):
@@ -270,24 +324,87 @@ class Model(nn.Module):
         if args.use_post_quant_conv:
             self.post_quant_conv = nn.Conv2d(args.latent_channels, args.latent_channels, 1)
 
-    def encode_moments(self, x):
-        """Image [B, C, H, W] in [-1, 1] -> (mean, logvar), each [B, latent_channels, H/f, W/f]."""
-        h = self.encoder(nchw_to_nhwc(x.astype(self.compute_dtype)))
-        if "quant_conv" in self:
-            h = self.quant_conv(h)
+    def _moments(self, x):
+        h = self.encoder(x)
+        return self.quant_conv(h) if "quant_conv" in self else h
+
+    def _decoded(self, z):
+        if "post_quant_conv" in self:
+            z = self.post_quant_conv(z)
+        return self.decoder(z)
+
+    def encode_moments(self, x, tiling=None, tile_latent_size=None, overlap=0.25):
+        """Image [B, C, H, W] in [-1, 1] -> (mean, logvar), each [B, latent_channels, H/f, W/f].
+
+        tiling: None tiles when H or W exceeds the image tile (see `tile_sizes`), True / False force it.
+        """
+        _, sample_tile = self.tile_sizes(tile_latent_size)
+        if tiling is None:
+            tiling = max(x.shape[-2:]) > sample_tile
+        x = nchw_to_nhwc(x.astype(self.compute_dtype))
+        if tiling:
+            h = self._tiled_moments(x, tile_latent_size, overlap)
+        else:
+            h = self._moments(x)
         mean, logvar = mx.split(nhwc_to_nchw(h), 2, axis=1)
         return mean, mx.clip(logvar, -30.0, 20.0)
 
-    def encode(self, x):
+    def encode(self, x, tiling=None, tile_latent_size=None, overlap=0.25):
         """Image [B, C, H, W] -> the latent mean (the posterior's mode, what the pipelines use)."""
-        return self.encode_moments(x)[0]
+        return self.encode_moments(x, tiling, tile_latent_size, overlap)[0]
 
-    def decode(self, z):
-        """Latent [B, latent_channels, h, w] -> image [B, out_channels, h*f, w*f] (about [-1, 1])."""
+    def decode(self, z, tiling=None, tile_latent_size=None, overlap=0.25):
+        """Latent [B, latent_channels, h, w] -> image [B, out_channels, h*f, w*f] (about [-1, 1]).
+
+        tiling: None tiles when h or w exceeds the latent tile (see `tile_sizes`), True / False force it.
+        """
+        latent_tile, _ = self.tile_sizes(tile_latent_size)
+        if tiling is None:
+            tiling = max(z.shape[-2:]) > latent_tile
+        if tiling:
+            return self.tiled_decode(z, tile_latent_size, overlap)
+        return nhwc_to_nchw(self._decoded(nchw_to_nhwc(z.astype(self.compute_dtype))))
+
+    # -- tiling: diffusers' AutoencoderKL.tiled_decode / _tiled_encode ------------------------------------------
+
+    def tile_sizes(self, tile_latent_size=None):
+        """(latent tile, image tile) edge lengths. By default diffusers' tile_latent_min_size and
+        tile_sample_min_size: config sample_size / 2**(levels - 1) and sample_size (128 and 1024 for SD3.5 and
+        FLUX.2); a given latent tile t pairs with the image tile t * 2**(levels - 1)."""
+        factor = 2 ** (len(self.args.block_out_channels) - 1)
+        if tile_latent_size is None:
+            sample_size = self.args.sample_size
+            if isinstance(sample_size, (list, tuple)):
+                sample_size = sample_size[0]
+            return int(sample_size / factor), sample_size
+        if tile_latent_size < 1:
+            raise MlxdiffError(f"VAE tiling: tile_latent_size must be a positive number of latent pixels, "
+                               f"got {tile_latent_size}")
+        return tile_latent_size, tile_latent_size * factor
+
+    def tiled_decode(self, z, tile_latent_size=None, overlap=0.25):
+        """`decode` tile by tile: latent tiles of `tile_latent_size` overlapping by `overlap`, decoded one at a
+        time (each evaluated before the next, so peak memory follows the tile, not the image) and cross-faded
+        over the overlap as diffusers does. Not equal to the untiled decode: every tile sees only its own
+        context (convolutions, group norms, the mid-block attention), which the blend smooths over."""
+        latent_tile, sample_tile = self.tile_sizes(tile_latent_size)
         z = nchw_to_nhwc(z.astype(self.compute_dtype))
-        if "post_quant_conv" in self:
-            z = self.post_quant_conv(z)
-        return nhwc_to_nchw(self.decoder(z))
+        out = tiled_apply(z, self._decoded, latent_tile, tile_stride(latent_tile, overlap),
+                          int(sample_tile * overlap), sample_tile - int(sample_tile * overlap))
+        return nhwc_to_nchw(out)
+
+    def _tiled_moments(self, x, tile_latent_size, overlap):
+        latent_tile, sample_tile = self.tile_sizes(tile_latent_size)
+        return tiled_apply(x, self._moments, sample_tile, tile_stride(sample_tile, overlap),
+                           int(latent_tile * overlap), latent_tile - int(latent_tile * overlap))
+
+    def tiled_encode_moments(self, x, tile_latent_size=None, overlap=0.25):
+        """`encode_moments` tile by tile (image tiles of tile_latent_size * 2**(levels - 1), see `tiled_decode`)."""
+        return self.encode_moments(x, True, tile_latent_size, overlap)
+
+    def tiled_encode(self, x, tile_latent_size=None, overlap=0.25):
+        """`encode` (the latent mean) tile by tile."""
+        return self.encode_moments(x, True, tile_latent_size, overlap)[0]
 
     def __call__(self, x):
         """Reconstruction, as diffusers' forward with sample_posterior=False: decode(encode(x).mode())."""
