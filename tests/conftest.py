@@ -44,7 +44,8 @@ def sd3_tiny_components(seed=0, single_file=False):
     vae = AutoencoderKL(
         in_channels=3, out_channels=3, block_out_channels=(8, 12), layers_per_block=1, latent_channels=16,
         norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
+        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+        sample_size=1024)
     if single_file:
         clip_l = CLIPTextModelWithProjection(CLIPTextConfig(
             vocab_size=49408, hidden_size=64, intermediate_size=80, projection_dim=64, num_hidden_layers=2,
@@ -62,7 +63,8 @@ def sd3_tiny_components(seed=0, single_file=False):
         vae = AutoencoderKL(
             in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=16,
             norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-            scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False)
+            scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False, use_post_quant_conv=False,
+            sample_size=1024)
     for i, m in enumerate((clip_l, clip_g, t5, transformer, vae)):
         randomize_(m, seed=seed * 10 + i, scale=0.15)
         m.eval()  # diffusers models come in eval mode from from_pretrained; here T5 dropout would be on

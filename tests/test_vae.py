@@ -46,6 +46,7 @@ def make_sd3_twin(spec, seed):
     n = len(spec["block_out_channels"])
     model = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
                           up_block_types=("UpDecoderBlock2D",) * n, scaling_factor=1.5305, shift_factor=0.0609,
+                          sample_size=1024,
                           **spec)
     return randomize_(model, seed=seed).eval()
 
