@@ -24,6 +24,8 @@ def parse_args(argv=None):
     p.add_argument("--quantize", default=None,
                    help="quantize while loading: bits for all (e.g. 4) or per component "
                         "(e.g. transformer=4,text_encoder_3=8)")
+    p.add_argument("--matmul", choices=("qmm", "dequantize"), default=None,
+                   help="how quantized layers multiply (default per backend; see bench/RESULTS.md)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    help="cap MLX memory; a phase whose weights cannot fit stops before loading")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
         prompt = args.prompt if args.prompt is not None else "a red circle on a blue background"
         t0 = time.perf_counter()
         pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype,
-                            quantize=parse_quantize(args.quantize))
+                            quantize=parse_quantize(args.quantize), matmul=args.matmul)
         kwargs = dict(negative_prompt=args.negative_prompt, width=args.width, height=args.height, seed=args.seed,
                       progress_bar=not args.no_progress)
         defaults = pipe.cli_defaults() if hasattr(pipe, "cli_defaults") else {}

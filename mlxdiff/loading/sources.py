@@ -54,6 +54,7 @@ class ComponentSpec:
     keymap: Callable | None = None    # original names -> diffusers names
     extra: dict = field(default_factory=dict)   # tensors to add after mapping (e.g. SD3's identity CLIP-L projection)
     quantize: dict | None = None      # {"bits", "group_size"}: quantize while loading
+    matmul: str | None = None         # "qmm" | "dequantize" for quantized layers (None: backend default)
 
     @property
     def source(self):

@@ -6,13 +6,22 @@ from ..errors import MlxdiffError
 from ..loading import sources
 
 
-def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None):
+def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file.
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
     bfloat16 on GPUs). `text_encoders`: for single files, {'clip_l': FILE, 'clip_g': FILE, 't5xxl': FILE}.
-    `quantize`: bits for every component, or {component: bits}, applied while loading (see loading/quantize.py)."""
+    `quantize`: bits for every component, or {component: bits}, applied while loading (see loading/quantize.py).
+    `matmul`: "qmm" or "dequantize" for layers kept quantized (default per backend: backend.default_matmul_strategy).
+    """
     pipe = _load(model, transformer=transformer, dtype=dtype, text_encoders=text_encoders)
     sources.apply_quantize(pipe.components, quantize)
+    if matmul is not None:
+        from ..loading.matmul import STRATEGIES
+        if matmul not in STRATEGIES:
+            raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
+        for spec in pipe.components.values():
+            if spec is not None:
+                spec.matmul = matmul
     return pipe
 
 

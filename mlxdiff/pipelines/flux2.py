@@ -40,6 +40,7 @@ class TextEncoderSpec:
     folder: Path
     taps: tuple
     quantize: dict | None = None
+    matmul: str | None = None
 
     def build(self, compute_dtype=None):
         from ..models import text_llm

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import backend  # noqa: F401
+from .. import backend
 import mlx.core as mx
 
+from ..loading.matmul import use_strategy
 from ..loading.quantize import materialize
 from ..memory import check_fits, snapshot, fmt_gb, reset_footprint_peak
 
@@ -95,6 +96,7 @@ def loaded(spec, compute_dtype, result: Result | None = None):
     check_fits(spec)  # refuse before loading anything that cannot fit
     start = time.perf_counter()
     model = spec.build(compute_dtype)
+    use_strategy(model, getattr(spec, "matmul", None) or backend.default_matmul_strategy())
     materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
     if result is not None:
         result.load_seconds[getattr(spec, "name", "text_encoder")] = time.perf_counter() - start

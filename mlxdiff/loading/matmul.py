@@ -1,0 +1,110 @@
+"""How quantized layers multiply: the matmul strategy of a model whose Linear layers are kept quantized.
+
+- "qmm" (what `build` makes): nn.QuantizedLinear, `mx.quantized_matmul` straight on the packed weights.
+- "dequantize": DequantizedLinear holds the very same arrays (weight, scales, biases, bias) and, at each call,
+  dequantizes its weight to the compute dtype just before an ordinary matmul. The float weight is an
+  intermediate of that one layer's graph: nothing keeps a reference to it, so MLX frees it as soon as the matmul
+  has run, and the peak is the quantized model plus about one layer in the compute dtype.
+
+`use_strategy(model, name)` swaps one kind of layer for the other in place; the arrays are moved, never copied,
+so it can be called again to swap back. Measured on the 2-core CPU (bench/gguf_cpu.py, issue 4): MLX's CPU
+`quantized_matmul` is far slower than dequantize + OpenBLAS float32 matmul at prompt-like sizes (3.5 against 73
+GFLOP/s for 512 tokens x 3072 x 3072, 4-bit), and on CUDA the dequantize strategy was 11x faster too
+(bench/RESULTS.md); "qmm" stays the default because it is the form with the smallest transient memory.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_map_with_path
+
+from ..errors import MlxdiffError
+
+STRATEGIES = ("qmm", "dequantize")
+
+
+class DequantizedLinear(nn.Module):
+    """A quantized linear layer that multiplies through a transient dequantized weight (see the module docstring).
+
+    Parameters and attributes are exactly nn.QuantizedLinear's (weight uint32 packed, scales, biases, optional
+    bias; group_size, bits, mode), so checkpoints and `load_weights` treat both alike.
+    """
+
+    def __init__(self, weight, scales, biases, bias=None, group_size=64, bits=4, mode="affine",
+                 compute_dtype=None):
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.compute_dtype = compute_dtype     # None: the input's dtype
+        self.weight, self.scales = weight, scales
+        self.biases = biases
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+    def _extra_repr(self):
+        out_dims, in_dims = self.weight.shape
+        return (f"input_dims={in_dims * 32 // self.bits}, output_dims={out_dims}, bias={'bias' in self}, "
+                f"group_size={self.group_size}, bits={self.bits}, mode={self.mode}, per-call dequantize")
+
+    def __call__(self, x):
+        dtype = self.compute_dtype or x.dtype
+        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
+                          bits=self.bits, mode=self.mode).astype(dtype)
+        y = mx.matmul(x.astype(dtype), w.T)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+
+def _arrays(layer):
+    return layer["weight"], layer["scales"], layer.get("biases"), layer.get("bias")
+
+
+def to_dequantized(layer: nn.QuantizedLinear, compute_dtype=None) -> DequantizedLinear:
+    weight, scales, biases, bias = _arrays(layer)
+    return DequantizedLinear(weight, scales, biases, bias, layer.group_size, layer.bits,
+                             getattr(layer, "mode", "affine"), compute_dtype)
+
+
+def to_quantized(layer: DequantizedLinear) -> nn.QuantizedLinear:
+    """Back to nn.QuantizedLinear around the same arrays (its __init__ would allocate and quantize a random
+    weight, so the instance is assembled directly, with the same fields __init__ sets)."""
+    out = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+    nn.Module.__init__(out)
+    out.group_size, out.bits, out.mode = layer.group_size, layer.bits, layer.mode
+    weight, scales, biases, bias = _arrays(layer)
+    out.weight, out.scales = weight, scales
+    out.biases = biases
+    if bias is not None:
+        out.bias = bias
+    out.freeze()
+    return out
+
+
+def use_strategy(model: nn.Module, strategy: str = "qmm", compute_dtype=None) -> nn.Module:
+    """Make every quantized linear layer of `model` use `strategy` ("qmm" or "dequantize"), in place.
+
+    The dequantized weights are cast to `compute_dtype` (default: `model.compute_dtype`, which `build` sets).
+    Returns the model. Layers that are not quantized are left alone.
+    """
+    if strategy not in STRATEGIES:
+        raise MlxdiffError(f"matmul strategy {strategy!r} is unknown; use one of: {', '.join(STRATEGIES)}")
+    dtype = compute_dtype or getattr(model, "compute_dtype", None)
+
+    def swap(_, module):
+        if strategy == "dequantize" and isinstance(module, nn.QuantizedLinear):
+            return to_dequantized(module, dtype)
+        if strategy == "qmm" and isinstance(module, DequantizedLinear):
+            return to_quantized(module)
+        return module
+
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+    return model
+
+
+def strategy_of(model: nn.Module) -> dict:
+    """{layer class name: count} of the quantized linear layers in `model` (for reports and tests)."""
+    counts = {}
+    for _, module in model.named_modules():
+        if isinstance(module, (nn.QuantizedLinear, DequantizedLinear)):
+            counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    return counts

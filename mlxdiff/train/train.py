@@ -1,0 +1,338 @@
+"""Train the embedded default model (klein-shapes): a tiny Flux2KleinPipeline that draws coloured shapes.
+
+    /work/venv/bin/python -m mlxdiff.train.train --out weights/klein-shapes --work build/klein-train
+
+PyTorch + diffusers + transformers on the CPU, in four stages; each writes into --work and is skipped when its
+output is already there, so a later stage can be re-run alone:
+
+  1. tokenizer: a word-level `tokenizers` model over the caption vocabulary (mlxdiff.train.dataset.vocabulary) with
+     Qwen3's special tokens and a Qwen3-style chat template, saved as a transformers fast tokenizer.
+  2. vae: AutoencoderKLFlux2, 3 levels (64x64 -> 16x16x8 latents -> 8x8 tokens of 32 after the 2x2 patchify),
+     trained on reconstruction (MSE + L1) with a small KL term; then its `bn` running mean/var are set from the
+     patchified latents of fresh images, as the pipeline normalises with them.
+  3. text encoder: a 3-layer Qwen3ForCausalLM trained briefly as a causal LM on chat-formatted captions, then frozen.
+     Frozen because the transformer then trains on fixed features computed without gradients (cheaper on 2 cores,
+     and the prompt embedding is exactly what inference will compute); the short LM pre-training makes the hidden
+     states contextual (a word's state depends on the words before it, and the padding positions, which attend to
+     the whole prompt, summarise it) instead of random.
+  4. transformer: Flux2Transformer2DModel (no guidance embedding) with the flow-matching objective exactly as
+     Flux2KleinPipeline samples: patchified + bn-normalised latents packed to tokens, position ids as
+     _prepare_latent_ids / _prepare_text_ids build them, prompt embeddings from the pipeline's own
+     _get_qwen3_prompt_embeds at the taps TAPS, x_t = (1 - sigma) x0 + sigma noise, timestep = sigma, target
+     noise - x0. 10% of captions are dropped to "" so classifier-free guidance works (klein base: is_distilled False,
+     true CFG against "", 50 steps, guidance 4). Most batches use 64 text tokens (the length the model is meant to be
+     run with); 1 in 32 uses 512, diffusers' default, so a default-length call is not out of distribution.
+     The saved weights are an exponential moving average of the trained ones.
+
+The pipeline is saved with save_pretrained in bfloat16, plus keys that diffusers ignores and mlxdiff reads from
+model_index.json: text_encoder_out_layers (the taps), max_sequence_length and sample_size (image side in pixels).
+"""
+
+import argparse
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import dataset
+
+TAPS = (1, 2, 3)                  # hidden_states indices of the 3-layer encoder: after layers 1, 2 and 3 (final-normed)
+SEQ = 64                          # text tokens the model is trained for (and should be run with)
+LONG_SEQ = 512                    # diffusers' default max_sequence_length
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "[UNK]"]
+QWEN3_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+
+VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 3,
+                  up_block_types=("UpDecoderBlock2D",) * 3, block_out_channels=(32, 64, 64), layers_per_block=1,
+                  latent_channels=8, norm_num_groups=16, sample_size=64)
+TEXT_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=LONG_SEQ, rope_theta=10000.0,
+                   tie_word_embeddings=True)
+TRANSFORMER_CONFIG = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=2, num_single_layers=4,
+                          attention_head_dim=32, num_attention_heads=4, joint_attention_dim=3 * 64,
+                          timestep_guidance_channels=64, mlp_ratio=3.0, axes_dims_rope=(8, 8, 8, 8), rope_theta=2000,
+                          eps=1e-6, guidance_embeds=False)
+SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                        max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+                        time_shift_type="exponential")
+
+
+def log(*args):
+    print(time.strftime("%H:%M:%S"), *args, flush=True)
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [-1, 1], as the pipeline's image processor."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+
+
+def cosine_lr(base, fraction, warmup_fraction=0.03, floor=0.1):
+    if fraction < warmup_fraction:
+        return base * fraction / warmup_fraction
+    f = (fraction - warmup_fraction) / (1 - warmup_fraction)
+    return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(f, 1.0))))
+
+
+# ---- 1. tokenizer ----------------------------------------------------------------------------------------------
+
+def build_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + dataset.vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 unk_token="[UNK]", padding_side="right", chat_template=QWEN3_TEMPLATE,
+                                 additional_special_tokens=["<|im_start|>", "<think>", "</think>"])
+    hf.save_pretrained(str(folder))
+    return hf
+
+
+# ---- 2. VAE ----------------------------------------------------------------------------------------------------
+
+def progress_fraction(step, steps, start, minutes):
+    """How far training is: by steps, or by wall time when the CPU is slower than planned (the machine is shared)."""
+    return max(step / steps, (time.time() - start) / (minutes * 60))
+
+
+def train_vae(folder: Path, seed: int, steps: int, minutes: float, batch_size=16, lr=2e-3):
+    from diffusers import AutoencoderKLFlux2
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    vae = AutoencoderKLFlux2(**VAE_CONFIG)
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    start, step = time.time(), 0
+    while (fraction := progress_fraction(step, steps, start, minutes)) < 1:
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, fraction)
+        x = to_tensor(dataset.batch(rng, batch_size)[0])
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            posterior = vae.encode(x).latent_dist
+            y = vae.decode(posterior.sample()).sample.float()
+        rec = (y - x).pow(2).mean() + 0.5 * (y - x).abs().mean()
+        kl = posterior.kl().mean() / x[0].numel()
+        loss = rec + 1e-4 * kl
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        if step % 50 == 0:
+            log(f"vae step {step} rec {rec.item():.5f} kl/px {kl.item():.3f} lr {opt.param_groups[0]['lr']:.2e}")
+    vae.eval()
+    set_bn_statistics(vae, np.random.default_rng(seed + 1))
+    vae.save_pretrained(str(folder))
+    log(f"vae: {step} steps in {(time.time() - start) / 60:.1f} min")
+    return vae
+
+
+@torch.no_grad()
+def encode_latents(vae, images: np.ndarray, batch_size=128) -> torch.Tensor:
+    """Patchified latents (N, 4 * latent_channels, h/2, w/2) of the posterior mode, as the pipeline's
+    _encode_vae_image (before the bn normalisation)."""
+    from diffusers import Flux2KleinPipeline
+    out = []
+    for i in range(0, len(images), batch_size):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            z = vae.encode(to_tensor(images[i:i + batch_size])).latent_dist.mode().float()
+        out.append(Flux2KleinPipeline._patchify_latents(z))
+    return torch.cat(out)
+
+
+def set_bn_statistics(vae, rng, n=2048):
+    z = encode_latents(vae, dataset.batch(rng, n)[0])
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(z.mean(dim=(0, 2, 3)))
+        vae.bn.running_var.copy_(z.var(dim=(0, 2, 3)))
+    log("vae bn: mean", np.round(vae.bn.running_mean.numpy(), 2), "std",
+        np.round(vae.bn.running_var.sqrt().numpy(), 2))
+
+
+def normalized_latents(vae, images):
+    z = encode_latents(vae, images)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    return (z - mean) / std
+
+
+# ---- 3. text encoder -------------------------------------------------------------------------------------------
+
+def chat_ids(tokenizer, prompts, length):
+    """input_ids / attention_mask exactly as Flux2KleinPipeline._get_qwen3_prompt_embeds tokenizes."""
+    ids, masks = [], []
+    for p in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True, enable_thinking=False)
+        enc = tokenizer(text, return_tensors="pt", padding="max_length", truncation=True, max_length=length)
+        ids.append(enc["input_ids"])
+        masks.append(enc["attention_mask"])
+    return torch.cat(ids), torch.cat(masks)
+
+
+def train_text_encoder(folder: Path, tokenizer, seed: int, steps=300, batch_size=64, lr=2e-3):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    config = Qwen3Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **TEXT_CONFIG)
+    model = Qwen3ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    start = time.time()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, step / steps)
+        prompts = [dataset.caption(dataset.random_scene(rng), rng) for _ in range(batch_size)]
+        ids, mask = chat_ids(tokenizer, prompts, 40)
+        labels = ids.masked_fill(mask == 0, -100)
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if (step + 1) % 50 == 0:
+            log(f"text encoder step {step + 1} lm loss {loss.item():.3f}")
+    model.eval()
+    model.save_pretrained(str(folder))
+    log(f"text encoder: {steps} steps in {(time.time() - start) / 60:.1f} min")
+    return model
+
+
+@torch.no_grad()
+def prompt_embeds(text_encoder, tokenizer, prompts, length):
+    from diffusers import Flux2KleinPipeline
+    return Flux2KleinPipeline._get_qwen3_prompt_embeds(text_encoder, tokenizer, prompts, dtype=torch.float32,
+                                                       device=torch.device("cpu"), max_sequence_length=length,
+                                                       hidden_states_layers=list(TAPS))
+
+
+# ---- 4. transformer --------------------------------------------------------------------------------------------
+
+def sample_sigmas(rng, n):
+    """sigma = exponential time shift of u ~ U(0, 1) with mu ~ U(0, 2.2): covers the shifted schedules the pipeline
+    samples (mu about 1.6 at 50 steps, 1.95 at 4 steps, for 64 image tokens) and the low-noise end."""
+    u = rng.uniform(0.0, 1.0, n).clip(1e-4, 1.0)
+    mu = rng.uniform(0.0, 2.2, n)
+    return np.exp(mu) / (np.exp(mu) + (1 / u - 1))
+
+
+def train_transformer(work: Path, vae, text_encoder, tokenizer, seed: int, steps: int, minutes: float, n_latents=8192,
+                      batch_size=32, lr=5e-4, ema_decay=0.998, drop_prompt=0.1):
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    t0 = time.time()
+    images, captions, _ = dataset.batch(rng, n_latents)
+    latents = normalized_latents(vae, images)                                # (N, 32, 8, 8)
+    del images
+    log(f"transformer: {n_latents} latents encoded in {time.time() - t0:.0f} s; std {latents.std():.3f}")
+    _, channels, h, w = latents.shape
+    img_ids = Flux2KleinPipeline._prepare_latent_ids(latents[:batch_size])
+
+    model = Flux2Transformer2DModel(**TRANSFORMER_CONFIG)
+    ema = Flux2Transformer2DModel(**TRANSFORMER_CONFIG)
+    ema.load_state_dict(model.state_dict())
+    ema.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    log(f"transformer: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+    start, step, avg = time.time(), 0, None
+    while (fraction := progress_fraction(step, steps, start, minutes)) < 1:
+        for g in opt.param_groups:
+            g["lr"] = cosine_lr(lr, fraction)
+        idx = rng.integers(0, n_latents, batch_size)
+        prompts = ["" if rng.random() < drop_prompt else captions[i] for i in idx]
+        length = LONG_SEQ if step % 32 == 31 else SEQ
+        embeds = prompt_embeds(text_encoder, tokenizer, prompts, length)
+        txt_ids = Flux2KleinPipeline._prepare_text_ids(embeds)
+        x0 = Flux2KleinPipeline._pack_latents(latents[torch.from_numpy(idx)])   # (B, h*w, C)
+        noise = torch.randn_like(x0)
+        sigma = torch.from_numpy(sample_sigmas(rng, batch_size)).float()
+        xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            pred = model(hidden_states=xt, encoder_hidden_states=embeds, timestep=sigma, img_ids=img_ids,
+                         txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+        loss = (pred.float() - (noise - x0)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        decay = min(ema_decay, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for e, p in zip(ema.parameters(), model.parameters()):
+                e.lerp_(p, 1 - decay)
+        avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
+        if step % 50 == 0:
+            log(f"transformer step {step} loss {avg:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"({(time.time() - start) / step:.2f} s/step)")
+        if step % 500 == 0:
+            ema.save_pretrained(str(work / "transformer_ema"))
+    log(f"transformer: {step} steps in {(time.time() - start) / 60:.1f} min")
+    ema.eval()
+    ema.save_pretrained(str(work / "transformer_ema"))
+    return ema, step
+
+
+# ---- save ------------------------------------------------------------------------------------------------------
+
+def save_pipeline(out: Path, vae, text_encoder, tokenizer, transformer, extra: dict):
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
+                              text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+                              is_distilled=False)
+    pipe.to(torch.bfloat16)
+    if out.exists():
+        shutil.rmtree(out)
+    pipe.save_pretrained(str(out))
+    index_path = out / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index.update(text_encoder_out_layers=list(TAPS), max_sequence_length=SEQ, sample_size=dataset.SIZE, **extra)
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    for p in out.rglob("generation_config.json"):
+        p.unlink()     # a causal-LM leftover; the encoder never generates
+    log(f"saved {out}: {sum(p.stat().st_size for p in out.rglob('*') if p.is_file()) / 1e6:.1f} MB")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="weights/klein-shapes")
+    p.add_argument("--work", default="build/klein-train")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vae-steps", type=int, default=800)
+    p.add_argument("--vae-minutes", type=float, default=8.0, help="wall-time cap on the VAE stage")
+    p.add_argument("--text-steps", type=int, default=200)
+    p.add_argument("--transformer-steps", type=int, default=2000)
+    p.add_argument("--transformer-minutes", type=float, default=22.0, help="wall-time cap on the transformer stage")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from diffusers import AutoencoderKLFlux2
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    t_all = time.time()
+    if not (work / "tokenizer" / "tokenizer.json").exists():
+        build_tokenizer(work / "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
+    vae = (AutoencoderKLFlux2.from_pretrained(str(work / "vae")) if (work / "vae" / "config.json").exists()
+           else train_vae(work / "vae", args.seed, args.vae_steps, args.vae_minutes)).eval()
+    text_encoder = (Qwen3ForCausalLM.from_pretrained(str(work / "text_encoder"))
+                    if (work / "text_encoder" / "config.json").exists()
+                    else train_text_encoder(work / "text_encoder", tokenizer, args.seed + 2, args.text_steps)).eval()
+    text_encoder.requires_grad_(False)
+    transformer, steps = train_transformer(work, vae, text_encoder, tokenizer, args.seed + 3, args.transformer_steps,
+                                           args.transformer_minutes)
+    save_pipeline(Path(args.out), vae, text_encoder, tokenizer, transformer,
+                  {"_training": {"seed": args.seed, "transformer_steps": steps,
+                                 "minutes_this_run": round((time.time() - t_all) / 60, 1)}})
+
+
+if __name__ == "__main__":
+    main()
