@@ -2,15 +2,20 @@
 
 - "qmm" (what `build` makes): nn.QuantizedLinear, `mx.quantized_matmul` straight on the packed weights.
 - "dequantize": DequantizedLinear holds the very same arrays (weight, scales, biases, bias) and, at each call,
-  dequantizes its weight to the compute dtype just before an ordinary matmul. The float weight is an
-  intermediate of that one layer's graph: nothing keeps a reference to it, so MLX frees it as soon as the matmul
-  has run, and the peak is the quantized model plus about one layer in the compute dtype.
+  dequantizes its weight to the compute dtype just before an ordinary matmul, then lets it go.
 
 `use_strategy(model, name)` swaps one kind of layer for the other in place; the arrays are moved, never copied,
-so it can be called again to swap back. Measured on the 2-core CPU (bench/gguf_cpu.py, issue 4): MLX's CPU
-`quantized_matmul` is far slower than dequantize + OpenBLAS float32 matmul at prompt-like sizes (3.5 against 73
-GFLOP/s for 512 tokens x 3072 x 3072, 4-bit), and on CUDA the dequantize strategy was 11x faster too
-(bench/RESULTS.md); "qmm" stays the default because it is the form with the smallest transient memory.
+so it can be called again to swap back.
+
+Why the dequantize path is cut into row chunks that wait for each other (measured on the CPU, tests/
+test_gguf_models.py): MLX's scheduler sees a dequantization depend on parameters only, so in a lazily built block
+it runs every layer's dequantization first and holds them all (a 510 MB Q4_K_M FLUX.2 file: 600 MB of transient
+float weights in one forward). And mx.dequantize's own CPU transient is 2x (float32) to 5x (bfloat16) its output.
+So each layer dequantizes CHUNK_WEIGHTS weights (whole rows) at a time, each chunk made to depend (mx.depends) on
+the layer's input or the previous chunk's output: the extra memory is a few chunks, whatever the layer size, and
+nothing forces an evaluation (the graph stays lazy). On this CPU the chunked form is also slightly faster than
+one whole-layer dequantization (cache), and far faster than MLX's CPU `quantized_matmul` at prompt-like sizes
+(bench/gguf_cpu.py).
 """
 
 import mlx.core as mx
@@ -20,6 +25,8 @@ from mlx.utils import tree_map_with_path
 from ..errors import MlxdiffError
 
 STRATEGIES = ("qmm", "dequantize")
+CHUNK_WEIGHTS = 1 << 20   # weights DequantizedLinear dequantizes at a time (whole rows) ...
+MIN_ROWS = 256            # ... but at least this many rows: thinner output tiles make the matmul slow
 
 
 class DequantizedLinear(nn.Module):
@@ -47,9 +54,18 @@ class DequantizedLinear(nn.Module):
 
     def __call__(self, x):
         dtype = self.compute_dtype or x.dtype
-        w = mx.dequantize(self["weight"], self["scales"], self.get("biases"), group_size=self.group_size,
-                          bits=self.bits, mode=self.mode).astype(dtype)
-        y = mx.matmul(x.astype(dtype), w.T)
+        x = x.astype(dtype)
+        weight, scales, biases = self["weight"], self["scales"], self.get("biases")
+        rows = weight.shape[0]
+        step = max(MIN_ROWS, CHUNK_WEIGHTS // (weight.shape[-1] * 32 // self.bits))
+        parts, after = [], x
+        for r in range(0, rows, step):
+            w = mx.dequantize(mx.depends(weight[r:r + step], after), scales[r:r + step],
+                              None if biases is None else biases[r:r + step], group_size=self.group_size,
+                              bits=self.bits, mode=self.mode).astype(dtype)
+            after = mx.matmul(x, w.T)
+            parts.append(after)
+        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
         if "bias" in self:
             y = y + self["bias"]
         return y

@@ -1,0 +1,459 @@
+"""GGUF transformers end to end: FLUX.2 (BFL names) and SD3.5 (SAI names) files in city96's Q4_K_M type mix, read
+by mlxdiff with their weights kept quantized, against a float64 diffusers reference built from gguf-py's own
+dequantization, and against diffusers' GGUF path on the same file; the whole FLUX.2 klein pipeline with a GGUF
+transformer; the matmul strategies (mlxdiff/loading/matmul.py); and the memory of a 510 MB file.
+
+city96's Q4_K_M mix (ComfyUI-GGUF tools/convert.py + lcpp.patch / lcpp_sd3.patch; ../shared/specs/flux2.md 5.2):
+1-D tensors and tensors of at most 1024 elements F32; the embedders, modulations and final layer keep the source
+dtype (BF16 for FLUX.2, F16 for SD3.5 here); only 2-D tensors are quantized; names containing `attn.qkv.weight`
+get Q5_K; everything else Q4_K (rows must be a multiple of 256, else F16 fallback). So every quantized in-dim below
+is a multiple of 256: D = 256 (4 heads of 64).
+"""
+
+import json
+
+import numpy as np
+import pytest
+
+import mlxdiff
+import mlx.core as mx
+import mlx.nn as nn
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader, GGUFWriter
+from gguf import quants as gq
+
+from gguf_helpers import encode, random_blocks
+from helpers import max_rel_err, randomize_
+from mlxdiff.loading import gguf as gguf_reader
+from mlxdiff.loading import sources
+from mlxdiff.loading.quantize import materialize
+from mlxdiff.loading.matmul import DequantizedLinear, strategy_of, use_strategy
+from mlxdiff.models import flux2, mmdit
+from test_flux2_transformer import diffusers_to_original as flux2_to_bfl
+from test_mmdit import diffusers_to_original as sd3_to_sai
+
+# -- city96's type mix ---------------------------------------------------------------------------------------------
+
+FLUX2_KEEP = ("img_in.", "txt_in.", "time_in.", "guidance_in.", "vector_in.", "final_layer.",
+              "single_stream_modulation.", "double_stream_modulation_")
+SD3_KEEP = ("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.", "x_embedder.",
+            "proj_out.weight", "pos_embed")
+MIX = {"flux2": (FLUX2_KEEP, T.BF16), "sd3": (SD3_KEEP, T.F16)}
+
+
+def city96_type(name, shape, family):
+    keep, keep_type = MIX[family]
+    if len(shape) == 1 or int(np.prod(shape)) <= 1024:
+        return T.F32
+    if len(shape) != 2 or any(k in name for k in keep):
+        return keep_type
+    if shape[1] % 256:
+        return T.F16   # K-quant fallback
+    return T.Q5_K if "attn.qkv.weight" in name else T.Q4_K
+
+
+def _bf16_bytes(w):
+    """float32 -> bfloat16 (round to nearest even, as torch) as raw bytes [rows, 2 * cols]."""
+    import torch
+    bits = torch.from_numpy(np.ascontiguousarray(w, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+    return bits.view(np.uint8).reshape(w.shape[0], -1)
+
+
+def write_city96_gguf(path, tensors: dict, family: str, arch: str, random=False, seed=0, block_scale=1e-3) -> dict:
+    """{name: float array | object with .shape} -> a GGUF in city96's mix; returns {name: type}. With random=True
+    the values are ignored (shapes only) and quantized tensors get random valid blocks whose float16 scales are
+    N(0, block_scale) (for memory and speed only; bench/gguf_cpu.py writes its file with this too)."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), arch)
+    types = {}
+    for name, value in tensors.items():
+        shape = tuple(value.shape)
+        qtype = types[name] = city96_type(name, shape, family)
+        if random:
+            if qtype in (T.F32, T.F16, T.BF16):
+                value = (1 if qtype == T.F32 else 0.02) * rng.standard_normal(shape).astype(np.float32)
+            else:
+                blocks = random_blocks(qtype, shape[0], shape[1], rng, scale=block_scale)
+                writer.add_tensor(name, blocks, raw_dtype=qtype)
+                continue
+        value = np.asarray(value, np.float32)
+        if qtype == T.F32:
+            writer.add_tensor(name, value)
+        elif qtype == T.F16:
+            writer.add_tensor(name, value.astype(np.float16))
+        elif qtype == T.BF16:
+            writer.add_tensor(name, _bf16_bytes(value.reshape(shape[0], -1)), raw_dtype=T.BF16)
+        else:
+            writer.add_tensor(name, encode(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+def dequantized(path) -> dict:
+    """{name: float32 array} of every tensor, dequantized by gguf-py (the reference decoder)."""
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        out[t.name] = np.ascontiguousarray(gq.dequantize(t.data, t.tensor_type).reshape(shape), np.float32)
+    return out
+
+
+def torch_state(model) -> dict:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+def save_float_file(tensors: dict, path):
+    import torch
+    from safetensors.torch import save_file
+    save_file({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, str(path))
+    return path
+
+
+# -- twins -----------------------------------------------------------------------------------------------------------
+
+# D = 256 (4 x 64) in every config (the quantized in-dims must be multiples of 256); the other dimensions differ from
+# each other and from D: in/out channels, joint, sinusoid channels, mlp hidden (dev: 1280, so that M != 3D; klein:
+# the real ratio 3), text length, image tokens.
+FLUX2 = {
+    "dev": dict(patch_size=1, in_channels=24, out_channels=None, num_layers=2, num_single_layers=1,
+                attention_head_dim=64, num_attention_heads=4, joint_attention_dim=40, timestep_guidance_channels=96,
+                mlp_ratio=5.0, axes_dims_rope=(16, 16, 16, 16), rope_theta=2000, eps=1e-6, guidance_embeds=True),
+    "klein": dict(patch_size=1, in_channels=28, out_channels=20, num_layers=1, num_single_layers=2,
+                  attention_head_dim=64, num_attention_heads=4, joint_attention_dim=56, timestep_guidance_channels=160,
+                  mlp_ratio=3.0, axes_dims_rope=(16, 16, 16, 16), rope_theta=2000, eps=1e-6, guidance_embeds=False),
+}
+SD3 = {
+    # SD3.5 Medium-like: dual attention in block 0, qk RMSNorm
+    "mmditx": dict(sample_size=32, patch_size=2, in_channels=12, num_layers=2, attention_head_dim=64,
+                   num_attention_heads=4, joint_attention_dim=40, caption_projection_dim=256, pooled_projection_dim=48,
+                   out_channels=20, pos_embed_max_size=10, dual_attention_layers=(0,), qk_norm="rms_norm"),
+    # SD3.5 Large-like: no dual attention, no qk norm, three blocks
+    "mmdit": dict(sample_size=32, patch_size=2, in_channels=8, num_layers=3, attention_head_dim=64,
+                  num_attention_heads=4, joint_attention_dim=72, caption_projection_dim=256, pooled_projection_dim=36,
+                  out_channels=12, pos_embed_max_size=9, dual_attention_layers=(), qk_norm=None),
+}
+# weight noise: about 1/sqrt(fan-in), so that activations stay O(1) through the blocks (the float32 reference then
+# sits within 1e-6 of float64; checked in the tests)
+SCALE = 0.05
+
+
+def make_flux2(name, seed):
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    torch.manual_seed(seed)
+    return randomize_(Flux2Transformer2DModel(**FLUX2[name]), seed=seed, scale=SCALE).eval()
+
+
+def make_sd3(name, seed):
+    import torch
+    from diffusers import SD3Transformer2DModel
+    torch.manual_seed(seed)
+    model = randomize_(SD3Transformer2DModel(**SD3[name]), seed=seed, scale=SCALE)
+    with torch.no_grad():   # the position table is a buffer; random rows make a wrong crop impossible to miss
+        table = model.pos_embed.pos_embed
+        table.copy_(torch.randn(table.shape, generator=torch.Generator().manual_seed(seed + 1)))
+    return model.eval()
+
+
+def flux2_inputs(cfg, seed=0, grid=(4, 5), text_len=6):
+    import torch
+    from diffusers import Flux2Pipeline
+    rng, batch = np.random.default_rng(seed), 2
+    img_ids = Flux2Pipeline._prepare_latent_ids(torch.zeros(batch, 1, *grid))
+    text = rng.standard_normal((batch, text_len, cfg["joint_attention_dim"])).astype(np.float32)
+    inputs = dict(hidden_states=rng.standard_normal((batch, grid[0] * grid[1], cfg["in_channels"])).astype(np.float32),
+                  encoder_hidden_states=text, timestep=np.array([0.9731, 0.2125], np.float32),
+                  img_ids=img_ids.numpy(), txt_ids=Flux2Pipeline._prepare_text_ids(torch.from_numpy(text)).numpy())
+    if cfg["guidance_embeds"]:
+        inputs["guidance"] = np.array([4.0, 2.5], np.float32)
+    return inputs
+
+
+def sd3_inputs(cfg, seed=0, hw=(8, 12), text_len=7):
+    rng = np.random.default_rng(seed)
+    return dict(hidden_states=rng.standard_normal((2, cfg["in_channels"], *hw)).astype(np.float32),
+                encoder_hidden_states=rng.standard_normal((2, text_len, cfg["joint_attention_dim"])).astype(np.float32),
+                pooled_projections=rng.standard_normal((2, cfg["pooled_projection_dim"])).astype(np.float32),
+                timestep=np.array([981.0, 203.5], np.float32))
+
+
+FAMILIES = {
+    # family: (configs, make twin, diffusers -> original names, inputs, mlxdiff module, diffusers class, GGUF arch)
+    "flux2": (FLUX2, make_flux2, lambda sd, cfg: flux2_to_bfl(sd, cfg), flux2_inputs, flux2,
+              "Flux2Transformer2DModel", "flux"),
+    "sd3": (SD3, make_sd3, lambda sd, cfg: sd3_to_sai(sd, cfg["num_layers"]), sd3_inputs, mmdit,
+            "SD3Transformer2DModel", "sd3"),
+}
+
+
+def torch_forward(model, inputs, dtype):
+    import torch
+    ints = ("img_ids", "txt_ids")
+    with torch.no_grad():
+        out = model(**{k: torch.from_numpy(v) if k in ints else torch.from_numpy(v).to(dtype)
+                       for k, v in inputs.items()}, return_dict=False)[0]
+    return out.double().numpy()
+
+
+def mlx_forward(model, inputs):
+    return np.array(model(**{k: mx.array(v) for k, v in inputs.items()}).astype(mx.float32), np.float64)
+
+
+@pytest.fixture(scope="module", params=[("flux2", n) for n in FLUX2] + [("sd3", n) for n in SD3],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def gguf_twin(request, tmp_path_factory):
+    """(family, config name, saved diffusers folder, GGUF path, {name: GGUF type}, float64 reference model built
+    from the GGUF's dequantized values, the original float64 twin before quantization)."""
+    import diffusers
+    import torch
+    family, name = request.param
+    configs, make, to_original, _, _, class_name, arch = FAMILIES[family]
+    root = tmp_path_factory.mktemp(f"gguf_{family}_{name}")
+    model = make(name, seed=len(name) + 3)
+    model.save_pretrained(str(root / "folder"))   # the config diffusers' single-file loaders read
+    original = {k: v.numpy() for k, v in to_original(torch_state(model), configs[name]).items()}
+    path = root / f"{family}-{name}-Q4_K_M.gguf"
+    types = write_city96_gguf(path, original, family, arch)
+    # the reference: every tensor dequantized by gguf-py, in float32 original names, through diffusers' converter
+    float_file = save_float_file(dequantized(path), root / "dequantized.safetensors")
+    cls = getattr(diffusers, class_name)
+    reference = cls.from_single_file(str(float_file), config=str(root / "folder"), local_files_only=True,
+                                     torch_dtype=torch.float32).double().eval()
+    return family, name, root / "folder", path, types, reference, model.double()
+
+
+def test_city96_type_mix(gguf_twin):
+    """The file holds what city96's Q4_K_M files hold (and the header agrees with gguf-py)."""
+    family, name, _, path, types, _, _ = gguf_twin
+    header = {t.name: t.type_name for t in gguf_reader.check_gguf(path).tensors}
+    assert header == {k: v.name for k, v in types.items()}
+    counts = {}
+    for v in types.values():
+        counts[v.name] = counts.get(v.name, 0) + 1
+    assert {"Q4_K", "Q5_K", "F32", MIX[family][1].name} <= counts.keys(), counts
+    for n, t in types.items():
+        if "attn.qkv.weight" in n:
+            assert t == T.Q5_K, n
+        if any(k in n for k in MIX[family][0]) and t not in (T.F32,):
+            assert t == MIX[family][1], n
+
+
+def test_quantized_parity_against_float64(gguf_twin):
+    """mlxdiff (weights kept quantized, float32 scales and compute) within 1e-4 of the float64 reference; and no
+    farther from it than diffusers' own GGUF path on the same file (which dequantizes through float16)."""
+    import diffusers
+    import torch
+    from diffusers import GGUFQuantizationConfig
+    family, name, folder, path, types, reference, original = gguf_twin
+    configs, _, _, make_inputs, arch, class_name, _ = FAMILIES[family]
+    base_config = json.loads((folder / "config.json").read_text())
+    inputs = make_inputs(configs[name], seed=1)
+
+    ref = torch_forward(reference, inputs, torch.float64)
+    ref32 = torch_forward(reference.float(), inputs, torch.float32)
+    reference.double()
+    print(f"{family}-{name}: torch float32 vs float64 {max_rel_err(ref32, ref):.2e}")
+    assert max_rel_err(ref32, ref) <= 1e-5   # the model is not chaotic: float32 arithmetic can get within 1e-4
+
+    spec = sources.transformer_from_file(path, arch, base_config)
+    ours_model = spec.build(mx.float32)
+    # exactly the layers stored quantized are QuantizedLinear (a fused qkv makes three), with float32 scales
+    layers = [m for _, m in ours_model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert len(layers) == sum(3 if ".qkv." in n else 1 for n, t in types.items() if t in (T.Q4_K, T.Q5_K))
+    assert all(m.weight.dtype == mx.uint32 and m.scales.dtype == mx.float32 for m in layers)
+    ours = mlx_forward(ours_model, inputs)
+    err = max_rel_err(ours, ref)
+
+    theirs_model = getattr(diffusers, class_name).from_single_file(
+        str(path), config=str(folder), local_files_only=True, torch_dtype=torch.float32,
+        quantization_config=GGUFQuantizationConfig(compute_dtype=torch.float32)).eval()
+    assert any(type(m).__name__ == "GGUFLinear" for m in theirs_model.modules())  # their path really is GGUF
+    theirs = torch_forward(theirs_model, inputs, torch.float32)
+    err_diffusers = max_rel_err(theirs, ref)
+    print(f"{family}-{name}: max_rel_err vs float64: mlxdiff {err:.2e}, diffusers GGUF {err_diffusers:.2e}")
+    assert err <= 1e-4
+    assert err <= err_diffusers
+    # the quantization is visible: the twin's weights before quantization give a clearly different output, so the
+    # agreement above is about the file's values
+    quantization_err = max_rel_err(torch_forward(original, inputs, torch.float64), ref)
+    print(f"{family}-{name}: output change from Q4_K_M quantization {quantization_err:.2e}")
+    assert quantization_err > 100 * max(err, 1e-6)
+
+
+def test_matmul_strategies_agree(gguf_twin):
+    """qmm and per-layer dequantize give the same output within float32 rounding; the arrays are moved, not copied,
+    and the swap goes both ways."""
+    family, name, folder, path, _, _, _ = gguf_twin
+    configs, _, _, make_inputs, arch, _, _ = FAMILIES[family]
+    model = sources.transformer_from_file(path, arch, json.loads((folder / "config.json").read_text())).build(
+        mx.float32)
+    inputs = make_inputs(configs[name], seed=2)
+    qmm = mlx_forward(model, inputs)
+    n_layers = strategy_of(model)["QuantizedLinear"]
+    first = next(m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear))
+    weight_id = id(first.weight)
+    use_strategy(model, "dequantize")
+    assert strategy_of(model) == {"DequantizedLinear": n_layers}
+    moved = next(m for _, m in model.named_modules() if isinstance(m, DequantizedLinear))
+    assert id(moved.weight) == weight_id and moved.weight.dtype == mx.uint32
+    deq = mlx_forward(model, inputs)
+    err = max_rel_err(deq, qmm)
+    print(f"{family}-{name}: dequantize vs qmm {err:.2e}")
+    assert err <= 1e-5
+    use_strategy(model, "qmm")
+    assert strategy_of(model) == {"QuantizedLinear": n_layers}
+    assert np.array_equal(mlx_forward(model, inputs), qmm)
+    with pytest.raises(mlxdiff.MlxdiffError, match="strategy"):
+        use_strategy(model, "fast")
+
+
+# -- the whole pipeline ----------------------------------------------------------------------------------------------
+
+def test_klein_pipeline_with_gguf_transformer(tmp_path):
+    """mlxdiff.load(folder, transformer=file.gguf) runs the klein pipeline (CFG, 2 steps) with the transformer kept
+    quantized. Two comparisons on the same noise:
+    - against the folder holding the GGUF's own values, dequantized by gguf-py (float32, diffusers names): the same
+      function, so the bound is float32 rounding (latents within 1e-4, image within 1/255);
+    - against the folder holding the twin's float weights before quantization: Q4_K_M moves the latents, but by
+      the quantization's own scale (one forward moves 2-5e-2 in the parity tests above): between 1e-3 and 1e-1."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    from test_flux2_pipeline import H, SEQ, TAPS, W, build_pipeline
+    _, folder, _ = build_pipeline("klein_base", tmp_path / "pipeline")
+    config = dict(FLUX2["klein"], in_channels=20, out_channels=None, joint_attention_dim=120, num_single_layers=1)
+    twin = randomize_(Flux2Transformer2DModel(**config), seed=21, scale=SCALE).eval()
+    twin.save_pretrained(str(folder / "transformer"))   # replaces the pipeline's transformer (config + weights)
+    noise = np.random.default_rng(4).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
+    run = dict(width=W, height=H, steps=2, guidance=3.5, latents=noise, max_sequence_length=SEQ,
+               text_encoder_out_layers=TAPS, progress_bar=False)
+    unquantized = mlxdiff.load(str(folder)).generate("a red fox in the snow", **run)
+
+    path = tmp_path / "klein-Q4_K_M.gguf"
+    write_city96_gguf(path, {k: v.numpy() for k, v in flux2_to_bfl(torch_state(twin), config).items()}, "flux2",
+                      "flux")
+    float_file = save_float_file(dequantized(path), tmp_path / "dequantized.safetensors")
+    Flux2Transformer2DModel.from_single_file(str(float_file), config=str(folder / "transformer"),
+                                             local_files_only=True, torch_dtype=torch.float32) \
+        .save_pretrained(str(folder / "transformer"))
+    dequantized_run = mlxdiff.load(str(folder)).generate("a red fox in the snow", **run)
+
+    pipe = mlxdiff.load(str(folder), transformer=str(path))
+    spec = pipe.components["transformer"]
+    assert [str(f) for f in spec.files] == [str(path)]
+    assert strategy_of(spec.build(mx.float32)) == {"QuantizedLinear": 14}   # 2 x 3 split qkv + 8 others
+    quantized = pipe.generate("a red fox in the snow", **run)
+
+    err = max_rel_err(quantized.latents, dequantized_run.latents)
+    image = np.asarray(quantized.image, np.float32)
+    image_diff = np.abs(image - np.asarray(dequantized_run.image, np.float32)).max()
+    moved = max_rel_err(quantized.latents, unquantized.latents)
+    moved_image = np.abs(image - np.asarray(unquantized.image, np.float32))
+    print(f"klein pipeline, GGUF vs its dequantized values: latents {err:.2e}, image max |diff| {image_diff:.0f}/255; "
+          f"vs the float weights before quantization: latents {moved:.2e}, image mean |diff| "
+          f"{moved_image.mean():.2f}/255, max {moved_image.max():.0f}/255")
+    assert err <= 1e-4
+    assert image_diff <= 1
+    assert 1e-3 < moved < 1e-1
+    assert image.std() > 5   # an image, not a flat field
+
+
+# -- memory ----------------------------------------------------------------------------------------------------------
+
+# ~510 MB in city96's Q4_K_M mix: D = 2048 (16 x 128), 3 double + 5 single blocks. Its largest quantized layer
+# (single linear1, 2048 x 18432) is 75 MB in bfloat16 and a single block's two layers 109 MB.
+MEMORY_CONFIG = dict(patch_size=1, in_channels=128, out_channels=None, num_layers=3, num_single_layers=5,
+                     attention_head_dim=128, num_attention_heads=16, joint_attention_dim=2560,
+                     timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000,
+                     eps=1e-6, guidance_embeds=False)
+
+
+@pytest.fixture(scope="module")
+def big_gguf(tmp_path_factory):
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    with torch.device("meta"):   # shapes only
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**MEMORY_CONFIG).state_dict(), MEMORY_CONFIG)
+    path = tmp_path_factory.mktemp("gguf_memory") / "flux2-big-Q4_K_M.gguf"
+    types = write_city96_gguf(path, shapes, "flux2", "flux", random=True)
+    return path, types
+
+
+def _largest_quantized_layer(types, header):
+    return max(int(np.prod(t.shape)) for t in header.tensors if types[t.name] in (T.Q4_K, T.Q5_K))
+
+
+def test_memory_of_a_large_gguf(big_gguf):
+    """Load + one forward of a 510 MB GGUF (bfloat16 compute: 16-bit scales and biases, 5 bits per Q4_K weight
+    against the file's 4.5) peaks at most at 1.15 x the file's tensor bytes + the activations, where the
+    activations are measured as the peak of a second, identical forward minus the memory held just before it.
+
+    No float copy of a quantized weight exists at any time: every quantized tensor is a QuantizedLinear with a
+    uint32 weight, and the bound leaves less room than a bfloat16 copy of the largest quantized layer (or of any
+    block's layers) would take. The dequantize strategy is then checked on the same model: the forward's extra
+    memory stays below one block's weights in bfloat16, far below the float size of all weights."""
+    import gc
+    path, types = big_gguf
+    header = gguf_reader.check_gguf(path)
+    file_bytes = sum(t.nbytes for t in header.tensors)
+    assert file_bytes >= 200e6
+    n_quantized = sum(types[t.name] in (T.Q4_K, T.Q5_K) for t in header.tensors)
+    largest_bf16 = 2 * _largest_quantized_layer(types, header)
+    quantized_bf16 = 2 * sum(int(np.prod(t.shape)) for t in header.tensors if types[t.name] in (T.Q4_K, T.Q5_K))
+    block_bf16 = 2 * sum(int(np.prod(t.shape)) for t in header.tensors
+                         if t.name.startswith("double_blocks.0.") and types[t.name] in (T.Q4_K, T.Q5_K))
+
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    model = sources.transformer_from_file(path, flux2).build(mx.bfloat16)
+    materialize(model)
+    load_peak = mx.get_peak_memory() - base
+    resident = mx.get_active_memory() - base
+    rng = np.random.default_rng(0)
+    inputs = dict(hidden_states=rng.standard_normal((1, 1, 128)).astype(np.float32),
+                  encoder_hidden_states=rng.standard_normal((1, 1, 2560)).astype(np.float32),
+                  timestep=np.array([0.5], np.float32), img_ids=np.zeros((1, 1, 4), np.int32),
+                  txt_ids=np.zeros((1, 1, 4), np.int32))
+    out = mlx_forward(model, inputs)
+    peak = mx.get_peak_memory() - base     # load + first forward
+    assert np.isfinite(out).all()
+
+    # what the built model holds: the qkv splits make 3 layers of each fused tensor (2 fused per double block)
+    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    assert len(layers) == n_quantized + 4 * MEMORY_CONFIG["num_layers"]
+    assert all(m.weight.dtype == mx.uint32 and m.scales.dtype == mx.bfloat16 for m in layers)
+    plain = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]   # the layers the file keeps BF16
+    assert all(m.weight.dtype == mx.bfloat16 for m in plain)
+    assert sum(m.weight.size for m in plain) == sum(int(np.prod(t.shape)) for t in header.tensors
+                                                    if types[t.name] == T.BF16)
+
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    mlx_forward(model, inputs)
+    activations = mx.get_peak_memory() - held
+    bound = 1.15 * file_bytes + activations
+    print(f"file tensors {file_bytes / 1e6:.1f} MB; resident {resident / 1e6:.1f} MB "
+          f"({resident / file_bytes:.3f}x); load peak {load_peak / 1e6:.1f} MB ({load_peak / file_bytes:.3f}x); "
+          f"load + forward peak {peak / 1e6:.1f} MB ({peak / file_bytes:.3f}x); activations {activations / 1e6:.1f} "
+          f"MB; bound {bound / 1e6:.1f} MB; largest layer bf16 {largest_bf16 / 1e6:.1f} MB")
+    assert peak <= bound
+    assert bound - resident < largest_bf16   # a float copy of the largest layer could not hide under the bound
+
+    # the dequantize strategy: one layer at a time
+    use_strategy(model, "dequantize")
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    deq = mlx_forward(model, inputs)
+    extra = mx.get_peak_memory() - held
+    print(f"dequantize strategy: forward peak above the held weights {extra / 1e6:.1f} MB; float size of the "
+          f"quantized weights (bf16) {quantized_bf16 / 1e6:.0f} MB, of one double block {block_bf16 / 1e6:.0f} MB")
+    # far below the float size of the weights, and below even one double block's layers in bfloat16: the
+    # dequantized weights do not pile up across layers (what remains is a few row chunks of the layers that read
+    # the same input, which MLX may run side by side)
+    assert extra < 0.15 * quantized_bf16
+    assert extra < activations + block_bf16
+    assert np.isfinite(deq).all()   # (the values agree within float32 rounding in float32: test above)
