@@ -314,7 +314,7 @@ def test_matmul_strategies_agree(gguf_twin):
 
 def test_klein_pipeline_with_gguf_transformer(tmp_path):
     """mlxdiff.load(folder, transformer=file.gguf) runs the klein pipeline (CFG, 2 steps) with the transformer kept
-    quantized. Two comparisons on the same noise:
+    quantized, with either matmul strategy. Two comparisons on the same noise:
     - against the folder holding the GGUF's own values, dequantized by gguf-py (float32, diffusers names): the same
       function, so the bound is float32 rounding (latents within 1e-4, image within 1/255);
     - against the folder holding the twin's float weights before quantization: Q4_K_M moves the latents, but by
@@ -344,7 +344,11 @@ def test_klein_pipeline_with_gguf_transformer(tmp_path):
     spec = pipe.components["transformer"]
     assert [str(f) for f in spec.files] == [str(path)]
     assert strategy_of(spec.build(mx.float32)) == {"QuantizedLinear": 14}   # 2 x 3 split qkv + 8 others
-    quantized = pipe.generate("a red fox in the snow", **run)
+    quantized = pipe.generate("a red fox in the snow", **run)   # the backend's default strategy (dequantize on CPU)
+    qmm = mlxdiff.load(str(folder), transformer=str(path), matmul="qmm").generate("a red fox in the snow", **run)
+    qmm_err = max_rel_err(qmm.latents, dequantized_run.latents)
+    print(f"klein pipeline, matmul='qmm': latents {qmm_err:.2e} from the dequantized values")
+    assert qmm_err <= 1e-4
 
     err = max_rel_err(quantized.latents, dequantized_run.latents)
     image = np.asarray(quantized.image, np.float32)
