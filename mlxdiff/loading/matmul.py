@@ -11,12 +11,12 @@ Why the dequantize path is cut into row chunks that wait for each other (measure
 test_gguf_models.py): MLX's scheduler sees a dequantization depend on parameters only, so in a lazily built block
 it runs every layer's dequantization first and holds them all (a 510 MB Q4_K_M FLUX.2 file: 600 MB of transient
 float weights in one forward). And mx.dequantize's own CPU transient is 2x (float32) to 5x (bfloat16) its output.
-So each layer dequantizes whole rows a chunk at a time (CHUNK_WEIGHTS weights, at least MIN_ROWS rows, at least as
-many rows as the input has tokens), each chunk made to depend (mx.depends) on the layer's input or the previous
-chunk's output: the extra memory is a few chunks, whatever the layer size, and nothing forces an evaluation (the
-graph stays lazy). On this CPU the chunked form is as fast as one whole-layer dequantization (1536 tokens, 4-bit,
-3072 -> 27648: 117 against 104 GFLOP/s, half the transient memory), and far faster than MLX's CPU
-`quantized_matmul` at prompt-like sizes (bench/gguf_cpu.py).
+So on the CPU each layer dequantizes whole rows a chunk at a time (CHUNK_WEIGHTS weights, at least MIN_ROWS
+rows, at least as many rows as the input has tokens), each chunk made to depend (mx.depends) on the layer's input
+or the previous chunk's output: the extra memory is a few chunks, whatever the layer size, and nothing forces an
+evaluation (the graph stays lazy). On this CPU the chunked form is as fast as one whole-layer dequantization (1536
+tokens, 4-bit, 3072 -> 27648: 117 against 104 GFLOP/s, half the transient memory), and far faster than MLX's CPU
+`quantized_matmul` at prompt-like sizes (bench/gguf_cpu.py). GPUs dequantize whole layers (see _chunked).
 """
 
 import mlx.core as mx
@@ -28,6 +28,7 @@ from ..errors import MlxdiffError
 STRATEGIES = ("qmm", "dequantize")
 CHUNK_WEIGHTS = 1 << 20   # weights DequantizedLinear dequantizes at a time (whole rows) ...
 MIN_ROWS = 256            # ... but at least this many rows: thinner output tiles make the matmul slow
+CHUNK_ON_GPU = False      # chunks on the CPU only (see _chunked)
 
 
 class DequantizedLinear(nn.Module):
@@ -61,7 +62,7 @@ class DequantizedLinear(nn.Module):
         # rows per chunk: CHUNK_WEIGHTS' worth, at least MIN_ROWS, and at least as many as the input has tokens
         # (so a chunk of weights is never larger than the input activations; at prompt-like sizes the matmuls
         # stay large, at one or two tokens the chunks stay small)
-        step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1))
+        step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if _chunked() else rows
         parts, after = [], x
         for r in range(0, rows, step):
             w = mx.dequantize(mx.depends(weight[r:r + step], after), scales[r:r + step],
@@ -73,6 +74,15 @@ class DequantizedLinear(nn.Module):
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+def _chunked() -> bool:
+    """Row chunks on the CPU only: there mx.dequantize's transient is 2-5x its output and the chunks cost no speed.
+    On CUDA (H200, mlx 0.32.4, 4608 tokens, bf16) the transient is the output alone, and chunks cost speed and,
+    through the concatenation, memory: one 6144 -> 55296 layer 4.8 ms whole, 5.8 ms chunked; a FLUX.2-dev-sized
+    block of five layers 7.2 ms / 1.64 GB above the weights whole, 8.3 ms / 2.21 GB chunked (qmm: 40.8 ms /
+    0.74 GB). So a GPU dequantizes whole layers (still after their input, mx.depends)."""
+    return CHUNK_ON_GPU or mx.default_device() == mx.cpu
 
 
 def _arrays(layer):
