@@ -58,13 +58,16 @@ class TextEncoderSpec:
 class Flux2Pipeline:
     family = "flux2"
 
-    def __init__(self, pipeline_class, components, tokenizer, scheduler_config, is_distilled=False, dtype=None):
+    def __init__(self, pipeline_class, components, tokenizer, scheduler_config, is_distilled=False, dtype=None,
+                 sample_size=None, max_sequence_length=512):
         self.pipeline_class = pipeline_class
         self.is_klein = pipeline_class == "Flux2KleinPipeline"
         self.components = components
         self.tokenizer = tokenizer
         self.scheduler_config = scheduler_config
         self.is_distilled = is_distilled
+        self.sample_size = sample_size          # default image size in pixels (diffusers: 128 * vae factor)
+        self.max_sequence_length = max_sequence_length
         self.dtype = backend.compute_dtype(dtype)
         backend.warn_if_slow_blas()
 
@@ -102,14 +105,15 @@ class Flux2Pipeline:
         return 2 ** (len(self.components["vae"].config.get("block_out_channels", [0] * 4)) - 1)
 
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
-                 guidance=None, seed=0, latents=None, max_sequence_length=512, text_encoder_out_layers=None,
+                 guidance=None, seed=0, latents=None, max_sequence_length=None, text_encoder_out_layers=None,
                  callback=None, progress_bar=True) -> Result:
         defaults = self.cli_defaults()
+        max_sequence_length = max_sequence_length or self.max_sequence_length
         steps = steps or defaults["steps"]
         guidance = defaults["guidance"] if guidance is None else guidance
         factor = self.vae_scale_factor() * 2
-        width = width or 128 * self.vae_scale_factor()
-        height = height or 128 * self.vae_scale_factor()
+        width = width or self.sample_size or 128 * self.vae_scale_factor()
+        height = height or self.sample_size or 128 * self.vae_scale_factor()
         if width % factor or height % factor or width <= 0 or height <= 0:
             raise MlxdiffError(f"width and height must be positive multiples of {factor}, got {width}x{height}")
         if steps < 1:
@@ -216,4 +220,7 @@ def from_folder(root: Path, pipeline_class: str, components: dict, dtype=None, t
         from ..models import flux2
         specs["transformer"] = sources.transformer_from_file(transformer, flux2, specs["transformer"].config)
     scheduler = sources.read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
-    return Flux2Pipeline(pipeline_class, specs, tokenizer, scheduler, bool(index.get("is_distilled", False)), dtype)
+    # optional folder defaults (diffusers ignores these keys): image size and prompt length of a small model
+    return Flux2Pipeline(pipeline_class, specs, tokenizer, scheduler, bool(index.get("is_distilled", False)), dtype,
+                         sample_size=index.get("sample_size"),
+                         max_sequence_length=index.get("max_sequence_length", 512))
