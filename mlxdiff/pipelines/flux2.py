@@ -19,7 +19,7 @@ from .. import schedulers
 from ..errors import MlxdiffError
 from ..loading import sources
 from .images import to_pil
-from .phases import Result, PhaseLog, loaded, progress
+from .phases import Result, PhaseLog, initial_latents, loaded, progress
 
 TAPS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
 
@@ -142,7 +142,8 @@ class Flux2Pipeline:
 
         h, w = height // factor, width // factor
         shape = (batch, tconf.get("in_channels", 128), h, w)
-        x = initial_latents(latents, shape, seed)                     # (B, C, h, w), diffusers' layout
+        x = initial_latents(latents, shape, seed, "diffusers' patchified layout: batch, 4 * latent channels, "
+                            "height/16, width/16")                  # (B, C, h, w)
         x = x.reshape(batch, shape[1], h * w).transpose(0, 2, 1)      # pack -> (B, h*w, C)
         img_ids = latent_ids(batch, h, w)
         txt_ids = text_ids(batch, text_len)
@@ -175,16 +176,6 @@ class Flux2Pipeline:
         result.images = to_pil(np.array(image))
         result.image = result.images[0]
         return result
-
-
-def initial_latents(latents, shape, seed):
-    if latents is None:
-        return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.float32)
-    latents = np.asarray(latents)
-    if tuple(latents.shape) != tuple(shape):
-        raise MlxdiffError(f"latents have shape {tuple(latents.shape)}, expected {tuple(shape)} "
-                           "(diffusers' patchified layout: batch, 4 * latent channels, height/16, width/16)")
-    return mx.array(latents.astype(np.float32))
 
 
 def latent_ids(batch, h, w):

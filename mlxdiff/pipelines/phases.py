@@ -113,3 +113,15 @@ def progress(iterable, total, desc, enabled=True):
         return iterable
     from tqdm.auto import tqdm
     return tqdm(iterable, total=total, desc=desc, leave=False)
+
+
+def initial_latents(latents, shape, seed, layout=""):
+    """Injected noise (numpy, in diffusers' `latents` layout) or seeded MLX noise; always float32."""
+    from ..errors import MlxdiffError
+    if latents is None:
+        return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.float32)
+    latents = np.asarray(latents)
+    if tuple(latents.shape) != tuple(shape):
+        raise MlxdiffError(f"latents have shape {tuple(latents.shape)}, expected {tuple(shape)} for this size"
+                           + (f" ({layout})" if layout else ""))
+    return mx.array(latents.astype(np.float32))

@@ -19,7 +19,7 @@ from ..loading import sources
 from ..loading.keymaps import remap
 from ..tokenizers import (load_tokenizer, bundled_clip_tokenizer, bundled_t5_tokenizer, tokenize,
                           report_truncation)
-from .phases import Result, PhaseLog, loaded, progress
+from .phases import Result, PhaseLog, initial_latents, loaded, progress
 from .images import to_pil
 
 
@@ -176,16 +176,6 @@ class SD3Pipeline:
         result.images = to_pil(np.array(image))
         result.image = result.images[0]
         return result
-
-
-def initial_latents(latents, shape, seed):
-    """Injected noise (numpy, diffusers' layout) or seeded MLX noise, always float32."""
-    if latents is None:
-        return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.float32)
-    latents = np.asarray(latents)
-    if tuple(latents.shape) != tuple(shape):
-        raise MlxdiffError(f"latents have shape {tuple(latents.shape)}, expected {tuple(shape)} for this size")
-    return mx.array(latents.astype(np.float32))
 
 
 # -- resolving what the user named into specs ----------------------------------------------------------------
