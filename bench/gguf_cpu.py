@@ -4,7 +4,7 @@ per-layer dequantization, and diffusers' GGUF path, each in its own process, one
     python bench/gguf_cpu.py [--gguf weights/bench-klein-4b-Q4_K_M-random.gguf] [--size 512] [--text 512]
                              [--only qmm,dequantize,diffusers] [--json bench/gguf_cpu.json]
 
-The file (written on the first run, ~2.2 GB, git-ignored under weights/) has klein-4B's real transformer config
+The file (written on the first run, 2.50 GB, git-ignored under weights/) has klein-4B's real transformer config
 (5 double + 20 single blocks, 24 heads x 128, joint 7680, mlp ratio 3) in city96's Q4_K_M mix (BF16 embedders,
 modulations and final layer, F32 norms, Q5_K fused qkv, Q4_K elsewhere) with random valid blocks: only memory and
 speed mean anything. One transformer forward = one step of the distilled klein (no CFG): 512x512 -> 1024 image
