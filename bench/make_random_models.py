@@ -16,6 +16,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def save_components(out: Path, builders: dict):
+    """Build each component in bf16, save_pretrained it, free it; components already written are kept."""
+    import torch
+    out.mkdir(parents=True, exist_ok=True)
+    for name, make in builders.items():
+        if (out / name / "config.json").exists():
+            continue
+        t = time.time()
+        model = make().to(torch.bfloat16)
+        model.save_pretrained(str(out / name), max_shard_size="5GB")
+        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {time.time() - t:.0f} s",
+              flush=True)
+        del model
+        gc.collect()
+
+
 def sd35_medium(out: Path):
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
@@ -48,17 +64,7 @@ def sd35_medium(out: Path):
             feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
             layer_norm_epsilon=1e-6)),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    for name, make in builders.items():
-        if (out / name / "config.json").exists():
-            continue
-        t = time.time()
-        model = make().to(torch.bfloat16)
-        model.save_pretrained(str(out / name), max_shard_size="5GB")
-        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {time.time() - t:.0f} s",
-              flush=True)
-        del model
-        gc.collect()
+    save_components(out, builders)
     bundled_clip_tokenizer("<|endoftext|>").save_pretrained(str(out / "tokenizer"))
     bundled_clip_tokenizer("!").save_pretrained(str(out / "tokenizer_2"))
     bundled_t5_tokenizer().save_pretrained(str(out / "tokenizer_3"))
@@ -117,17 +123,7 @@ def klein_4b(out: Path):
             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
             rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True)),
     }
-    out.mkdir(parents=True, exist_ok=True)
-    for name, make in builders.items():
-        if (out / name / "config.json").exists():
-            continue
-        t = time.time()
-        model = make().to(torch.bfloat16)
-        model.save_pretrained(str(out / name), max_shard_size="5GB")
-        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {time.time() - t:.0f} s",
-              flush=True)
-        del model
-        gc.collect()
+    save_components(out, builders)
     qwen_like_tokenizer(out / "tokenizer")
     FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
                                     max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,

@@ -38,7 +38,7 @@ def _load(model, *, transformer, dtype, text_encoders):
         from . import flux2
         return flux2.from_folder(path, pipeline_class, components, dtype=dtype, transformer=transformer)
     if path.suffix == ".safetensors":
-        names = sd3.st_names(path)
+        names = list(sources.tensor_shapes(path))
         if any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
             return sd3.from_single_file(path, dtype=dtype, transformer=transformer, text_encoders=text_encoders)
         raise MlxdiffError(f"{path}: not a full SD3.5 single file; for a FLUX.2 or GGUF transformer, load the "

@@ -164,7 +164,6 @@ class Flux2Pipeline:
                 mx.eval(x)
                 if callback is not None:
                     callback(i, float(timesteps[i]), x)
-        packed = x
         x = x.transpose(0, 2, 1).reshape(batch, shape[1], h, w)       # unpack (ids are a regular grid)
         result.latents = np.array(x)
 
@@ -172,7 +171,6 @@ class Flux2Pipeline:
             image = vae.decode(vae.denormalize_and_unpatchify(x).astype(self.dtype))
             image = mx.clip(image.astype(mx.float32) / 2 + 0.5, 0, 1)
             mx.eval(image)
-        del packed
         result.images = to_pil(np.array(image))
         result.image = result.images[0]
         return result

@@ -206,15 +206,10 @@ def from_folder(root: Path, components: dict, dtype=None, transformer=None) -> S
     return SD3Pipeline(specs, tokenizers, scheduler, dtype)
 
 
-def st_names(path):
-    from ..loading.safetensors import check_safetensors
-    return list(check_safetensors(path))
-
-
 def _lazy(path, prefix):
-    from ..loading.safetensors import load_safetensors
+    """The (gated, lazy) tensors of one file under `prefix`, without it."""
     from ..loading.keymaps import strip_prefix
-    return strip_prefix(load_safetensors(path), prefix)
+    return strip_prefix(sources.read_weights_file(path), prefix)
 
 
 TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "incl_clips" file, glob beside it)
@@ -227,7 +222,7 @@ TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "
 def from_single_file(path: Path, dtype=None, transformer=None, text_encoders=None) -> SD3Pipeline:
     """sd3.5_medium.safetensors / sd3.5_large.safetensors (+ clip_l, clip_g, t5xxl beside it or inside)."""
     from ..models import clip, mmdit, t5, vae
-    names = st_names(path)
+    names = list(sources.tensor_shapes(path))
     if not any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
         raise MlxdiffError(f"{path}: not an SD3 single file (no model.diffusion_model.joint_blocks.* keys)")
     specs = {"transformer": sources.transformer_from_file(transformer or path, mmdit)}
@@ -253,7 +248,7 @@ def from_single_file(path: Path, dtype=None, transformer=None, text_encoders=Non
             file, pre = found[0], ""
         if not file.is_file():
             raise MlxdiffError(f"{file}: {short} text encoder file not found")
-        weights = strip_prefix_names(file, pre)
+        weights = _lazy(file, pre)
         config = arch.config_from_weights(weights)
         spec = sources.ComponentSpec(component, arch, config, [file], pre)
         if short == "clip_l":
@@ -262,7 +257,3 @@ def from_single_file(path: Path, dtype=None, transformer=None, text_encoders=Non
     tokenizers = {"tokenizer": bundled_clip_tokenizer("<|endoftext|>"), "tokenizer_2": bundled_clip_tokenizer("!"),
                   "tokenizer_3": bundled_t5_tokenizer()}
     return SD3Pipeline(specs, tokenizers, dict(SD3_SCHEDULER_DEFAULT), dtype)
-
-
-def strip_prefix_names(file, prefix):
-    return _lazy(file, prefix)
