@@ -1,6 +1,6 @@
 """Embedding mlxdiff in an app: load once, encode prompts separately, generate with a progress callback.
 
-    python examples/embed_in_app.py [MODEL]      (default: the embedded default model)
+    python examples/embed_in_app.py [MODEL]      (default: the embedded default model, weights/klein-shapes)
 """
 
 import sys
@@ -11,19 +11,18 @@ from mlxdiff import default_model
 
 
 def main(model=None):
-    model = model or default_model.ensure()
-    pipe = mlxdiff.load(model)          # resolves files and configs only; weights load per phase
-    cond = pipe.encode_prompt("a red circle on a blue background", "blurry")   # text encoders load, run, free
+    pipe = mlxdiff.load(model or default_model.folder())   # resolves files and configs only; weights load per phase
+    cond = pipe.encode_prompt("a large yellow triangle at the top on a black background")  # encoder loads, runs, frees
 
     def on_step(step, timestep, latents):   # called after every denoising step with MLX latents
-        print(f"  step {step + 1}: t={timestep:.1f}")
+        if step % 10 == 9:
+            print(f"  step {step + 1}: t={timestep:.3f}")
 
     start = time.perf_counter()
-    result = pipe.generate(conditioning=cond, width=256, height=256, steps=8, guidance=4.0, seed=3,
-                           callback=on_step, progress_bar=False)
+    result = pipe.generate(conditioning=cond, seed=3, callback=on_step, progress_bar=False)   # the model's defaults
     result.image.save("embedded.png")
     print(f"{time.perf_counter() - start:.1f} s; phases: "
-          + ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items()))
+          + ", ".join(f"{k} {v:.2f} s" for k, v in result.timings.items()) + "; image written to embedded.png")
     print(result.memory_report())
 
 

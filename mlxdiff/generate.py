@@ -57,13 +57,15 @@ def main(argv=None) -> int:
         if args.memory_limit is not None:
             from .memory import set_memory_limit
             set_memory_limit(args.memory_limit)
-        model = args.model
+        model, prompt = args.model, args.prompt
         if model is None:
             from . import default_model
-            model = default_model.ensure()
+            model = default_model.folder()
+            prompt = prompt or default_model.PROMPT
             print(f"mlxdiff: using the embedded default model {model}")
             print(f"mlxdiff: {default_model.NOTICE}")
-        prompt = args.prompt if args.prompt is not None else "a red circle on a blue background"
+            print(f"mlxdiff: prompt: {prompt}")
+        prompt = prompt if prompt is not None else "a red circle on a blue background"
         t0 = time.perf_counter()
         pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype,
                             quantize=parse_quantize(args.quantize), matmul=args.matmul)

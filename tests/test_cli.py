@@ -99,12 +99,17 @@ def test_unwritable_output(sd3_tiny, tmp_path):
                          "folder")
 
 
-def test_default_model_runs_and_says_random(tmp_path):
+def test_default_model_draws_its_default_prompt(tmp_path):
+    """No --model, no --prompt: the embedded klein-shapes model draws its default prompt (a red shape on the left,
+    a blue one on the right), says which model it used, and prints where the image went."""
+    from mlxdiff import default_model
+    from mlxdiff.train import dataset
     out = tmp_path / "default.png"
-    env_weights = tmp_path / "store"
-    proc = subprocess.run([sys.executable, "-m", "mlxdiff.generate", "--no-progress", "--output", str(out)],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, MLXDIFF_WEIGHTS=str(env_weights)))
+    proc = run_cli("--output", str(out))
     assert proc.returncode == 0, proc.stderr
-    assert "RANDOM" in proc.stdout and str(out.resolve()) in proc.stdout
-    assert Image.open(out).size == (256, 256)
+    assert str(default_model.FOLDER) in proc.stdout and str(out.resolve()) in proc.stdout
+    assert default_model.PROMPT in proc.stdout
+    image = Image.open(out)
+    assert image.size == (64, 64)
+    assert "red circle on the left" in default_model.PROMPT and "blue square on the right" in default_model.PROMPT
+    assert dataset.colour_in_region(image, "red", "left") and dataset.colour_in_region(image, "blue", "right")

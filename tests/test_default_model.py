@@ -57,6 +57,17 @@ def test_checker_accepts_true_renderings():
     assert pass_rate(images)[0] == 1.0
 
 
+def test_trained_model_draws_held_out_prompts():
+    t0 = time.perf_counter()
+    result = generate(FOLDER, [p for p, _, _ in PROMPTS])
+    seconds = time.perf_counter() - t0
+    rate, results = pass_rate(result.images)
+    failed = [p for (p, _, _), ok in zip(PROMPTS, results) if not ok]
+    print(f"\nklein-shapes: semantic pass rate {rate:.1%} ({sum(results)}/{len(results)}) at {STEPS} steps; "
+          f"{seconds / len(PROMPTS):.2f} s per image (batch of {len(PROMPTS)}, {STEPS} steps, CFG); failed: {failed}")
+    assert rate >= 0.85, failed
+
+
 def test_random_transformer_fails(tmp_path):
     from diffusers import Flux2Transformer2DModel
     folder = tmp_path / "random"

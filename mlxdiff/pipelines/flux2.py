@@ -89,8 +89,10 @@ class Flux2Pipeline:
         return embeds
 
     def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=None,
-                      max_sequence_length=512, text_encoder_out_layers=None) -> Conditioning:
-        """prompt_embeds (and, for klein base with CFG, negative_prompt_embeds of "")."""
+                      max_sequence_length=None, text_encoder_out_layers=None) -> Conditioning:
+        """prompt_embeds (and, for klein base with CFG, negative_prompt_embeds of ""); max_sequence_length defaults
+        to the folder's (512, diffusers' default, unless model_index.json says otherwise)."""
+        max_sequence_length = max_sequence_length or self.max_sequence_length
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if do_classifier_free_guidance is None:
             do_classifier_free_guidance = self.is_klein and not self.is_distilled

@@ -1,9 +1,10 @@
 """Train the embedded default model (klein-shapes): a tiny Flux2KleinPipeline that draws coloured shapes.
 
-    /work/venv/bin/python -m mlxdiff.train.train --out weights/klein-shapes --work build/klein-train
+    python -m mlxdiff.train.train --out weights/klein-shapes --work build/klein-train [--device cuda]
 
-PyTorch + diffusers + transformers on the CPU, in four stages; each writes into --work and is skipped when its
-output is already there, so a later stage can be re-run alone:
+PyTorch + diffusers + transformers, on a CUDA GPU when there is one (the CPU works, hundreds of times slower), in
+four stages; each writes into --work and is skipped when its output is already there, so a later stage can be re-run
+alone. The training images are rendered once, up front (dataset.batch, seeded), and every stage samples from them.
 
   1. tokenizer: a word-level `tokenizers` model over the caption vocabulary (mlxdiff.train.dataset.vocabulary) with
      Qwen3's special tokens and a Qwen3-style chat template, saved as a transformers fast tokenizer.
@@ -11,8 +12,8 @@ output is already there, so a later stage can be re-run alone:
      trained on reconstruction (MSE + L1) with a small KL term; then its `bn` running mean/var are set from the
      patchified latents of fresh images, as the pipeline normalises with them.
   3. text encoder: a 3-layer Qwen3ForCausalLM trained briefly as a causal LM on chat-formatted captions, then frozen.
-     Frozen because the transformer then trains on fixed features computed without gradients (cheaper on 2 cores,
-     and the prompt embedding is exactly what inference will compute); the short LM pre-training makes the hidden
+     Frozen because the transformer then trains on fixed features, computed once for every training caption
+     (cheap, and the prompt embedding is exactly what inference will compute); the short LM pre-training makes the hidden
      states contextual (a word's state depends on the words before it, and the padding positions, which attend to
      the whole prompt, summarise it) instead of random.
   4. transformer: Flux2Transformer2DModel (no guidance embedding) with the flow-matching objective exactly as
@@ -22,7 +23,9 @@ output is already there, so a later stage can be re-run alone:
      noise - x0. 10% of captions are dropped to "" so classifier-free guidance works (klein base: is_distilled False,
      true CFG against "", 50 steps, guidance 4). Most batches use 64 text tokens (the length the model is meant to be
      run with); 1 in 32 uses 512, diffusers' default, so a default-length call is not out of distribution.
-     The saved weights are an exponential moving average of the trained ones.
+     The saved weights are an exponential moving average of the trained ones. Every --eval-every steps the average
+     is sampled through diffusers' Flux2KleinPipeline on validation prompts (held-out combinations in small size,
+     which the test does not use) and the semantic pass rate is logged; it is not used to pick a checkpoint.
 
 The pipeline is saved with save_pretrained in bfloat16, plus keys that diffusers ignores and mlxdiff reads from
 model_index.json: text_encoder_out_layers (the taps), max_sequence_length and sample_size (image side in pixels).
@@ -57,8 +60,8 @@ VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderB
 TEXT_CONFIG = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=16, max_position_embeddings=LONG_SEQ, rope_theta=10000.0,
                    tie_word_embeddings=True)
-TRANSFORMER_CONFIG = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=2, num_single_layers=4,
-                          attention_head_dim=32, num_attention_heads=4, joint_attention_dim=3 * 64,
+TRANSFORMER_CONFIG = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=3, num_single_layers=6,
+                          attention_head_dim=32, num_attention_heads=6, joint_attention_dim=3 * 64,
                           timestep_guidance_channels=64, mlp_ratio=3.0, axes_dims_rope=(8, 8, 8, 8), rope_theta=2000,
                           eps=1e-6, guidance_embeds=False)
 SCHEDULER_CONFIG = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
@@ -70,9 +73,10 @@ def log(*args):
     print(time.strftime("%H:%M:%S"), *args, flush=True)
 
 
-def to_tensor(images: np.ndarray) -> torch.Tensor:
-    """uint8 (N, H, W, 3) -> float (N, 3, H, W) in [-1, 1], as the pipeline's image processor."""
-    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1
+def to_tensor(images, device) -> torch.Tensor:
+    """uint8 (N, H, W, 3) (numpy or tensor) -> float (N, 3, H, W) in [-1, 1] on device, as the image processor."""
+    images = torch.as_tensor(images).to(device)
+    return images.permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
 def cosine_lr(base, fraction, warmup_fraction=0.03, floor=0.1):
@@ -80,6 +84,11 @@ def cosine_lr(base, fraction, warmup_fraction=0.03, floor=0.1):
         return base * fraction / warmup_fraction
     f = (fraction - warmup_fraction) / (1 - warmup_fraction)
     return base * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(f, 1.0))))
+
+
+def progress_fraction(step, steps, start, minutes):
+    """How far a stage is: by steps, or by wall time when the machine is slower than planned."""
+    return max(step / steps, (time.time() - start) / (minutes * 60))
 
 
 # ---- 1. tokenizer ----------------------------------------------------------------------------------------------
@@ -100,31 +109,25 @@ def build_tokenizer(folder: Path):
 
 # ---- 2. VAE ----------------------------------------------------------------------------------------------------
 
-def progress_fraction(step, steps, start, minutes):
-    """How far training is: by steps, or by wall time when the CPU is slower than planned (the machine is shared)."""
-    return max(step / steps, (time.time() - start) / (minutes * 60))
-
-
-def train_vae(folder: Path, seed: int, steps: int, minutes: float, batch_size=16, lr=2e-3):
+def train_vae(folder: Path, pool, seed: int, steps: int, minutes: float, device, batch_size=16, lr=2e-3):
     from diffusers import AutoencoderKLFlux2
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    vae = AutoencoderKLFlux2(**VAE_CONFIG)
+    vae = AutoencoderKLFlux2(**VAE_CONFIG).to(device)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     start, step = time.time(), 0
     while (fraction := progress_fraction(step, steps, start, minutes)) < 1:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, fraction)
-        images = dataset.batch(rng, batch_size)[0]
-        x = to_tensor(images)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = to_tensor(pool[torch.from_numpy(rng.integers(0, len(pool), batch_size))], device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             posterior = vae.encode(x).latent_dist
             # the mode plus a little noise: decoding full-variance samples made the first hundreds of steps learn
             # only luminance; the pipeline decodes denoised latents, not posterior samples
             z = posterior.mean + 0.1 * posterior.std * torch.randn_like(posterior.mean)
             y = vae.decode(z).sample.float()
         # shape pixels (about a tenth of the image) weigh 8x, so colour is learnt as fast as the background
-        weight = 1 + 7 * torch.from_numpy(saturated(images))[:, None].float()
+        weight = 1 + 7 * saturated(x)[:, None].float()
         rec = (weight * ((y - x).pow(2) + 0.5 * (y - x).abs())).mean() / weight.mean()
         kl = posterior.kl().mean() / x[0].numel()
         loss = rec + 1e-5 * kl
@@ -132,44 +135,45 @@ def train_vae(folder: Path, seed: int, steps: int, minutes: float, batch_size=16
         loss.backward()
         opt.step()
         step += 1
-        if step % 50 == 0:
+        if step % 200 == 0:
             log(f"vae step {step} rec {rec.item():.5f} kl/px {kl.item():.3f} lr {opt.param_groups[0]['lr']:.2e}")
     vae.eval()
-    set_bn_statistics(vae, np.random.default_rng(seed + 1))
+    set_bn_statistics(vae, pool[-2048:], device)
     vae.save_pretrained(str(folder))
-    log(f"vae: {step} steps in {(time.time() - start) / 60:.1f} min")
+    log(f"vae: {step} steps x {batch_size} in {(time.time() - start) / 60:.1f} min")
     return vae
 
 
-def saturated(images: np.ndarray) -> np.ndarray:
-    """(N, H, W) bool: pixels with colour (max - min channel > 40), i.e. the shapes on the achromatic background."""
-    return (images.max(-1).astype(np.int16) - images.min(-1)) > 40
+def saturated(x: torch.Tensor) -> torch.Tensor:
+    """(N, H, W) bool: pixels with colour (max - min channel > 40 of 255), i.e. the shapes on the achromatic
+    background; x in [-1, 1], (N, 3, H, W)."""
+    return (x.amax(1) - x.amin(1)) > 40 / 127.5
 
 
 @torch.no_grad()
-def encode_latents(vae, images: np.ndarray, batch_size=128) -> torch.Tensor:
+def encode_latents(vae, images, device, batch_size=1024) -> torch.Tensor:
     """Patchified latents (N, 4 * latent_channels, h/2, w/2) of the posterior mode, as the pipeline's
     _encode_vae_image (before the bn normalisation)."""
     from diffusers import Flux2KleinPipeline
     out = []
     for i in range(0, len(images), batch_size):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            z = vae.encode(to_tensor(images[i:i + batch_size])).latent_dist.mode().float()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            z = vae.encode(to_tensor(images[i:i + batch_size], device)).latent_dist.mode().float()
         out.append(Flux2KleinPipeline._patchify_latents(z))
     return torch.cat(out)
 
 
-def set_bn_statistics(vae, rng, n=2048):
-    z = encode_latents(vae, dataset.batch(rng, n)[0])
+def set_bn_statistics(vae, images, device):
+    z = encode_latents(vae, images, device)
     with torch.no_grad():
         vae.bn.running_mean.copy_(z.mean(dim=(0, 2, 3)))
         vae.bn.running_var.copy_(z.var(dim=(0, 2, 3)))
-    log("vae bn: mean", np.round(vae.bn.running_mean.numpy(), 2), "std",
-        np.round(vae.bn.running_var.sqrt().numpy(), 2))
+    log("vae bn: mean", np.round(vae.bn.running_mean.cpu().numpy(), 2), "std",
+        np.round(vae.bn.running_var.sqrt().cpu().numpy(), 2))
 
 
-def normalized_latents(vae, images):
-    z = encode_latents(vae, images)
+def normalized_latents(vae, images, device):
+    z = encode_latents(vae, images, device)
     mean = vae.bn.running_mean.view(1, -1, 1, 1)
     std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
     return (z - mean) / std
@@ -189,22 +193,21 @@ def chat_ids(tokenizer, prompts, length):
     return torch.cat(ids), torch.cat(masks)
 
 
-def train_text_encoder(folder: Path, tokenizer, seed: int, steps=300, batch_size=64, lr=2e-3):
+def train_text_encoder(folder: Path, tokenizer, captions, seed: int, steps, device, batch_size=64, lr=2e-3):
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     config = Qwen3Config(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                          eos_token_id=tokenizer.eos_token_id, bos_token_id=None, **TEXT_CONFIG)
-    model = Qwen3ForCausalLM(config)
+    model = Qwen3ForCausalLM(config).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     start = time.time()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, step / steps)
-        prompts = [dataset.caption(dataset.random_scene(rng), rng) for _ in range(batch_size)]
-        ids, mask = chat_ids(tokenizer, prompts, 40)
-        labels = ids.masked_fill(mask == 0, -100)
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ids, mask = chat_ids(tokenizer, [captions[i] for i in rng.integers(0, len(captions), batch_size)], 40)
+        ids, mask = ids.to(device), mask.to(device)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -217,11 +220,11 @@ def train_text_encoder(folder: Path, tokenizer, seed: int, steps=300, batch_size
 
 
 @torch.no_grad()
-def prompt_embeds(text_encoder, tokenizer, prompts, length):
+def prompt_embeds(text_encoder, tokenizer, prompts, length, device, batch_size=1024):
     from diffusers import Flux2KleinPipeline
-    return Flux2KleinPipeline._get_qwen3_prompt_embeds(text_encoder, tokenizer, prompts, dtype=torch.float32,
-                                                       device=torch.device("cpu"), max_sequence_length=length,
-                                                       hidden_states_layers=list(TAPS))
+    return torch.cat([Flux2KleinPipeline._get_qwen3_prompt_embeds(
+        text_encoder, tokenizer, prompts[i:i + batch_size], dtype=torch.float32, device=device,
+        max_sequence_length=length, hidden_states_layers=list(TAPS)) for i in range(0, len(prompts), batch_size)])
 
 
 # ---- 4. transformer --------------------------------------------------------------------------------------------
@@ -234,63 +237,93 @@ def sample_sigmas(rng, n):
     return np.exp(mu) / (np.exp(mu) + (1 / u - 1))
 
 
-def train_transformer(work: Path, vae, text_encoder, tokenizer, seed: int, steps: int, minutes: float, n_latents=8192,
-                      batch_size=32, lr=5e-4, ema_decay=0.998, drop_prompt=0.1, resume=False):
+@torch.no_grad()
+def semantic_pass_rate(vae, text_encoder, tokenizer, transformer, device, prompts, steps=20, seed=0):
+    """Fraction of prompts whose colour dominates their region (dataset.colour_in_region), sampled by diffusers."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+    pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
+                              text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
+                              is_distilled=False)
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe(prompt=[p for p, _, _ in prompts], height=dataset.SIZE, width=dataset.SIZE,
+                  num_inference_steps=steps, guidance_scale=4.0, max_sequence_length=SEQ,
+                  text_encoder_out_layers=TAPS, generator=torch.Generator(device).manual_seed(seed)).images
+    return float(np.mean([dataset.colour_in_region(img, item.colour, item.position)
+                          for img, (_, item, _) in zip(images, prompts)]))
+
+
+def train_transformer(work: Path, pool, captions, vae, text_encoder, tokenizer, seed: int, steps: int,
+                      minutes: float, device, batch_size=32, lr=5e-4, ema_decay=0.999, drop_prompt=0.1,
+                      resume=False, eval_every=0):
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    t0 = time.time()
-    images, captions, _ = dataset.batch(rng, n_latents)
-    latents = normalized_latents(vae, images)                                # (N, 32, 8, 8)
-    del images
-    log(f"transformer: {n_latents} latents encoded in {time.time() - t0:.0f} s; std {latents.std():.3f}")
-    _, channels, h, w = latents.shape
-    img_ids = Flux2KleinPipeline._prepare_latent_ids(latents[:batch_size])
-
     resume_from = work / "transformer_ema"
     if resume and (resume_from / "config.json").exists():   # continue from the last saved average (fresh optimizer)
-        model = Flux2Transformer2DModel.from_pretrained(str(resume_from)).float().train()
+        model = Flux2Transformer2DModel.from_pretrained(str(resume_from)).float().train()   # bf16 when exported
         log(f"transformer: resuming from {resume_from}")
     else:
         model = Flux2Transformer2DModel(**TRANSFORMER_CONFIG)
-    ema = Flux2Transformer2DModel(**TRANSFORMER_CONFIG)
+    model.to(device)
+    ema = Flux2Transformer2DModel(**TRANSFORMER_CONFIG).to(device)
     ema.load_state_dict(model.state_dict())
     ema.requires_grad_(False)
+    if steps <= 0:
+        return ema.eval(), 0
+
+    t0 = time.time()
+    latents = normalized_latents(vae, pool, device)                         # (N, 32, 8, 8)
+    embeds_all = prompt_embeds(text_encoder, tokenizer, captions, SEQ, device)  # (N, SEQ, 3 * hidden)
+    empty = prompt_embeds(text_encoder, tokenizer, [""], SEQ, device)
+    log(f"transformer: {len(pool)} latents and captions encoded in {time.time() - t0:.0f} s; "
+        f"latent std {latents.std():.3f}")
+    img_ids = Flux2KleinPipeline._prepare_latent_ids(latents[:batch_size]).to(device)
+    txt_ids = Flux2KleinPipeline._prepare_text_ids(embeds_all[:batch_size]).to(device)
+    validation = dataset.held_out_prompts(size="small")
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    log(f"transformer: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters")
+    params, ema_params = list(model.parameters()), list(ema.parameters())
+    log(f"transformer: {sum(p.numel() for p in params) / 1e6:.2f} M parameters, batch {batch_size}")
     start, step, avg = time.time(), 0, None
     while (fraction := progress_fraction(step, steps, start, minutes)) < 1:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, fraction)
-        idx = rng.integers(0, n_latents, batch_size)
-        prompts = ["" if rng.random() < drop_prompt else captions[i] for i in idx]
-        length = LONG_SEQ if step % 32 == 31 else SEQ
-        embeds = prompt_embeds(text_encoder, tokenizer, prompts, length)
-        txt_ids = Flux2KleinPipeline._prepare_text_ids(embeds)
-        x0 = Flux2KleinPipeline._pack_latents(latents[torch.from_numpy(idx)])   # (B, h*w, C)
+        idx = rng.integers(0, len(pool), batch_size)
+        drop = torch.from_numpy(rng.random(batch_size) < drop_prompt).to(device)
+        if step % 32 == 31:       # a batch at diffusers' default prompt length
+            embeds = prompt_embeds(text_encoder, tokenizer, ["" if d else captions[i] for i, d in
+                                                             zip(idx, drop.tolist())], LONG_SEQ, device)
+            ids = Flux2KleinPipeline._prepare_text_ids(embeds).to(device)
+        else:
+            embeds = torch.where(drop[:, None, None], empty, embeds_all[torch.from_numpy(idx).to(device)])
+            ids = txt_ids
+        x0 = Flux2KleinPipeline._pack_latents(latents[torch.from_numpy(idx).to(device)])   # (B, h*w, C)
         noise = torch.randn_like(x0)
-        sigma = torch.from_numpy(sample_sigmas(rng, batch_size)).float()
+        sigma = torch.from_numpy(sample_sigmas(rng, batch_size)).float().to(device)
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             pred = model(hidden_states=xt, encoder_hidden_states=embeds, timestep=sigma, img_ids=img_ids,
-                         txt_ids=txt_ids, guidance=None, return_dict=False)[0]
+                         txt_ids=ids, guidance=None, return_dict=False)[0]
         loss = (pred.float() - (noise - x0)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += 1
         decay = min(ema_decay, (1 + step) / (10 + step))
         with torch.no_grad():
-            for e, p in zip(ema.parameters(), model.parameters()):
-                e.lerp_(p, 1 - decay)
-        avg = loss.item() if avg is None else 0.98 * avg + 0.02 * loss.item()
+            torch._foreach_lerp_(ema_params, params, 1 - decay)
         if step % 50 == 0:
-            log(f"transformer step {step} loss {avg:.4f} lr {opt.param_groups[0]['lr']:.2e} "
-                f"({(time.time() - start) / step:.2f} s/step)")
+            avg = loss.item() if avg is None else 0.9 * avg + 0.1 * loss.item()
         if step % 500 == 0:
+            log(f"transformer step {step} loss {avg:.4f} lr {opt.param_groups[0]['lr']:.2e} "
+                f"({(time.time() - start) / step * 1000:.1f} ms/step)")
+        if step % 2000 == 0:
             ema.save_pretrained(str(work / "transformer_ema"))
-    log(f"transformer: {step} steps in {(time.time() - start) / 60:.1f} min")
+        if eval_every and step % eval_every == 0:
+            ema.eval()
+            log(f"transformer step {step}: validation pass rate "
+                f"{semantic_pass_rate(vae, text_encoder, tokenizer, ema, device, validation):.1%}")
+    log(f"transformer: {step} steps x {batch_size} in {(time.time() - start) / 60:.1f} min")
     ema.eval()
     ema.save_pretrained(str(work / "transformer_ema"))
     return ema, step
@@ -303,10 +336,13 @@ def save_pipeline(out: Path, vae, text_encoder, tokenizer, transformer, extra: d
     pipe = Flux2KleinPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER_CONFIG), vae=vae,
                               text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
                               is_distilled=False)
-    pipe.to(torch.bfloat16)
+    pipe.to("cpu", torch.bfloat16)
+    notes = {p.name: p.read_bytes() for p in out.glob("*") if p.suffix in (".md", ".txt")} if out.exists() else {}
     if out.exists():
         shutil.rmtree(out)
     pipe.save_pretrained(str(out))
+    for name, data in notes.items():      # the folder's README and training log outlive a re-save
+        (out / name).write_bytes(data)
     index_path = out / "model_index.json"
     index = json.loads(index_path.read_text())
     index.update(text_encoder_out_layers=list(TAPS), max_sequence_length=SEQ, sample_size=dataset.SIZE, **extra)
@@ -316,42 +352,78 @@ def save_pipeline(out: Path, vae, text_encoder, tokenizer, transformer, extra: d
     log(f"saved {out}: {sum(p.stat().st_size for p in out.rglob('*') if p.is_file()) / 1e6:.1f} MB")
 
 
+def export_bf16(work: Path, dest: Path):
+    """bfloat16 copies of the trained components (what the saved pipeline holds anyway), small enough to move."""
+    from safetensors.torch import load_file, save_file
+    shutil.copy(work / "training.json", dest / "training.json")
+    for name in ("vae", "text_encoder", "transformer_ema"):
+        (dest / name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(work / name / "config.json", dest / name / "config.json")
+        for f in (work / name).glob("*.safetensors"):
+            tensors = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in load_file(f).items()}
+            save_file(tensors, dest / name / f.name, metadata={"format": "pt"})
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="weights/klein-shapes")
     p.add_argument("--work", default="build/klein-train")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vae-steps", type=int, default=800)
-    p.add_argument("--vae-minutes", type=float, default=8.0, help="wall-time cap on the VAE stage")
-    p.add_argument("--text-steps", type=int, default=200)
-    p.add_argument("--transformer-steps", type=int, default=1600)
-    p.add_argument("--transformer-minutes", type=float, default=18.0, help="wall-time cap on the transformer stage")
+    p.add_argument("--images", type=int, default=65536, help="training images rendered up front")
+    p.add_argument("--vae-steps", type=int, default=6000)
+    p.add_argument("--vae-batch", type=int, default=64)
+    p.add_argument("--vae-minutes", type=float, default=2.0, help="wall-time cap on the VAE stage")
+    p.add_argument("--text-steps", type=int, default=400)
+    p.add_argument("--transformer-steps", type=int, default=30000)
+    p.add_argument("--transformer-batch", type=int, default=256)
+    p.add_argument("--transformer-minutes", type=float, default=5.0, help="wall-time cap on the transformer stage")
+    p.add_argument("--transformer-lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=0, help="log the validation pass rate every N steps (0: never)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--export", help="also write bfloat16 copies of the trained components here")
     p.add_argument("--resume-transformer", action="store_true",
-                   help="start the transformer stage from --work/transformer_ema (to train longer)")
-    p.add_argument("--transformer-lr", type=float, default=5e-4)
+                   help="start the transformer stage from --work/transformer_ema (to train longer; with "
+                        "--transformer-steps 0, only re-save the pipeline)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
     from diffusers import AutoencoderKLFlux2
     from transformers import AutoTokenizer, Qwen3ForCausalLM
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t_all = time.time()
+    images, captions, _ = dataset.batch(np.random.default_rng(args.seed), args.images)
+    pool = torch.from_numpy(images).to(device)         # uint8 (N, 64, 64, 3)
+    log(f"{args.images} training images rendered in {time.time() - t_all:.0f} s (seed {args.seed})")
     if not (work / "tokenizer" / "tokenizer.json").exists():
         build_tokenizer(work / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
-    vae = (AutoencoderKLFlux2.from_pretrained(str(work / "vae")) if (work / "vae" / "config.json").exists()
-           else train_vae(work / "vae", args.seed, args.vae_steps, args.vae_minutes)).eval()
-    text_encoder = (Qwen3ForCausalLM.from_pretrained(str(work / "text_encoder"))
+    vae = (AutoencoderKLFlux2.from_pretrained(str(work / "vae")).float().to(device) if (work / "vae" / "config.json").exists()
+           else train_vae(work / "vae", pool, args.seed, args.vae_steps, args.vae_minutes, device,
+                          batch_size=args.vae_batch)).eval()
+    text_encoder = (Qwen3ForCausalLM.from_pretrained(str(work / "text_encoder")).float().to(device)
                     if (work / "text_encoder" / "config.json").exists()
-                    else train_text_encoder(work / "text_encoder", tokenizer, args.seed + 2, args.text_steps)).eval()
+                    else train_text_encoder(work / "text_encoder", tokenizer, captions, args.seed + 2,
+                                            args.text_steps, device)).eval()
     text_encoder.requires_grad_(False)
-    transformer, steps = train_transformer(work, vae, text_encoder, tokenizer, args.seed + 3, args.transformer_steps,
-                                           args.transformer_minutes, lr=args.transformer_lr,
-                                           resume=args.resume_transformer)
-    save_pipeline(Path(args.out), vae, text_encoder, tokenizer, transformer,
-                  {"_training": {"seed": args.seed, "transformer_steps": steps,
-                                 "minutes_this_run": round((time.time() - t_all) / 60, 1)}})
+    transformer, steps = train_transformer(work, pool, captions, vae, text_encoder, tokenizer, args.seed + 3,
+                                           args.transformer_steps, args.transformer_minutes, device,
+                                           batch_size=args.transformer_batch, lr=args.transformer_lr,
+                                           resume=args.resume_transformer, eval_every=args.eval_every)
+    record_path = work / "training.json"      # what trained the weights in --work (kept by a save-only run)
+    if steps or not record_path.exists():
+        record = {"seed": args.seed, "images": args.images, "transformer_steps": steps,
+                  "transformer_batch": args.transformer_batch, "resumed": args.resume_transformer,
+                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "minutes": round((time.time() - t_all) / 60, 1)}
+        record_path.write_text(json.dumps(record, indent=2) + "\n")
+    record = json.loads(record_path.read_text())
+    if args.export:
+        export_bf16(work, Path(args.export))
+    rate = semantic_pass_rate(vae, text_encoder, tokenizer, transformer, device, dataset.held_out_prompts(size="small"))
+    log(f"final validation pass rate (diffusers, 20 steps): {rate:.1%}")
+    save_pipeline(Path(args.out), vae, text_encoder, tokenizer, transformer, {"_training": record})
 
 
 if __name__ == "__main__":
