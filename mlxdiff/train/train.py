@@ -379,7 +379,11 @@ def main(argv=None):
     p.add_argument("--transformer-batch", type=int, default=256)
     p.add_argument("--transformer-minutes", type=float, default=5.0, help="wall-time cap on the transformer stage")
     p.add_argument("--transformer-lr", type=float, default=1e-3)
+    p.add_argument("--transformer-seed", type=int, default=None, help="default: --seed + 3 (give another when "
+                   "resuming, so the batches and noise differ from the first run's)")
     p.add_argument("--eval-every", type=int, default=0, help="log the validation pass rate every N steps (0: never)")
+    p.add_argument("--final-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="log the validation pass rate of the saved model")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--export", help="also write bfloat16 copies of the trained components here")
     p.add_argument("--resume-transformer", action="store_true",
@@ -407,22 +411,29 @@ def main(argv=None):
                     else train_text_encoder(work / "text_encoder", tokenizer, captions, args.seed + 2,
                                             args.text_steps, device)).eval()
     text_encoder.requires_grad_(False)
-    transformer, steps = train_transformer(work, pool, captions, vae, text_encoder, tokenizer, args.seed + 3,
+    transformer_seed = args.seed + 3 if args.transformer_seed is None else args.transformer_seed
+    transformer, steps = train_transformer(work, pool, captions, vae, text_encoder, tokenizer, transformer_seed,
                                            args.transformer_steps, args.transformer_minutes, device,
                                            batch_size=args.transformer_batch, lr=args.transformer_lr,
                                            resume=args.resume_transformer, eval_every=args.eval_every)
-    record_path = work / "training.json"      # what trained the weights in --work (kept by a save-only run)
-    if steps or not record_path.exists():
-        record = {"seed": args.seed, "images": args.images, "transformer_steps": steps,
-                  "transformer_batch": args.transformer_batch, "resumed": args.resume_transformer,
-                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                  "minutes": round((time.time() - t_all) / 60, 1)}
-        record_path.write_text(json.dumps(record, indent=2) + "\n")
-    record = json.loads(record_path.read_text())
+    # what trained the weights in --work: one entry per training run (a resumed run appends, a save-only run keeps)
+    record_path = work / "training.json"
+    runs = json.loads(record_path.read_text())["runs"] if record_path.exists() else []
+    if steps:
+        runs = (runs if args.resume_transformer else []) + [{
+            "seed": args.seed, "images": args.images, "transformer_seed": transformer_seed,
+            "transformer_steps": steps, "transformer_batch": args.transformer_batch,
+            "transformer_lr": args.transformer_lr, "resumed": args.resume_transformer,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "minutes": round((time.time() - t_all) / 60, 1)}]
+        record_path.write_text(json.dumps({"runs": runs}, indent=2) + "\n")
+    record = {"runs": runs}
     if args.export:
         export_bf16(work, Path(args.export))
-    rate = semantic_pass_rate(vae, text_encoder, tokenizer, transformer, device, dataset.held_out_prompts(size="small"))
-    log(f"final validation pass rate (diffusers, 20 steps): {rate:.1%}")
+    if args.final_eval:
+        rate = semantic_pass_rate(vae, text_encoder, tokenizer, transformer, device,
+                                  dataset.held_out_prompts(size="small"))
+        log(f"final validation pass rate (diffusers, 20 steps): {rate:.1%}")
     save_pipeline(Path(args.out), vae, text_encoder, tokenizer, transformer, {"_training": record})
 
 
