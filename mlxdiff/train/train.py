@@ -10,7 +10,7 @@ alone. The training images are rendered once, up front (dataset.batch, seeded), 
      Qwen3's special tokens and a Qwen3-style chat template, saved as a transformers fast tokenizer.
   2. vae: AutoencoderKLFlux2, 3 levels (64x64 -> 16x16x8 latents -> 8x8 tokens of 32 after the 2x2 patchify),
      trained on reconstruction (MSE + L1) with a small KL term; then its `bn` running mean/var are set from the
-     patchified latents of fresh images, as the pipeline normalises with them.
+     patchified latents of 2048 of the images, as the pipeline normalises with them.
   3. text encoder: a 3-layer Qwen3ForCausalLM trained briefly as a causal LM on chat-formatted captions, then frozen.
      Frozen because the transformer then trains on fixed features, computed once for every training caption
      (cheap, and the prompt embedding is exactly what inference will compute); the short LM pre-training makes the hidden
@@ -26,6 +26,10 @@ alone. The training images are rendered once, up front (dataset.batch, seeded), 
      The saved weights are an exponential moving average of the trained ones. Every --eval-every steps the average
      is sampled through diffusers' Flux2KleinPipeline on validation prompts (held-out combinations in small size,
      which the test does not use) and the semantic pass rate is logged; it is not used to pick a checkpoint.
+     --resume-transformer continues from --work/transformer_ema (give another --transformer-seed).
+
+--export DIR writes bfloat16 copies of the trained components and training.json (the record of every run), which is
+how the weights came back from the lent GPU; weights/klein-shapes/README.md has the exact commands that made them.
 
 The pipeline is saved with save_pretrained in bfloat16, plus keys that diffusers ignores and mlxdiff reads from
 model_index.json: text_encoder_out_layers (the taps), max_sequence_length and sample_size (image side in pixels).
