@@ -7,16 +7,16 @@ two-shape and free-wording prompts. Generated with mlxdiff at the folder's setti
 """
 
 import argparse
-import json
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
 import mlxdiff
+from mlxdiff import default_model
 from mlxdiff.train import dataset
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDER = ROOT / "weights" / "klein-shapes"
+FOLDER = default_model.FOLDER
 EXTRA = ["a large red circle on the left and a large blue square on the right on a white background",
          "a yellow triangle at the top and a green circle at the bottom, black background",
          "a small cyan diamond in the centre on a gray background",
@@ -32,13 +32,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=str(ROOT / "examples" / "default_grid.png"))
     args = p.parse_args(argv)
-    index = json.loads((FOLDER / "model_index.json").read_text())
     prompts = [p for p, _, _ in dataset.held_out_prompts(10)] + EXTRA
-    pipe = mlxdiff.load(str(FOLDER))
-    side = index["sample_size"]
-    result = pipe.generate(prompts, width=side, height=side, steps=args.steps, guidance=4.0, seed=args.seed,
-                           max_sequence_length=index["max_sequence_length"],
-                           text_encoder_out_layers=index["text_encoder_out_layers"], progress_bar=False)
+    # the folder's defaults: 64x64, 64 text tokens, taps (1, 2, 3), from its model_index.json
+    result = mlxdiff.load(str(FOLDER)).generate(prompts, steps=args.steps, guidance=4.0, seed=args.seed,
+                                                progress_bar=False)
+    side = result.images[0].width
 
     cell, text_w, cols = side * SCALE, 330, 2
     rows = (len(prompts) + cols - 1) // cols

@@ -3,7 +3,6 @@
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from .errors import MlxdiffError
 
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
         if model is None:
             from . import default_model
             model = default_model.folder()
-            prompt = prompt or default_model.PROMPT
+            prompt = default_model.PROMPT if prompt is None else prompt
             print(f"mlxdiff: using the embedded default model {model}")
             print(f"mlxdiff: {default_model.NOTICE}")
             print(f"mlxdiff: prompt: {prompt}")

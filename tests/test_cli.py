@@ -1,14 +1,10 @@
 """The CLI: a successful run writes a PNG with metadata; each user mistake is one line, exit code 2, no PNG."""
 
-import json
 import os
 import shutil
-import struct
 import subprocess
 import sys
 
-import numpy as np
-import pytest
 from PIL import Image
 
 

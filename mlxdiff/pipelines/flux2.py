@@ -110,7 +110,6 @@ class Flux2Pipeline:
                  guidance=None, seed=0, latents=None, max_sequence_length=None, text_encoder_out_layers=None,
                  callback=None, progress_bar=True) -> Result:
         defaults = self.cli_defaults()
-        max_sequence_length = max_sequence_length or self.max_sequence_length
         steps = steps or defaults["steps"]
         guidance = defaults["guidance"] if guidance is None else guidance
         factor = self.vae_scale_factor() * 2

@@ -199,6 +199,12 @@ def region(position, size=SIZE) -> np.ndarray:
 OPPOSITE = {"left": "right", "right": "left", "top": "bottom", "bottom": "top"}
 
 
+def pass_rate(images, prompts):
+    """(fraction passed, per-prompt bools) of colour_in_region over held_out_prompts()-style [(prompt, Item, bg)]."""
+    results = [colour_in_region(image, item.colour, item.position) for image, (_, item, _) in zip(images, prompts)]
+    return sum(results) / len(results), results
+
+
 def colour_in_region(image, colour, position, min_fraction=0.04) -> bool:
     """The prompted colour is drawn in the prompted region: it covers at least min_fraction of the region, it is
     the most frequent hue there, and (for a half) it has more pixels there than in the opposite half (for centre:

@@ -252,8 +252,7 @@ def semantic_pass_rate(vae, text_encoder, tokenizer, transformer, device, prompt
     images = pipe(prompt=[p for p, _, _ in prompts], height=dataset.SIZE, width=dataset.SIZE,
                   num_inference_steps=steps, guidance_scale=4.0, max_sequence_length=SEQ,
                   text_encoder_out_layers=TAPS, generator=torch.Generator(device).manual_seed(seed)).images
-    return float(np.mean([dataset.colour_in_region(img, item.colour, item.position)
-                          for img, (_, item, _) in zip(images, prompts)]))
+    return dataset.pass_rate(images, prompts)[0]
 
 
 def train_transformer(work: Path, pool, captions, vae, text_encoder, tokenizer, seed: int, steps: int,
@@ -263,17 +262,17 @@ def train_transformer(work: Path, pool, captions, vae, text_encoder, tokenizer, 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     resume_from = work / "transformer_ema"
-    if resume and (resume_from / "config.json").exists():   # continue from the last saved average (fresh optimizer)
+    if resume:     # continue from the last saved average (fresh optimizer); main checked that it exists
         model = Flux2Transformer2DModel.from_pretrained(str(resume_from)).float().train()   # bf16 when exported
         log(f"transformer: resuming from {resume_from}")
     else:
         model = Flux2Transformer2DModel(**TRANSFORMER_CONFIG)
     model.to(device)
+    if steps <= 0:
+        return model.eval(), 0
     ema = Flux2Transformer2DModel(**TRANSFORMER_CONFIG).to(device)
     ema.load_state_dict(model.state_dict())
     ema.requires_grad_(False)
-    if steps <= 0:
-        return ema.eval(), 0
 
     t0 = time.time()
     latents = normalized_latents(vae, pool, device)                         # (N, 32, 8, 8)
@@ -292,15 +291,16 @@ def train_transformer(work: Path, pool, captions, vae, text_encoder, tokenizer, 
         for g in opt.param_groups:
             g["lr"] = cosine_lr(lr, fraction)
         idx = rng.integers(0, len(pool), batch_size)
+        idx_t = torch.from_numpy(idx).to(device)
         drop = torch.from_numpy(rng.random(batch_size) < drop_prompt).to(device)
         if step % 32 == 31:       # a batch at diffusers' default prompt length
             embeds = prompt_embeds(text_encoder, tokenizer, ["" if d else captions[i] for i, d in
                                                              zip(idx, drop.tolist())], LONG_SEQ, device)
             ids = Flux2KleinPipeline._prepare_text_ids(embeds).to(device)
         else:
-            embeds = torch.where(drop[:, None, None], empty, embeds_all[torch.from_numpy(idx).to(device)])
+            embeds = torch.where(drop[:, None, None], empty, embeds_all[idx_t])
             ids = txt_ids
-        x0 = Flux2KleinPipeline._pack_latents(latents[torch.from_numpy(idx).to(device)])   # (B, h*w, C)
+        x0 = Flux2KleinPipeline._pack_latents(latents[idx_t])   # (B, h*w, C)
         noise = torch.randn_like(x0)
         sigma = torch.from_numpy(sample_sigmas(rng, batch_size)).float().to(device)
         xt = (1 - sigma[:, None, None]) * x0 + sigma[:, None, None] * noise
@@ -353,13 +353,19 @@ def save_pipeline(out: Path, vae, text_encoder, tokenizer, transformer, extra: d
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     for p in out.rglob("generation_config.json"):
         p.unlink()     # a causal-LM leftover; the encoder never generates
+    for p in out.glob("*/config.json"):     # from_pretrained records the local build path; it means nothing here
+        config = json.loads(p.read_text())
+        if config.pop("_name_or_path", None) is not None:
+            p.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     log(f"saved {out}: {sum(p.stat().st_size for p in out.rglob('*') if p.is_file()) / 1e6:.1f} MB")
 
 
 def export_bf16(work: Path, dest: Path):
     """bfloat16 copies of the trained components (what the saved pipeline holds anyway), small enough to move."""
     from safetensors.torch import load_file, save_file
-    shutil.copy(work / "training.json", dest / "training.json")
+    dest.mkdir(parents=True, exist_ok=True)
+    if (work / "training.json").exists():
+        shutil.copy(work / "training.json", dest / "training.json")
     for name in ("vae", "text_encoder", "transformer_ema"):
         (dest / name).mkdir(parents=True, exist_ok=True)
         shutil.copy(work / name / "config.json", dest / name / "config.json")
@@ -400,10 +406,17 @@ def main(argv=None):
     from transformers import AutoTokenizer, Qwen3ForCausalLM
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.resume_transformer and not (work / "transformer_ema" / "config.json").exists():
+        raise SystemExit(f"--resume-transformer: {work / 'transformer_ema'} holds no trained transformer; "
+                         "run without --resume-transformer first")
     t_all = time.time()
-    images, captions, _ = dataset.batch(np.random.default_rng(args.seed), args.images)
-    pool = torch.from_numpy(images).to(device)         # uint8 (N, 64, 64, 3)
-    log(f"{args.images} training images rendered in {time.time() - t_all:.0f} s (seed {args.seed})")
+    trains = (args.transformer_steps > 0 or not (work / "vae" / "config.json").exists()
+              or not (work / "text_encoder" / "config.json").exists())
+    pool, captions = None, None
+    if trains:     # a save-only run needs no images
+        images, captions, _ = dataset.batch(np.random.default_rng(args.seed), args.images)
+        pool = torch.from_numpy(images).to(device)         # uint8 (N, 64, 64, 3)
+        log(f"{args.images} training images rendered in {time.time() - t_all:.0f} s (seed {args.seed})")
     if not (work / "tokenizer" / "tokenizer.json").exists():
         build_tokenizer(work / "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
