@@ -12,7 +12,6 @@ import os
 import platform
 import subprocess
 import sys
-import time
 
 CHILD = r"""
 import json, sys, time

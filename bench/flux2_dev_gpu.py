@@ -1,5 +1,5 @@
 """FLUX.2-dev at its real config on a GPU: mlxdiff (MLX CUDA) beside diffusers (torch CUDA), same random
-Q4_K_M GGUF transformer. Recipe for the lent H200: ../shared/device/README.md; steps (each prints RESULT json):
+Q4_K_M GGUF transformer. Recipe for the lent H200: the device README of the shared folder; steps (each prints RESULT json):
 
     python bench/flux2_dev_gpu.py write-gguf /tmp/flux2-dev-Q4_K_M-random.gguf      # ~20 GB, city96's type mix
     python bench/flux2_dev_gpu.py mlxdiff  /tmp/flux2-dev-Q4_K_M-random.gguf [--strategy qmm|dequantize]
@@ -95,7 +95,7 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     out["load_s"], out["load_peak_gb"] = time.perf_counter() - t, mx.get_peak_memory() / GB
     out["steady_gb"] = mx.get_active_memory() / GB
     if strategy != "qmm":
-        from mlxdiff.loading.matmul import use_strategy
+        from mlxdiff.pipelines.matmul import use_strategy
         use_strategy(model, strategy)
     img, txt, img_ids, txt_ids = (mx.array(a) for a in inputs(size))
     img, txt = img.astype(mx.bfloat16), txt.astype(mx.bfloat16)
@@ -117,7 +117,6 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
 def run_encoder(text_len=512):
     import mlxdiff  # noqa: F401
     import mlx.core as mx
-    import mlx.nn as nn
     from mlxdiff.models import text_llm
     from mlxdiff.loading.quantize import materialize
     config = {"model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],

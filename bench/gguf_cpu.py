@@ -104,7 +104,7 @@ def run_mlxdiff(path, strategy, size, text_len):
     import mlx.core as mx
     from mlxdiff import backend
     from mlxdiff.loading import sources
-    from mlxdiff.loading.matmul import strategy_of, use_strategy
+    from mlxdiff.pipelines.matmul import strategy_of, use_strategy
     from mlxdiff.loading.quantize import materialize
     from mlxdiff.models import flux2
     dtype = backend.compute_dtype()
@@ -183,7 +183,7 @@ def fmt(n, scale=GB, digits=2):
 
 
 def table(results, path, size, text_len):
-    file_gb = sum(t.nbytes for t in __import__("mlxdiff.loading.gguf", fromlist=["x"]).check_gguf(path).tensors) / GB
+    file_gb = sum(t.nbytes for t in __import__("mlxdiff.formats.gguf", fromlist=["x"]).check_gguf(path).tensors) / GB
     lines = [f"Machine: {machine()}. File: {path.name}, {file_gb:.2f} GB of tensors (random klein-4B, Q4_K_M mix). "
              f"One forward: {size}x{size} ({(size // 16) ** 2} image tokens) + {text_len} text tokens.", "",
              "| run | backend | load s | load peak GB (MLX / process) | resident GB (MLX) | forward s | "

@@ -5,11 +5,14 @@ tests/test_default_model.py through mlxdiff at several seeds and step counts (th
 """
 
 import argparse
+from pathlib import Path
+import sys
 import platform
 
 import mlxdiff  # first: it loads OpenBLAS before mlx.core
 from mlxdiff import default_model
-from mlxdiff.train import dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tools/
+from tools.train_klein_shapes import dataset  # noqa: E402
 
 import mlx.core as mx  # noqa: E402
 

@@ -7,13 +7,15 @@ two-shape and free-wording prompts. Generated with mlxdiff at the folder's setti
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
 import mlxdiff
 from mlxdiff import default_model
-from mlxdiff.train import dataset
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for tools/
+from tools.train_klein_shapes import dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDER = default_model.FOLDER

@@ -1,7 +1,8 @@
 """python -m mlxdiff.convert SOURCE DEST [--quantize BITS | component=bits,...] [--transformer FILE]
 
 Writes a pipeline folder in mlxdiff's own format: each component's weights as safetensors in the modules' own names
-and layouts (quantized arrays included), and its config.json carrying `_mlxdiff_native` and the quantization, so
+and layouts (quantized arrays included; the LLM text encoders whole, in their transformers names), and its
+config.json carrying `_mlxdiff_native` and the quantization, so
 that `mlxdiff.load(DEST)` maps it lazily with no conversion step. Tokenizers, scheduler and model_index.json are
 copied. The folder is written under a temporary name and renamed at the end: a failed conversion never leaves a
 folder that looks complete. A relative DEST goes under weights/.
@@ -22,7 +23,7 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
     from mlx.utils import tree_flatten
     import mlx.core as mx
     from .default_model import WEIGHTS_DIR
-    from .loading.sources import ARCHITECTURES, NATIVE_KEY, resolve_path
+    from .loading.sources import NATIVE_KEY, class_name_of, resolve_path
     from .loading.quantize import materialize
 
     dest = Path(dest)
@@ -55,23 +56,26 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
         for name, spec in pipe.components.items():
             if spec is None:
                 continue
-            if not hasattr(spec, "arch"):
-                raise MlxdiffError(f"convert: component {name!r} ({type(spec).__name__}) cannot be converted yet")
             progress(f"converting {name} ...")
+            # an architecture that is read partially (the LLM encoders, up to their taps) is written whole, in the
+            # stored names its sanitize reads back, so that the converted folder serves any taps
+            stored_prefix = getattr(spec.arch, "STORED_PREFIX", None)
+            if hasattr(spec.arch, "whole_model_config"):
+                spec = spec.with_config(**spec.arch.whole_model_config(spec.config))
             model = spec.build(mx.float32)
             materialize(model)
             (tmp / name).mkdir()
-            weights = dict(tree_flatten(model.parameters()))
+            weights = {(stored_prefix or "") + k: v for k, v in tree_flatten(model.parameters())}
             mx.save_safetensors(str(tmp / name / "model.safetensors"), weights, metadata={"format": "mlxdiff"})
-            config = {k: v for k, v in spec.config.items() if k != "quantization"}
-            config[NATIVE_KEY] = True
+            config = {k: v for k, v in spec.config.items() if k not in ("quantization", "taps")}
+            if stored_prefix is None:
+                config[NATIVE_KEY] = True
             if spec.quantize:
                 config["quantization"] = dict(spec.quantize)
             elif spec.config.get("quantization"):
                 config["quantization"] = spec.config["quantization"]
             (tmp / name / "config.json").write_text(json.dumps(config, indent=1))
-            class_name = {v: k for k, v in ARCHITECTURES.items()}[spec.arch.__name__.rsplit(".", 1)[1]]
-            index[name] = [(index.get(name) or ["diffusers"])[0], class_name]
+            index[name] = [(index.get(name) or ["diffusers"])[0], class_name_of(spec)]
             model.clear()
             del model, weights
             mx.clear_cache()
@@ -85,7 +89,7 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
 
 
 def main(argv=None) -> int:
-    from .generate import parse_quantize
+    from .cli import parse_quantize
     p = argparse.ArgumentParser(prog="python -m mlxdiff.convert", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source")

@@ -1,5 +1,5 @@
 """The embedded default model: weights/klein-shapes, a 15 MB FLUX.2-klein-architecture pipeline trained here to
-draw coloured shapes at 64x64 (mlxdiff/train; weights/klein-shapes/README.md says how it was trained and how well it
+draw coloured shapes at 64x64 (tools/train_klein_shapes; weights/klein-shapes/README.md says how it was trained and how well it
 draws). It is committed with the code, so `python -m mlxdiff.generate` draws something real offline, in seconds.
 """
 

@@ -1,18 +1,23 @@
 """Footprint sampling from outside the process, and side-by-side comparison with the PyTorch path.
 
     python -m mlxdiff.footprint run [--interval 0.2] [--json F] -- COMMAND ...
-    python -m mlxdiff.footprint compare --model M [--transformer F] [--width --height --steps] [--out DIR]
+    python -m mlxdiff.footprint compare [--model M] [--transformer F] [--width --height --steps] [--out DIR]
 
 Each process is sampled every --interval seconds (macOS: phys_footprint, what Activity Monitor shows; Linux: RSS).
 Processes that print `MLXDIFF_PHASE <name> start|end <time>` lines on stderr get per-phase figures (mlxdiff does
-with MLXDIFF_PHASE_MARKERS=1; so does mlxdiff.reference). `compare` runs mlxdiff, diffusers as is and diffusers'
-sequential recipe, each in its own process, on the same weights; it prints a table and writes the raw JSON and a
-timeline (PNG with matplotlib installed, else a text timeline).
+with MLXDIFF_PHASE_MARKERS=1; so does mlxdiff.reference). On CUDA, RSS misses what lives on the device: the
+reference runs also print `MLXDIFF_GPU <phase> <allocated> <reserved>` (torch's allocator peaks over the phase) and
+mlxdiff's per-phase MLX peak is read from its --report-memory table.
+
+`compare` runs mlxdiff, diffusers as is and diffusers' sequential recipe, each in its own process, on the same
+weights (the diffusers side by family: mlxdiff.reference.sd3 or mlxdiff.reference.flux2, from model_index.json's
+_class_name); it prints a table and writes the raw JSON and a timeline (PNG with matplotlib installed, else text).
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -24,9 +29,13 @@ from .memory import GB, process_footprint
 
 
 def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
+    """Run `cmd`, sampling its footprint every `interval` s. Returns the samples, the phases its stderr markers
+    name, the GPU allocator lines (`MLXDIFF_GPU <phase> <allocated> <reserved>`: {phase: {allocated, reserved}}),
+    its stdout and the tail of its other stderr."""
     start = time.time()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
-    phases, open_phases, tail = [], {}, []
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    phases, open_phases, tail, gpu, stdout = [], {}, [], {}, []
 
     def read_stderr():
         for line in proc.stderr:
@@ -36,27 +45,62 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
                     open_phases[name] = float(t) - start
                 elif name in open_phases:
                     phases.append((name, open_phases.pop(name), float(t) - start))
+            elif line.startswith("MLXDIFF_GPU "):
+                _, name, allocated, reserved = line.split()
+                gpu[name] = {"allocated": int(allocated), "reserved": int(reserved)}
             else:
                 tail.append(line)
                 del tail[:-50]
                 if echo:
                     sys.stderr.write(line)
 
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    def read_stdout():
+        for line in proc.stdout:
+            stdout.append(line)
+            if echo:
+                sys.stdout.write(line)
+
+    readers = [threading.Thread(target=f, daemon=True) for f in (read_stderr, read_stdout)]
+    for r in readers:
+        r.start()
     samples = []
     while proc.poll() is None:
         fp = process_footprint(proc.pid)["footprint"]
         if fp is not None:
             samples.append((time.time() - start, fp))
         time.sleep(interval)
-    reader.join(timeout=5)
-    return {"cmd": cmd, "rc": proc.returncode, "samples": samples, "phases": phases, "stderr_tail": "".join(tail)}
+    for r in readers:
+        r.join(timeout=5)
+    return {"cmd": cmd, "rc": proc.returncode, "samples": samples, "phases": phases, "gpu": gpu,
+            "stdout": "".join(stdout), "stderr_tail": "".join(tail)}
+
+
+def _bytes(text):
+    if text == "-":
+        return None
+    value, unit = text.split()
+    return int(float(value) * (GB if unit == "GB" else 2 ** 20))
+
+
+def mlx_peaks(stdout: str) -> dict:
+    """{phase: MLX peak bytes} from mlxdiff.generate's phase table (phase, seconds, MLX peak, ...; --report-memory's
+    too): the first size after the seconds column."""
+    peaks = {}
+    for line in stdout.splitlines():
+        tokens = line.split()
+        if len(tokens) >= 3 and tokens[0] in PHASES:
+            sizes = re.findall(r"-(?=\s|$)|[0-9.]+ [MG]B", " ".join(tokens[2:]))
+            if sizes:
+                peaks[tokens[0]] = _bytes(sizes[0])
+    return peaks
+
+
+PHASES = ("load", "encode", "denoise", "decode")
 
 
 def summarize(run: dict) -> dict:
     samples = run["samples"]
-    out = {"peak": max((m for _, m in samples), default=0), "phases": {}}
+    out = {"peak": max((m for _, m in samples), default=0), "phases": {}, "gpu": run.get("gpu") or {}}
     for name, a, b in run["phases"]:
         inside = [m for t, m in samples if a <= t <= b]
         out["phases"][name] = {"peak": max(inside, default=None), "seconds": b - a}
@@ -91,19 +135,79 @@ def timeline(runs: dict, path: Path):
     return path
 
 
+REFERENCES = {"sd3": "mlxdiff.reference.sd3", "flux2": "mlxdiff.reference.flux2"}
+
+
+def reference_for(model) -> tuple:
+    """(the reference module, the local path) for what the user named: a pipeline folder by model_index.json's
+    _class_name (a cached hub id too); a single .safetensors file is SD3.5's."""
+    from .loading.sources import PIPELINE_FAMILIES, resolve_path
+    path = resolve_path(model)
+    if path.is_dir():
+        index = path / "model_index.json"
+        try:
+            cls = json.loads(index.read_text()).get("_class_name")
+        except (OSError, ValueError) as e:
+            raise MlxdiffError(f"{index}: cannot read the pipeline class ({e})") from None
+        if cls not in PIPELINE_FAMILIES:
+            raise MlxdiffError(f"{index}: no diffusers reference for pipeline {cls!r}; supported: "
+                               + ", ".join(sorted(PIPELINE_FAMILIES)))
+        return REFERENCES[PIPELINE_FAMILIES[cls]], path
+    if path.suffix == ".safetensors":
+        return REFERENCES["sd3"], path
+    raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
+
+
+def measured(runs: dict) -> str:
+    """What the table's figures are, on this machine."""
+    from . import backend
+    if any(run.get("gpu") for label, run in runs.items() if label != "mlxdiff"):
+        return ("memory: GPU allocator + process (CUDA): process RSS rows; GPU rows: torch max_memory_allocated / "
+                "max_memory_reserved per phase, mlxdiff: MLX peak")
+    if sys.platform == "darwin":
+        return "memory: process phys_footprint (macOS; unified memory, the GPU's included)"
+    if sys.platform.startswith("linux"):
+        return "memory: process RSS (Linux " + ("CPU" if backend.on_cpu() else "; the GPU's memory not included") + ")"
+    return "memory: process footprint"
+
+
+def _gb(n):
+    return "-" if n is None else f"{n / GB:.2f}"
+
+
 def compare(args) -> int:
+    from . import backend, default_model
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    size = dict(size=args.width, steps=args.steps)
-    mlx_cmd = [sys.executable, "-m", "mlxdiff.generate", "--model", args.model, "--width", str(args.width),
-               "--height", str(args.height), "--steps", str(args.steps), "--no-progress",
-               "--output", str(out / "mlxdiff.png")]
+    model = args.model or str(default_model.folder())
+    module, path = reference_for(model)
+    transformer = None
     if args.transformer:
-        mlx_cmd += ["--transformer", args.transformer]
+        transformer = Path(args.transformer).expanduser()
+        if not transformer.is_file():
+            raise MlxdiffError(f"--transformer {args.transformer}: no such file")
+        if not path.is_dir():
+            raise MlxdiffError("--transformer needs a pipeline folder (its transformer config) on the diffusers side")
+    prompt = args.prompt
+    if prompt is None:
+        is_default = path.resolve() == default_model.FOLDER.resolve()
+        prompt = default_model.PROMPT if is_default else "a photo of a fox in the snow"
+    mlx_cmd = [sys.executable, "-m", "mlxdiff.generate", "--model", model, "--prompt", prompt, "--width",
+               str(args.width), "--height", str(args.height), "--steps", str(args.steps), "--no-progress",
+               "--report-memory", "--output", str(out / "mlxdiff.png")]
+    if args.guidance is not None:
+        mlx_cmd += ["--guidance", str(args.guidance)]
+    if transformer:
+        mlx_cmd += ["--transformer", str(transformer)]
     if args.quantize:
         mlx_cmd += ["--quantize", args.quantize]
-    ref = lambda mode: [sys.executable, "-m", "mlxdiff.reference.sd3",
-                        json.dumps({"model": args.model, "mode": mode, **size})]
+    request = {"model": str(path), "prompt": prompt, "size": args.width, "width": args.width, "height": args.height,
+               "steps": args.steps}
+    if args.guidance is not None:
+        request["guidance"] = args.guidance
+    if transformer:
+        request["transformer"] = str(transformer)
+    ref = lambda mode: [sys.executable, "-m", module, json.dumps({**request, "mode": mode})]
     runs = {"mlxdiff": sample(mlx_cmd, args.interval, {"MLXDIFF_PHASE_MARKERS": "1"}, echo=False)}
     if not args.mlxdiff_only:
         runs["diffusers as is"] = sample(ref("as_is"), args.interval, echo=False)
@@ -111,11 +215,16 @@ def compare(args) -> int:
     for label, run in runs.items():
         if run["rc"] != 0:
             raise MlxdiffError(f"{label} run failed (exit {run['rc']}): {run['stderr_tail'][-500:]}")
+    mlx = runs["mlxdiff"]
+    mlx["mlx_peak"] = mlx_peaks(mlx["stdout"])
+    if not backend.on_cpu():   # MLX on a GPU (Metal or CUDA): its peak is device memory
+        mlx["gpu"] = {name: {"allocated": peak, "reserved": None} for name, peak in mlx["mlx_peak"].items()}
     summaries = {label: summarize(run) for label, run in runs.items()}
     labels = list(runs)
+    print(measured(runs))
     print("| phase | " + " | ".join(f"{l} peak GB" for l in labels) + " |")
     print("|---|" + "---|" * len(labels))
-    for phase in ("load", "encode", "denoise", "decode"):
+    for phase in PHASES:
         cells = []
         for l in labels:
             p = summaries[l]["phases"].get(phase)
@@ -125,8 +234,20 @@ def compare(args) -> int:
     print("| steady (denoise median) | " + " | ".join(
         "-" if summaries[l]["steady"] is None else f"{summaries[l]['steady'] / GB:.2f}" for l in labels) + " |")
     base = summaries["mlxdiff"]["peak"]
-    print("| peak ratio vs mlxdiff | " + " | ".join(f"{summaries[l]['peak'] / base:.2f}" for l in labels) + " |")
-    (out / "footprint.json").write_text(json.dumps({"runs": runs, "summaries": summaries}, indent=1))
+    print("| peak ratio vs mlxdiff | " + " | ".join(
+        f"{summaries[l]['peak'] / base:.2f}" if base else "-" for l in labels) + " |")
+    if any(summaries[l]["gpu"] for l in labels):
+        for phase in PHASES:
+            cells = []
+            for l in labels:
+                g = summaries[l]["gpu"].get(phase)
+                cells.append("-" if not g else _gb(g["allocated"]) + (
+                    "" if g["reserved"] is None else f" / {_gb(g['reserved'])}"))
+            print(f"| GPU {phase} | " + " | ".join(cells) + " |")
+        print("| GPU overall peak | " + " | ".join(
+            _gb(max((g["allocated"] or 0 for g in summaries[l]["gpu"].values()), default=None)) for l in labels) + " |")
+    (out / "footprint.json").write_text(json.dumps({"measured": measured(runs), "runs": runs,
+                                                    "summaries": summaries}, indent=1))
     print(f"timeline: {timeline(runs, out / 'timeline.png')}; raw: {out / 'footprint.json'}")
     return 0
 
@@ -140,7 +261,10 @@ def main(argv=None) -> int:
     r.add_argument("--json", default=None)
     r.add_argument("command", nargs=argparse.REMAINDER)
     c = sub.add_parser("compare")
-    c.add_argument("--model", required=True)
+    c.add_argument("--model", default=None, help="pipeline folder, cached hub id or SD3.5 single file "
+                                                  "(default: the embedded default model)")
+    c.add_argument("--prompt", default=None)
+    c.add_argument("--guidance", type=float, default=None, help="default: each family's (as mlxdiff.generate)")
     c.add_argument("--transformer", default=None)
     c.add_argument("--quantize", default=None)
     c.add_argument("--width", type=int, default=512)

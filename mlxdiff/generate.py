@@ -4,6 +4,7 @@ import argparse
 import sys
 import time
 
+from .cli import parse_quantize
 from .errors import MlxdiffError
 
 
@@ -34,19 +35,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def parse_quantize(text):
-    """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}."""
-    if text is None:
-        return None
-    try:
-        if "=" not in text:
-            return int(text)
-        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
-    except ValueError:
-        raise MlxdiffError(f"--quantize {text!r}: expected bits (e.g. 4) or component=bits pairs "
-                           "(e.g. transformer=4,text_encoder_3=8)") from None
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
@@ -70,9 +58,9 @@ def main(argv=None) -> int:
                             quantize=parse_quantize(args.quantize), matmul=args.matmul)
         kwargs = dict(negative_prompt=args.negative_prompt, width=args.width, height=args.height, seed=args.seed,
                       progress_bar=not args.no_progress)
-        defaults = pipe.cli_defaults() if hasattr(pipe, "cli_defaults") else {}
-        kwargs["steps"] = args.steps or defaults.get("steps", 28)
-        kwargs["guidance"] = args.guidance if args.guidance is not None else defaults.get("guidance", 7.0)
+        defaults = pipe.defaults()
+        kwargs["steps"] = args.steps or defaults["steps"]
+        kwargs["guidance"] = args.guidance if args.guidance is not None else defaults["guidance"]
         if args.skip_guidance_layers:
             try:
                 kwargs["skip_guidance_layers"] = [int(x) for x in args.skip_guidance_layers.split(",")]

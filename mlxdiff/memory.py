@@ -8,7 +8,7 @@
 import ctypes
 import os
 import sys
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 
 from . import backend  # noqa: F401
 import mlx.core as mx
@@ -63,9 +63,6 @@ class Snapshot:
     footprint: int | None
     footprint_peak: int | None
 
-    def as_dict(self):
-        return asdict(self)
-
 
 def snapshot() -> Snapshot:
     proc = process_footprint()
@@ -116,25 +113,16 @@ def check_fits(spec):
     """Before a component loads: refuse, with a line saying what would fit, if its weights exceed the limit."""
     from .errors import MlxdiffError
     budget = [b for b in (memory_limit, available_bytes()) if b]
-    if not budget or not hasattr(spec, "loaded_nbytes"):
+    if not budget:
         return
     need, budget = spec.loaded_nbytes(), min(budget)
     if need <= budget:
         return
-    name = getattr(spec, "name", "component")
-    stored = spec.nbytes()
-    hints = []
+    hint = "no quantization makes it fit; use a machine with more memory"
     for bits in (8, 4):
-        est = _quantized_estimate(stored, bits)
-        if est <= budget:
-            hints.append(f"quantize it: --quantize {name}={bits} (about {fmt_gb(est)})")
+        estimate = spec.loaded_nbytes(quantize=bits)
+        if estimate <= budget:
+            hint = f"quantize it: --quantize {spec.name}={bits} (about {fmt_gb(estimate)})"
             break
-    hint = hints[0] if hints else "no quantization makes it fit; use a machine with more memory"
     limit = "the memory limit" if memory_limit and budget == memory_limit else "the free memory"
-    raise MlxdiffError(f"{name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")
-
-
-def _quantized_estimate(stored_bf16_bytes, bits, group_size=64):
-    """Rough size of a bf16 component quantized at `bits` (almost all bytes are Linear weights)."""
-    weights = stored_bf16_bytes // 2
-    return weights * bits // 8 + weights // group_size * 4
+    raise MlxdiffError(f"{spec.name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")

@@ -1,5 +1,7 @@
-"""Tokenization through transformers, exactly as the diffusers pipelines call it."""
+"""Tokenization through transformers, exactly as the diffusers pipelines call it: CLIP and T5 for SD3.5, and the
+FLUX.2 prompt formats (chat templates, system message, padding side) for the Mistral and Qwen3 encoders."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -54,3 +56,89 @@ def report_truncation(truncated, limits: str):
         dropped = truncated[0][1]
         print(f"mlxdiff: warning: prompt longer than the text encoders' limit ({limits}); this part was dropped: "
               f"{dropped!r}", file=sys.stderr)
+
+
+# -- FLUX.2: prompts through the LLM's chat template, exactly as diffusers formats them -------------------------------
+
+# pipelines/flux2/system_messages.py SYSTEM_MESSAGE (BFL's), exact: note the newline after "object"
+SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
+                  "object relationships, object\nattribution and actions without speculation.")
+
+
+def load_chat_tokenizer(folder):
+    """The transformers tokenizer of a FLUX.2 `tokenizer/` folder, with its chat template.
+
+    FLUX.2-dev's folder is a processor (PixtralProcessor) folder: its chat template may only be in the processor's
+    legacy chat_template.json, which a tokenizer does not read, so that file is used as a fallback."""
+    folder = Path(folder)
+    tokenizer = load_tokenizer(folder)
+    if not getattr(tokenizer, "chat_template", None):
+        for name in ("chat_template.json", "processor_config.json"):
+            try:
+                template = json.loads((folder / name).read_text()).get("chat_template")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if template:
+                tokenizer.chat_template = template
+                break
+    require_chat_template(tokenizer)
+    return tokenizer
+
+
+def require_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise MlxdiffError(f"{where}: the tokenizer has no chat template, and FLUX.2 formats prompts with it; add the "
+                           "model's chat_template.jinja (or tokenizer_config.json with chat_template) to the folder")
+
+
+def dev_messages(prompts, system_message=SYSTEM_MESSAGE) -> list:
+    """diffusers' flux2 `format_input` for text-only prompts: "[IMG]" removed, system + user message, content parts."""
+    return [[{"role": "system", "content": [{"type": "text", "text": system_message}]},
+             {"role": "user", "content": [{"type": "text", "text": p.replace("[IMG]", "")}]}] for p in prompts]
+
+
+def _warn_if_truncated(tokenizer, texts, ids, add_special_tokens):
+    truncated = []
+    for text, kept in zip(texts, ids):
+        whole = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if len(whole) > len(kept):
+            truncated.append((text, tokenizer.decode(whole[len(kept):])))
+    report_truncation(truncated, f"{len(ids[0])} tokens")
+
+
+def tokenize_dev(tokenizer, prompts, max_sequence_length=512, system_message=SYSTEM_MESSAGE):
+    """Flux2Pipeline's tokenization: (input_ids, attention_mask), int32 (B, max_sequence_length).
+
+    diffusers calls the processor's apply_chat_template(add_generation_prompt=False, tokenize=True,
+    padding="max_length", truncation=True, max_length=...). The processor renders the template and tokenizes the text
+    with add_special_tokens unless the text already starts with the BOS token (processing_utils), padding on the
+    tokenizer's padding_side (left for Mistral's LlamaTokenizer). `tokenizer` may be that processor or its tokenizer;
+    either way this does what the processor does."""
+    require_chat_template(tokenizer)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    texts = tokenizer.apply_chat_template(dev_messages(prompts, system_message), add_generation_prompt=False,
+                                          tokenize=False)
+    tok = getattr(tokenizer, "tokenizer", tokenizer)
+    add_special = not (tok.bos_token is not None and texts[0].startswith(tok.bos_token))
+    enc = tok(texts, padding="max_length", truncation=True, max_length=max_sequence_length,
+              add_special_tokens=add_special)
+    _warn_if_truncated(tok, texts, enc["input_ids"], add_special)
+    return np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32)
+
+
+def tokenize_klein(tokenizer, prompts, max_sequence_length=512):
+    """Flux2KleinPipeline's tokenization: per prompt, the user message alone through the chat template
+    (add_generation_prompt=True, enable_thinking=False), then tokenizer(padding="max_length", truncation=True), on the
+    tokenizer's padding_side (right for Qwen2Tokenizer)."""
+    require_chat_template(tokenizer)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True, enable_thinking=False) for p in prompts]
+    ids, mask = [], []
+    for text in texts:
+        enc = tokenizer(text, padding="max_length", truncation=True, max_length=max_sequence_length)
+        ids.append(enc["input_ids"])
+        mask.append(enc["attention_mask"])
+    _warn_if_truncated(tokenizer, texts, ids, True)
+    return np.array(ids, np.int32), np.array(mask, np.int32)

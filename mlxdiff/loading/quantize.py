@@ -1,20 +1,15 @@
-"""Quantize a component while it loads, and read back quantized mlxdiff checkpoints.
+"""Quantization in one place: the settings, the plan over a pipeline's components, quantize-while-loading, the
+rule for checkpoints saved quantized, the size estimate, and streaming materialization.
 
-Rule for what stays in full precision (`KEEP_FULL_PRECISION`, matched against module paths): embeddings and
-embedders (token/position embeddings, patch embedding, timestep/text/guidance embedders, T5's relative position
-bias), the output modulation and projection (`norm_out.linear`, `proj_out`), FLUX.2's shared modulations
-(`*_modulation*`: one small layer per stream that every block reads), CLIP's text projection, and every
-non-Linear module (norms, convolutions). Those are small, and an error there reaches every block. SD3's per-block
-adaLN layers (`norm1.linear`, `norm1_context.linear`) ARE quantized: they hold about a third of the MMDiT's
-weights, so keeping them would forfeit much of the saving. A Linear whose input width is not a multiple of the
-group size also stays as it is.
+Which layers may be quantized is each model's own statement (`Model.quant_predicate(path, module)`, as mlx-lm's
+models have): embedders, output layers and shared modulations stay in full precision, because they are small and an
+error there reaches every block. Here only the generic conditions are added: a Linear layer whose input width is a
+multiple of the group size. SD3's per-block adaLN layers ARE quantized: they hold about a third of the MMDiT.
 
 Streaming: nn.quantize replaces each Linear by a QuantizedLinear whose arrays are still lazy functions of the lazily
 mapped file; `materialize` then evaluates one module at a time, so the full-precision model never exists at once.
 The peak is the quantized size plus about one layer in its stored dtype.
 """
-
-import re
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,17 +17,9 @@ from mlx.utils import tree_flatten
 
 from ..errors import MlxdiffError
 
-KEEP_FULL_PRECISION = [
-    r"(^|.*\.)(embed_tokens|token_embedding|position_embedding|shared|relative_attention_bias)$",
-    r"(^|.*\.)(pos_embed|x_embedder|context_embedder|time_text_embed|time_guidance_embed|timestep_embedder|"
-    r"guidance_embedder|text_embedder)(\..*)?$",
-    r"(^|.*\.)norm_out\.linear$",          # the output AdaLayerNormContinuous
-    r"(^|.*\.)[^.]*modulation[^.]*(\..*)?$",  # FLUX.2 shared modulation
-    r"(^|.*\.)(proj_out|text_projection)$",
-]
-_KEEP = [re.compile(p) for p in KEEP_FULL_PRECISION]
 SUPPORTED_BITS = (3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
 
 
 def check_settings(bits, group_size, where="quantize"):
@@ -42,28 +29,82 @@ def check_settings(bits, group_size, where="quantize"):
         raise MlxdiffError(f"{where}: group size {group_size} is not supported; use one of {GROUP_SIZES}")
 
 
-def keeps_full_precision(path: str) -> bool:
-    return any(p.fullmatch(path) for p in _KEEP)
+def setting(bits_or_setting, where="quantize") -> dict:
+    """4 or {"bits": 4[, "group_size": 64]} -> {"bits", "group_size"}, checked."""
+    value = {"bits": bits_or_setting} if isinstance(bits_or_setting, int) else dict(bits_or_setting)
+    value.setdefault("group_size", DEFAULT_GROUP_SIZE)
+    check_settings(value["bits"], value["group_size"], where)
+    return value
 
 
-def quantize_model(model, bits: int, group_size: int = 64):
-    """Replace eligible Linear layers by QuantizedLinear (lazily; call materialize to stream)."""
+def plan(components: dict, quantize) -> None:
+    """Set `spec.quantize` on a pipeline's specs. quantize: bits for every model component, or
+    {component: bits | {"bits", "group_size"}}."""
+    if quantize is None:
+        return
+    present = {k: v for k, v in components.items() if v is not None}
+    wanted = {name: quantize for name in present} if not isinstance(quantize, dict) else dict(quantize)
+    for name, value in wanted.items():
+        if name not in present:
+            raise MlxdiffError(f"quantize: unknown component {name!r}; this pipeline has "
+                               + ", ".join(sorted(present)))
+        present[name].quantize = setting(value, f"quantize[{name!r}]")
+
+
+def quantizable(model, path, module, group_size) -> bool:
+    """The model's own rule, plus what MLX needs: a Linear whose input width is a multiple of the group size."""
+    if not isinstance(module, nn.Linear) or module.weight.shape[-1] % group_size:
+        return False
+    rule = getattr(model, "quant_predicate", None)
+    return rule is None or rule(path, module)
+
+
+def quantize_model(model, bits: int, group_size: int = DEFAULT_GROUP_SIZE):
+    """Replace the quantizable Linear layers by QuantizedLinear (lazily; call materialize to stream)."""
     check_settings(bits, group_size)
-
-    def eligible(path, module):
-        return (isinstance(module, nn.Linear) and not keeps_full_precision(path)
-                and module.weight.shape[-1] % group_size == 0)
-
-    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=eligible)
-    return model
-
-
-def prepare_quantized(model, weights: dict, quantization: dict):
-    """For a checkpoint saved quantized: turn exactly the layers that have `.scales` into QuantizedLinear."""
-    bits, group_size = quantization["bits"], quantization["group_size"]
     nn.quantize(model, group_size=group_size, bits=bits,
-                class_predicate=lambda path, m: isinstance(m, (nn.Linear, nn.Embedding)) and f"{path}.scales" in weights)
+                class_predicate=lambda path, m: quantizable(model, path, m, group_size))
     return model
+
+
+def prepare_quantized(model, weights: dict, quantization: dict, rename=None) -> None:
+    """For a checkpoint saved quantized (mlxdiff.convert, mlx-lm's convert): quantize exactly the layers that have
+    `.scales` in the file, each with the settings its arrays imply (mlx-lm's `infer_quant_config`), or with the
+    per-layer entry of `quantization` where there is one. `rename` maps a file key to the model's (per-layer
+    entries are keyed by the file's module paths)."""
+    from mlx_lm.utils import infer_quant_config
+    overrides = {}
+    for path, value in quantization.items():
+        if isinstance(value, (dict, bool)):
+            mapped = list(rename({f"{path}.weight": None})) if rename else [f"{path}.weight"]
+            if mapped:
+                overrides[mapped[0][:-len(".weight")]] = value
+
+    def predicate(path, module):
+        if path in overrides:
+            return overrides[path]
+        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        return infer_quant_config(path, module, weights)
+
+    nn.quantize(model, group_size=quantization.get("group_size", DEFAULT_GROUP_SIZE),
+                bits=quantization.get("bits", 4), mode=quantization.get("mode", "affine"), class_predicate=predicate)
+
+
+def parameter_nbytes(model) -> int:
+    """Bytes of a model's parameters; exact also for a lazy (not yet evaluated) model, from shapes and dtypes."""
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def quantized_nbytes(model, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    """What `model` would hold quantized at `bits`: the estimate behind memory hints. Quantizable Linear weights
+    become bits/8 bytes per weight plus a scale and a bias per group in the weight's dtype; the rest stays."""
+    total = parameter_nbytes(model)
+    for path, module in model.named_modules():
+        if quantizable(model, path, module, group_size):
+            w = module.weight
+            total += w.size * bits // 8 + w.size // group_size * 2 * w.itemsize - w.nbytes
+    return total
 
 
 def materialize(model):

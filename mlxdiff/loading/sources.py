@@ -1,30 +1,36 @@
 """What a user names -> component specs: where each component's bytes are, its config and its key mapping.
 
 Accepted: a diffusers pipeline folder (model_index.json), a hub id found in the local Hugging Face cache, or an
-original single file (SD3.5: `model.diffusion_model.*` + `first_stage_model.*`, text encoders beside it or inside).
+original single file (SD3.5: single_file.py). `resolve(...)` returns a PipelineSources: the family, one
+ComponentSpec per model component (LLM text encoders included), tokenizers, scheduler config and folder options.
 A spec holds no weights; `spec.build()` maps them lazily when a phase needs the model.
 """
 
-import importlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from ..errors import MlxdiffError
-from . import safetensors as st
-from .keymaps import strip_prefix
-from .weights import build
+from ..formats import check_weight_file, is_gguf, open_weights, safetensors as st, tensor_nbytes, tensor_shapes
+from ..formats.keymaps import strip_prefix
+from ..models import clip, flux2, mmdit, t5, text_llm, vae, vae_flux2
+from .build import build
+from .quantize import parameter_nbytes, setting
 
-# diffusers / transformers class name -> our model module (mlxdiff.models.<name>)
+# diffusers / transformers class name -> our model module
 ARCHITECTURES = {
-    "SD3Transformer2DModel": "mmdit",
-    "AutoencoderKL": "vae",
-    "CLIPTextModelWithProjection": "clip",
-    "T5EncoderModel": "t5",
-    "Flux2Transformer2DModel": "flux2",
-    "AutoencoderKLFlux2": "vae_flux2",
+    "SD3Transformer2DModel": mmdit,
+    "AutoencoderKL": vae,
+    "CLIPTextModelWithProjection": clip,
+    "T5EncoderModel": t5,
+    "Flux2Transformer2DModel": flux2,
+    "AutoencoderKLFlux2": vae_flux2,
+    "Mistral3ForConditionalGeneration": text_llm,
+    "Qwen3ForCausalLM": text_llm,
 }
+# diffusers' text_encoder_out_layers defaults per pipeline
+FLUX2_TAPS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
 # config.json key that marks mlxdiff's own format: weights saved in the module's names and layouts (no sanitize)
 NATIVE_KEY = "_mlxdiff_native"
 # model_index.json `_class_name` -> pipeline family
@@ -37,10 +43,17 @@ PIPELINE_FAMILIES = {
 
 def model_module(class_name, where):
     try:
-        return importlib.import_module(f"mlxdiff.models.{ARCHITECTURES[class_name]}")
+        return ARCHITECTURES[class_name]
     except KeyError:
         raise MlxdiffError(f"{where}: unsupported component class {class_name!r}; supported: "
                            + ", ".join(sorted(ARCHITECTURES))) from None
+
+
+def class_name_of(spec) -> str:
+    """The diffusers / transformers class a converted component is saved as."""
+    if spec.arch is text_llm:
+        return text_llm.ARCHITECTURES[spec.config.get("model_type")]
+    return next(name for name, arch in ARCHITECTURES.items() if arch is spec.arch)
 
 
 @dataclass
@@ -60,10 +73,18 @@ class ComponentSpec:
     def source(self):
         return ", ".join(str(f) for f in self.files)
 
+    @property
+    def args(self):
+        """The typed config (the architecture's ModelArgs)."""
+        return self.arch.ModelArgs.from_dict(self.config)
+
+    def with_config(self, **changes) -> "ComponentSpec":
+        return replace(self, config={**self.config, **changes})
+
     def weights(self, compute_dtype=None) -> dict:
         weights = {}
         for f in self.files:
-            weights.update(read_weights_file(f, compute_dtype))
+            weights.update(open_weights(f, compute_dtype))
         if self.prefix:
             weights = strip_prefix(weights, self.prefix)
         if self.keymap:
@@ -73,75 +94,46 @@ class ComponentSpec:
         return weights
 
     def nbytes(self) -> int:
-        """Bytes of this component's tensors as stored (headers only; nothing is read)."""
+        """Bytes, as stored, of the tensors this component reads (headers only; nothing is read)."""
+        reads = getattr(self.arch, "reads_stored", None)
+        args = self.args if reads else None
         total = 0
         for f in self.files:
-            if Path(f).suffix == ".gguf":
-                from .gguf import check_gguf
-                total += sum(t.nbytes for t in check_gguf(f).tensors if t.name.startswith(self.prefix))
-                continue
-            for name, (dtype, shape) in st.check_safetensors(f).items():
-                if name.startswith(self.prefix):
-                    n = st.ITEMSIZE[dtype]
-                    for d in shape:
-                        n *= d
+            for name, n in tensor_nbytes(f).items():
+                if name.startswith(self.prefix) and (reads is None or reads(name[len(self.prefix):], args)):
                     total += n
         return total
 
-    def loaded_nbytes(self) -> int:
-        """Bytes in memory once loaded: as stored, or after quantize-while-loading (Linear weights outside the
-        full-precision rule become bits/8 per weight plus a 16-bit scale and bias per group)."""
-        if not self.quantize:
+    def loaded_nbytes(self, quantize=None) -> int:
+        """Bytes in memory once loaded: as stored, or, when quantizing while loading (`self.quantize`, or the
+        `quantize` bits or setting to estimate), the exact size of the model built lazily: safetensors are mapped,
+        not read, so nothing is read. GGUF weights are already quantized: their stored size."""
+        quantize = self.quantize if quantize is None else setting(quantize)
+        if not quantize or any(is_gguf(f) for f in self.files):
             return self.nbytes()
-        from .quantize import keeps_full_precision
-        bits, group = self.quantize["bits"], self.quantize.get("group_size", 64)
-        total = 0
-        for f in self.files:
-            for name, shape in tensor_shapes(f).items():
-                if not name.startswith(self.prefix):
-                    continue
-                n = 1
-                for d in shape.shape:
-                    n *= d
-                layer = name[len(self.prefix):].rsplit(".", 1)[0]
-                if (len(shape.shape) == 2 and name.endswith(".weight") and not keeps_full_precision(layer)
-                        and shape.shape[-1] % group == 0):
-                    total += n * bits // 8 + n // group * 4
-                else:
-                    total += n * 2
-        return total
+        model = replace(self, quantize=quantize).build()
+        try:
+            return parameter_nbytes(model)
+        finally:
+            model.clear()
 
     def build(self, compute_dtype=None):
+        check = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization, once final
+        if check:
+            check(self.config, Path(self.files[0]).parent if self.files else self.name)
         return build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
 
 
-WEIGHT_SUFFIXES = (".safetensors", ".gguf")
-
-
-def read_weights_file(path, compute_dtype=None) -> dict:
-    """{name: array} from a safetensors file, or {name: array | QuantizedTensor} from a GGUF file (checked first)."""
-    if Path(path).suffix == ".gguf":
-        from .gguf import load_gguf
-        return load_gguf(path, compute_dtype)
-    return st.load_safetensors(path)
-
-
-class TensorShape:
-    """Stands in for an array where only its shape is needed (config inference from a file's header)."""
-
-    def __init__(self, shape):
-        self.shape = tuple(shape)
-        self.ndim = len(self.shape)
-
-
-def tensor_shapes(path) -> dict:
-    """{name: TensorShape} from a safetensors or GGUF header, without reading any tensor."""
-    path = Path(path)
-    if path.suffix == ".gguf":
-        from .gguf import check_gguf
-        return {t.name: TensorShape(t.shape) for t in check_gguf(path).tensors}
-    return {k: TensorShape(shape) for k, (_, shape) in st.check_safetensors(path).items()}
+@dataclass
+class PipelineSources:
+    """Everything a pipeline is made from: specs, tokenizers and settings; no weights."""
+    family: str                        # "sd3" | "flux2"
+    pipeline_class: str                # diffusers' pipeline class name
+    components: dict                   # name -> ComponentSpec (None for an absent text_encoder_3)
+    tokenizers: dict                   # name -> transformers tokenizer
+    scheduler_config: dict
+    options: dict = field(default_factory=dict)   # folder defaults: is_distilled, sample_size, max_sequence_length
 
 
 def transformer_from_file(path, arch, base_config=None) -> ComponentSpec:
@@ -149,11 +141,7 @@ def transformer_from_file(path, arch, base_config=None) -> ComponentSpec:
     `model.diffusion_model.` prefix, or with diffusers names. The config comes from the file's shapes
     (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
     folder's transformer config; diffusers-named files need that folder config."""
-    path = Path(path)
-    if not path.is_file():
-        raise MlxdiffError(f"{path}: transformer file not found")
-    if path.suffix not in WEIGHT_SUFFIXES:
-        raise MlxdiffError(f"{path}: expected a .safetensors or .gguf transformer file")
+    path = check_weight_file(path, "transformer file")
     shapes = tensor_shapes(path)
     prefix = arch.ORIGINAL_PREFIX if any(n.startswith(arch.ORIGINAL_PREFIX) for n in shapes) else ""
     if arch.is_original(list(shapes)):
@@ -178,12 +166,26 @@ def read_json(path, what):
 
 
 def folder_component(root: Path, name: str, class_name: str) -> ComponentSpec:
+    """A component sub-folder: config.json + safetensors, sharded or not."""
     folder = root / name
     if not folder.is_dir():
         raise MlxdiffError(f"{folder}: component folder {name!r} named in model_index.json is missing")
     arch = model_module(class_name, folder)
-    config = read_json(folder / "config.json", f"the {name} config")
-    return ComponentSpec(name, arch, config, st.safetensors_files(folder))
+    return ComponentSpec(name, arch, read_json(folder / "config.json", f"the {name} config"),
+                         st.safetensors_files(folder))
+
+
+def text_encoder_spec(folder, taps) -> ComponentSpec:
+    """A FLUX.2 LLM text encoder folder (diffusers' `text_encoder/` or an mlx-lm converted one; the config says
+    Mistral3 or Qwen3), read up to the deepest of `taps`."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise MlxdiffError(f"{folder}: text encoder folder is missing")
+    config = {**read_json(folder / "config.json", "the text encoder config"), "taps": list(taps)}
+    text_llm.check_config(config, folder, taps=False)
+    return ComponentSpec(folder.name, text_llm, config, st.safetensors_files(folder))
+
+
 
 
 def find_in_hf_cache(repo_id: str) -> Path:
@@ -206,28 +208,71 @@ def resolve_path(model) -> Path:
 
 
 def read_pipeline_folder(root: Path):
-    """model_index.json -> (pipeline class name, {component: (library, class)})."""
+    """model_index.json -> (the whole index, pipeline class name, {component: (library, class)})."""
     index = read_json(root / "model_index.json", "model_index.json")
     pipeline_class = index.get("_class_name")
     if pipeline_class not in PIPELINE_FAMILIES:
         raise MlxdiffError(f"{root / 'model_index.json'}: unsupported pipeline {pipeline_class!r}; "
                            "supported: " + ", ".join(sorted(PIPELINE_FAMILIES)))
     components = {k: v for k, v in index.items() if not k.startswith("_")}
-    return pipeline_class, components
+    return index, pipeline_class, components
 
 
-def apply_quantize(components: dict, quantize) -> None:
-    """quantize: bits for every model component, or {component: bits | {"bits", "group_size"}}."""
-    from .quantize import check_settings
-    if quantize is None:
-        return
-    present = {k: v for k, v in components.items() if v is not None}
-    plan = {name: quantize for name in present} if not isinstance(quantize, dict) else dict(quantize)
-    for name, setting in plan.items():
-        if name not in present:
-            raise MlxdiffError(f"quantize: unknown component {name!r}; this pipeline has "
-                               + ", ".join(sorted(present)))
-        setting = {"bits": setting} if isinstance(setting, int) else dict(setting)
-        setting.setdefault("group_size", 64)
-        check_settings(setting["bits"], setting["group_size"], f"quantize[{name!r}]")
-        present[name].quantize = setting
+def resolve(model, *, transformer=None, text_encoders=None) -> PipelineSources:
+    """What the user named -> PipelineSources (a folder, a cached hub id, or an SD3.5 single file)."""
+    path = resolve_path(model)
+    if transformer is not None:
+        check_weight_file(transformer, "transformer file")
+    if path.is_dir():
+        index, pipeline_class, components = read_pipeline_folder(path)
+        family = PIPELINE_FAMILIES[pipeline_class]
+        read = sd3_folder if family == "sd3" else flux2_folder
+        return read(path, index, pipeline_class, components, transformer)
+    if path.suffix == ".safetensors":
+        from .single_file import sd3_single_file
+        return sd3_single_file(path, transformer=transformer, text_encoders=text_encoders)
+    raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
+
+
+def _require(root, components, names):
+    for name in names:
+        entry = components.get(name)
+        if not entry or entry[1] is None:
+            raise MlxdiffError(f"{root / 'model_index.json'}: component {name!r} is missing")
+
+
+def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
+    from ..tokenizers import load_tokenizer
+    _require(root, components, ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer",
+                                "tokenizer_2"))
+    specs = {name: folder_component(root, name, components[name][1])
+             for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
+    has_t5 = bool(components.get("text_encoder_3")) and components["text_encoder_3"][1] is not None
+    specs["text_encoder_3"] = folder_component(root, "text_encoder_3", components["text_encoder_3"][1]) \
+        if has_t5 else None   # diffusers then uses zeros for the T5 part
+    if has_t5:
+        _require(root, components, ("tokenizer_3",))
+    tokenizers = {name: load_tokenizer(root / name, components[name][1])
+                  for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name != "tokenizer_3" or has_t5}
+    if transformer is not None:
+        specs["transformer"] = transformer_from_file(transformer, mmdit, specs["transformer"].config)
+    scheduler = read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
+    return PipelineSources("sd3", pipeline_class, specs, tokenizers, scheduler)
+
+
+def flux2_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
+    from ..tokenizers import load_chat_tokenizer
+    _require(root, components, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
+    specs = {name: folder_component(root, name, components[name][1]) for name in ("transformer", "vae")}
+    # a folder may name its own taps (a small encoder has fewer layers); diffusers ignores this key and takes
+    # text_encoder_out_layers per call instead
+    taps = index.get("text_encoder_out_layers") or FLUX2_TAPS[pipeline_class]
+    specs["text_encoder"] = text_encoder_spec(root / "text_encoder", taps)
+    tokenizers = {"tokenizer": load_chat_tokenizer(root / "tokenizer")}
+    if transformer is not None:
+        specs["transformer"] = transformer_from_file(transformer, flux2, specs["transformer"].config)
+    scheduler = read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
+    # optional folder defaults (diffusers ignores these keys): image size and prompt length of a small model
+    options = {"is_distilled": bool(index.get("is_distilled", False)), "sample_size": index.get("sample_size"),
+               "max_sequence_length": index.get("max_sequence_length", 512)}
+    return PipelineSources("flux2", pipeline_class, specs, tokenizers, scheduler, options)

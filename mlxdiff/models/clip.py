@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import MlxdiffError
-from ..loading.keymaps import remap
+from ..formats.keymaps import remap
 
 
 @dataclass
@@ -180,6 +180,10 @@ class Model(nn.Module):
         if self.args.eos_token_id == 2:
             return mx.argmax(input_ids, axis=-1)
         return mx.argmax((input_ids == self.args.eos_token_id).astype(mx.int32), axis=-1)
+
+    def quant_predicate(self, path, module) -> bool:
+        """The text projection stays in full precision (small; the pooled output every image reads)."""
+        return path != "text_projection"
 
     def sanitize(self, weights: dict) -> dict:
         # transformers names and layouts already; only drop keys the model does not have

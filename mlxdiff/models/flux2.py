@@ -10,9 +10,8 @@ shared by all blocks, SwiGLU feed-forwards, qk RMSNorm, no biases anywhere, text
 """
 
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -21,7 +20,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import MlxdiffError
-from ..loading.keymaps import compile_rules, remap, strip_prefix
+from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from .embeddings import TimestepEmbedding, timestep_embedding
 
 
@@ -109,8 +108,15 @@ class TimestepGuidanceEmbeddings(nn.Module):
         return temb
 
 
+class ModulationOut(NamedTuple):
+    """One modulation triple, each (B, 1, D): x -> norm(x) * (1 + scale) + shift, and the residual's gate."""
+    shift: mx.array
+    scale: mx.array
+    gate: mx.array
+
+
 class Modulation(nn.Module):
-    """Flux2Modulation: linear(silu(temb)) -> `sets` triples (shift, scale, gate), each (B, 1, D)."""
+    """Flux2Modulation: linear(silu(temb)) -> `sets` ModulationOut triples."""
 
     def __init__(self, dim: int, sets: int):
         super().__init__()
@@ -119,7 +125,7 @@ class Modulation(nn.Module):
 
     def __call__(self, temb):
         chunks = mx.split(self.linear(nn.silu(temb))[:, None], 3 * self.sets, axis=-1)
-        return [tuple(chunks[3 * i:3 * i + 3]) for i in range(self.sets)]
+        return [ModulationOut(*chunks[3 * i:3 * i + 3]) for i in range(self.sets)]
 
 
 # -- blocks --------------------------------------------------------------------------------------------------------
@@ -129,8 +135,8 @@ def layer_norm(x, eps):
     return mx.fast.layer_norm(x, None, None, eps)
 
 
-def modulate(x, shift, scale, eps):
-    return layer_norm(x, eps) * (1 + scale) + shift
+def modulate(x, mod: ModulationOut, eps):
+    return layer_norm(x, eps) * (1 + mod.scale) + mod.shift
 
 
 def swiglu(x):
@@ -212,15 +218,14 @@ class TransformerBlock(nn.Module):
         self.ff_context = FeedForward(dim, mlp_hidden)
 
     def __call__(self, x, context, mod_img, mod_txt, cos, sin):
-        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = mod_img
-        (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = mod_txt
+        """mod_img, mod_txt: [attention, feed-forward] ModulationOut of each stream."""
+        (msa, mlp), (c_msa, c_mlp) = mod_img, mod_txt
         eps = self.eps
-        attn_out, context_attn_out = self.attn(modulate(x, shift_msa, scale_msa, eps),
-                                               modulate(context, c_shift_msa, c_scale_msa, eps), cos, sin)
-        x = x + gate_msa * attn_out
-        x = x + gate_mlp * self.ff(modulate(x, shift_mlp, scale_mlp, eps))
-        context = context + c_gate_msa * context_attn_out
-        context = context + c_gate_mlp * self.ff_context(modulate(context, c_shift_mlp, c_scale_mlp, eps))
+        attn_out, context_attn_out = self.attn(modulate(x, msa, eps), modulate(context, c_msa, eps), cos, sin)
+        x = x + msa.gate * attn_out
+        x = x + mlp.gate * self.ff(modulate(x, mlp, eps))
+        context = context + c_msa.gate * context_attn_out
+        context = context + c_mlp.gate * self.ff_context(modulate(context, c_mlp, eps))
         return clip_fp16(context), x
 
 
@@ -252,9 +257,8 @@ class SingleTransformerBlock(nn.Module):
         self.eps = eps
         self.attn = ParallelSelfAttention(dim, heads, head_dim, mlp_hidden, eps)
 
-    def __call__(self, h, mod, cos, sin):
-        shift, scale, gate = mod
-        return clip_fp16(h + gate * self.attn(modulate(h, shift, scale, self.eps), cos, sin))
+    def __call__(self, h, mod: ModulationOut, cos, sin):
+        return clip_fp16(h + mod.gate * self.attn(modulate(h, mod, self.eps), cos, sin))
 
 
 class AdaLayerNormContinuous(nn.Module):
@@ -270,6 +274,11 @@ class AdaLayerNormContinuous(nn.Module):
         return layer_norm(x, self.eps) * (1 + scale) + shift
 
 
+# embedders, the shared modulations and the output layers stay in full precision (loading/quantize.py)
+FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_guidance_embed\..*|.*modulation.*|norm_out\.linear|"
+                            r"proj_out)")
+
+
 # -- the model -----------------------------------------------------------------------------------------------------
 
 class Model(nn.Module):
@@ -279,6 +288,8 @@ class Model(nn.Module):
     (the pipeline's t / 1000; scaled by 1000 here, as diffusers), img_ids (B?, N_img, 4), txt_ids (B?, L_txt, 4),
     guidance (B,) or None = the guidance scale itself, also scaled by 1000 here) -> (B, N_img, patch^2 * C_out).
     Like diffusers, 3-D ids use batch element 0 only, and guidance is ignored by a model without guidance_embeds.
+    `after_block(*outputs)`, if given, is called after every block: the caller's memory policy (the pipelines
+    evaluate there, so that one block's transients are freed before the next is built).
     """
 
     def __init__(self, args: ModelArgs):
@@ -313,7 +324,8 @@ class Model(nn.Module):
             ids.append(x)
         return rope_tables(np.concatenate(ids, axis=0), self.args.axes_dims_rope, self.args.rope_theta)
 
-    def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None):
+    def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None,
+                 after_block=None):
         dtype = self.compute_dtype
         n_img, n_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
         cos, sin = self.rope(img_ids, txt_ids)
@@ -331,12 +343,18 @@ class Model(nn.Module):
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
         for block in self.transformer_blocks:
             context, x = block(x, context, mod_img, mod_txt, cos, sin)
-            mx.eval(context, x)  # one block's graph at a time: transient buffers are freed block by block
+            if after_block:
+                after_block(context, x)
         h = mx.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
             h = block(h, mod_single, cos, sin)
-            mx.eval(h)
+            if after_block:
+                after_block(h)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
+
+    def quant_predicate(self, path, module) -> bool:
+        """Which layers may be quantized: not the embedders, the shared modulations or the output layers."""
+        return not FULL_PRECISION.fullmatch(path)
 
     def sanitize(self, weights: dict) -> dict:
         """diffusers names and layouts are this module's own (no convolutions): nothing to change."""
@@ -389,13 +407,6 @@ _DOUBLE_KEY = re.compile(r"double_blocks\.(\d+)\.")
 _SINGLE_KEY = re.compile(r"single_blocks\.(\d+)\.")
 
 
-def _diffusion_model_keys(weights: dict) -> dict:
-    """With the `model.diffusion_model.` prefix present, only the keys under it (other components left out)."""
-    if any(k.startswith(ORIGINAL_PREFIX) for k in weights):
-        return strip_prefix(weights, ORIGINAL_PREFIX)
-    return weights
-
-
 def is_original(names) -> bool:
     """Whether tensor names are BFL's (with or without the prefix), as opposed to diffusers'."""
     return any(re.match(_P + r"(img_in\.weight$|double_blocks\.|single_blocks\.)", n) for n in names)
@@ -403,16 +414,14 @@ def is_original(names) -> bool:
 
 def original_to_diffusers(weights: dict) -> dict:
     """BFL names -> diffusers names (lazy; nothing is read)."""
-    weights = _diffusion_model_keys(weights)
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     if not is_original(weights):
         raise MlxdiffError("not a FLUX.2 original checkpoint: no img_in / double_blocks.* / single_blocks.* keys")
     return remap(weights, _ORIGINAL_RULES)
 
 
 def _shape(weights, key):
-    if key not in weights:
-        raise MlxdiffError(f"not a complete FLUX.2 original checkpoint: {key!r} is missing; re-download the file")
-    return tuple(weights[key].shape)
+    return required_shape(weights, key, "FLUX.2")
 
 
 def _block_count(weights, pattern, what):
@@ -446,7 +455,7 @@ def config_from_original(weights: dict) -> dict:
       axes (T, H, W, L) = (32, 32, 32, 32) for 128, so head_dim / 4 each.
     - patch_size, rope_theta and eps are not in the weights either: NOT_IN_WEIGHTS (the released values).
     """
-    weights = _diffusion_model_keys(weights)
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     if not is_original(weights):
         raise MlxdiffError("not a FLUX.2 original checkpoint: no img_in / double_blocks.* / single_blocks.* keys")
     dim, in_channels = _shape(weights, "img_in.weight")

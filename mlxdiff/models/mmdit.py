@@ -7,13 +7,14 @@ OIHW -> OHWI). Original single-file checkpoints (Stability's `model.diffusion_mo
 
 import re
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import MlxdiffError
-from ..loading.keymaps import compile_rules, remap, strip_prefix
+from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
 
 
@@ -56,6 +57,23 @@ def modulate(x, scale, shift):
     return x * (1 + scale[:, None]) + shift[:, None]
 
 
+class Modulation(NamedTuple):
+    """One (shift, scale, gate) triple, each (B, D)."""
+    shift: mx.array
+    scale: mx.array
+    gate: mx.array
+
+
+class ZeroOut(NamedTuple):
+    """AdaLayerNormZero's output: the modulated and the plain normalised input, and the modulations of attention,
+    feed-forward and (MMDiT-X) the second attention."""
+    x_mod: mx.array
+    x_norm: mx.array
+    msa: Modulation
+    mlp: Modulation
+    msa2: Modulation | None
+
+
 class AdaLayerNormZero(nn.Module):
     """Linear(silu(temb)) -> 6 chunks (shift, scale, gate)_msa, (shift, scale, gate)_mlp; with `dual`, 9 chunks:
     the extra three (shift, scale, gate)_msa2 modulate the same normalised x for attn2 (SD35AdaLayerNormZeroX)."""
@@ -64,10 +82,12 @@ class AdaLayerNormZero(nn.Module):
         super().__init__()
         self.linear = nn.Linear(dim, (9 if dual else 6) * dim)
 
-    def __call__(self, x, temb):
+    def __call__(self, x, temb) -> ZeroOut:
         chunks = mx.split(self.linear(nn.silu(temb)), self.linear.weight.shape[0] // x.shape[-1], axis=-1)
+        mods = [Modulation(*chunks[i:i + 3]) for i in range(0, len(chunks), 3)]
         x_norm = layer_norm(x)
-        return (modulate(x_norm, chunks[1], chunks[0]), x_norm, *chunks)
+        msa = mods[0]
+        return ZeroOut(modulate(x_norm, msa.scale, msa.shift), x_norm, msa, mods[1], mods[2] if len(mods) > 2 else None)
 
 
 class AdaLayerNormContinuous(nn.Module):
@@ -173,24 +193,24 @@ class JointTransformerBlock(nn.Module):
             self.ff_context = FeedForward(dim)
 
     def __call__(self, x, context, temb):
-        x_mod, x_norm, shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp, *dual = self.norm1(x, temb)
+        img = self.norm1(x, temb)
         if self.context_pre_only:
-            c_mod = self.norm1_context(context, temb)
+            c_mod, txt = self.norm1_context(context, temb), None
         else:
-            c_mod, _, _, _, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(context, temb)
+            txt = self.norm1_context(context, temb)
+            c_mod = txt.x_mod
 
-        attn_out, context_attn_out = self.attn(x_mod, c_mod)
-        x = x + gate_msa[:, None] * attn_out
+        attn_out, context_attn_out = self.attn(img.x_mod, c_mod)
+        x = x + img.msa.gate[:, None] * attn_out
         if self.use_dual_attention:
-            shift_msa2, scale_msa2, gate_msa2 = dual
-            x = x + gate_msa2[:, None] * self.attn2(modulate(x_norm, scale_msa2, shift_msa2))
-        x = x + gate_mlp[:, None] * self.ff(modulate(layer_norm(x), scale_mlp, shift_mlp))
+            x = x + img.msa2.gate[:, None] * self.attn2(modulate(img.x_norm, img.msa2.scale, img.msa2.shift))
+        x = x + img.mlp.gate[:, None] * self.ff(modulate(layer_norm(x), img.mlp.scale, img.mlp.shift))
 
         if self.context_pre_only:
             return None, x
-        context = context + c_gate_msa[:, None] * context_attn_out
-        context = context + c_gate_mlp[:, None] * self.ff_context(modulate(layer_norm(context), c_scale_mlp,
-                                                                          c_shift_mlp))
+        context = context + txt.msa.gate[:, None] * context_attn_out
+        context = context + txt.mlp.gate[:, None] * self.ff_context(modulate(layer_norm(context), txt.mlp.scale,
+                                                                             txt.mlp.shift))
         return context, x
 
 
@@ -221,8 +241,13 @@ class PatchEmbed(nn.Module):
         return x.reshape(b, h * w, d) + self.cropped_pos_embed(h, w).astype(x.dtype)
 
 
+# embedders and the output layers stay in full precision (loading/quantize.py); the per-block adaLN is quantized
+FULL_PRECISION = re.compile(r"(pos_embed|time_text_embed|context_embedder)(\..*)?|norm_out\.linear|proj_out")
+
+
 class Model(nn.Module):
-    """SD3Transformer2DModel. Inputs and output are NCHW like diffusers."""
+    """SD3Transformer2DModel. Inputs and output are NCHW like diffusers. `after_block(context, x)`, if given, is
+    called after every block: the caller's memory policy (the pipelines evaluate there)."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -242,7 +267,8 @@ class Model(nn.Module):
         self.norm_out = AdaLayerNormContinuous(dim, dim)
         self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * args.out_channels)
 
-    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=None):
+    def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=None,
+                 after_block=None):
         dtype, p = self.compute_dtype, self.args.patch_size
         b, _, height, width = hidden_states.shape
         if height % p or width % p:
@@ -255,11 +281,15 @@ class Model(nn.Module):
         for i, block in enumerate(self.transformer_blocks):
             if i not in skip:  # a skipped block changes neither stream
                 context, x = block(x, context, temb)
-                mx.eval(x) if context is None else mx.eval(context, x)  # free each block's buffers before the next
+                if after_block:
+                    after_block(context, x)
         x = self.proj_out(self.norm_out(x, temb))
         h, w = height // p, width // p
         x = x.reshape(b, h, w, p, p, -1).transpose(0, 5, 1, 3, 2, 4)  # einsum nhwpqc -> nchpwq
         return x.reshape(b, -1, h * p, w * p)
+
+    def quant_predicate(self, path, module) -> bool:
+        return not FULL_PRECISION.fullmatch(path)
 
     def sanitize(self, weights: dict) -> dict:
         """diffusers names and PyTorch layouts -> this module: only the patch conv changes (OIHW -> OHWI)."""
@@ -320,13 +350,6 @@ _BLOCK_KEY = re.compile(r"joint_blocks\.(\d+)\.")
 _ATTN2_KEY = re.compile(r"joint_blocks\.(\d+)\.x_block\.attn2\.")
 
 
-def _diffusion_model_keys(weights: dict) -> dict:
-    """Accept the keys with or without the `model.diffusion_model.` prefix (then other components are left out)."""
-    if any(k.startswith(ORIGINAL_PREFIX) for k in weights):
-        return strip_prefix(weights, ORIGINAL_PREFIX)
-    return weights
-
-
 def _block_indices(weights: dict) -> list:
     return sorted({int(m.group(1)) for k in weights if (m := _BLOCK_KEY.match(k))})
 
@@ -338,7 +361,7 @@ def original_to_diffusers(weights: dict) -> dict:
     block, whose context adaLN has 2 chunks instead of 6) gets its (shift, scale) halves swapped. The rule is
     prepended so it wins over the table's plain `norm1_context` rule.
     """
-    weights = _diffusion_model_keys(weights)
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     blocks = _block_indices(weights)
     if not blocks:
         raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys; pass the diffusers folder instead")
@@ -349,9 +372,7 @@ def original_to_diffusers(weights: dict) -> dict:
 
 
 def _shape(weights, key):
-    if key not in weights:
-        raise MlxdiffError(f"not a complete SD3 original checkpoint: {key!r} is missing; re-download the file")
-    return tuple(weights[key].shape)
+    return required_shape(weights, key, "SD3")
 
 
 def config_from_original(weights: dict) -> dict:
@@ -367,7 +388,7 @@ def config_from_original(weights: dict) -> dict:
       This is exact for SD3 Medium, SD3.5 Medium and SD3.5 Large (24, 24, 38 heads of 64).
     - sample_size (only the default image size; not stored in the weights) = 128, as in every released model.
     """
-    weights = _diffusion_model_keys(weights)
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     blocks = _block_indices(weights)
     if not blocks:
         raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys")

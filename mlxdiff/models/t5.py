@@ -21,7 +21,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import MlxdiffError
-from ..loading.keymaps import remap
+from ..formats.keymaps import remap
 
 
 # transformers' ACT2FN names -> functions

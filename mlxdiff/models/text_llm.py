@@ -23,9 +23,7 @@ Accepted folders: a diffusers `text_encoder/` (transformers names: `model.langua
 "quantization"; layers are quantized exactly where the file has `.scales`, with mlx-lm's per-layer settings).
 """
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
@@ -36,9 +34,7 @@ from mlx_lm.models import llama, qwen3
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import MlxdiffError
-from ..loading import safetensors as st
-from ..loading.keymaps import compile_rules, remap
-from ..loading.weights import load_into
+from ..formats.keymaps import compile_rules, remap
 
 # diffusers' text_encoder_out_layers defaults
 TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
@@ -55,10 +51,6 @@ KEYMAP = compile_rules([
     (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),                   # Qwen3ForCausalLM and mlx-lm
     (r".*", None),
 ])
-
-# pipelines/flux2/system_messages.py SYSTEM_MESSAGE (BFL's), exact: note the newline after "object"
-SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give structured responses focusing on "
-                  "object relationships, object\nattribution and actions without speculation.")
 
 
 @dataclass
@@ -97,8 +89,9 @@ class ModelArgs(BaseModelArgs):
         return self.depth == self.num_layers
 
 
-def check_args(args: ModelArgs, source) -> None:
-    """Raise MlxdiffError when the folder is not a text encoder we can tap as asked."""
+def check_args(args: ModelArgs, source, taps=True) -> None:
+    """Raise MlxdiffError when the folder is not a text encoder we can tap as asked (`taps=False`: whether it is
+    one at all, before the run's taps are known)."""
     if args.model_type not in ARCHITECTURES:
         what = ", ".join(args.architectures or []) or "no architectures"
         raise MlxdiffError(f"{source}: model_type {args.model_type!r} ({what}) is not a FLUX.2 text encoder; "
@@ -112,6 +105,8 @@ def check_args(args: ModelArgs, source) -> None:
         method = args.quantization_config.get("quant_method", "?")
         raise MlxdiffError(f"{source}: the text encoder is quantized with {method!r}, which MLX cannot load; use the "
                            "bf16 text encoder, or convert it with mlx_lm.convert (-q for an MLX-quantized one)")
+    if not taps:
+        return
     if not args.taps or any(not isinstance(t, int) or t < 0 for t in args.taps):
         raise MlxdiffError(f"{source}: taps {args.taps!r} must be hidden-state indices (0 = the embeddings, "
                            "k = decoder layer k's output)")
@@ -233,152 +228,23 @@ class Model(nn.Module):
         return mx.concatenate([states[t] for t in self.args.taps], axis=-1)
 
 
-def quantize_as_mlx_lm(model: Model, weights: dict, quantization: dict) -> None:
-    """mlx_lm.utils.load_model's rule: quantize exactly the modules the file has `.scales` for, with the per-layer
-    settings in config["quantization"] (keyed by mlx-lm's module paths, mapped to ours here)."""
-    from mlx_lm.utils import infer_quant_config
-    overrides = {}
-    for path, setting in quantization.items():
-        if isinstance(setting, (dict, bool)):
-            mapped = list(remap({f"{path}.weight": None}, KEYMAP))
-            if mapped:
-                overrides[mapped[0][:-len(".weight")]] = setting
-
-    def predicate(path, module):
-        if path in overrides:
-            return overrides[path]
-        if not hasattr(module, "to_quantized") or f"{path}.scales" not in weights:
-            return False
-        return infer_quant_config(path, module, weights)
-
-    nn.quantize(model, group_size=quantization["group_size"], bits=quantization["bits"],
-                mode=quantization.get("mode", "affine"), class_predicate=predicate)
+def check_config(config: dict, where, taps=True) -> None:
+    """The check mlxdiff.loading runs on a text encoder's config (taps=False when the folder is read, with the taps
+    when it is built)."""
+    check_args(ModelArgs.from_dict(config), where, taps)
 
 
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MlxdiffError(f"{path}: the text encoder config is missing; the model folder is incomplete") from None
-    except (OSError, ValueError) as e:
-        raise MlxdiffError(f"{path}: cannot read the text encoder config ({e})") from None
+# python -m mlxdiff.convert writes the encoder whole (every layer and the final norm) under transformers' Qwen3 /
+# mlx-lm names, which KEYMAP reads back for any taps
+STORED_PREFIX = "model."
 
 
-def load_text_encoder(folder, taps=None, compute_dtype=None, quantize=None) -> Model:
-    """The text encoder of a diffusers `text_encoder/` or mlx-lm folder, with only the layers `taps` need.
-
-    Lazy: nothing is read until the model runs or its parameters are evaluated (mlxdiff's `materialize`).
-    quantize: {"bits", "group_size"} to quantize a full-precision encoder while loading (mlxdiff's rule)."""
-    folder = Path(folder)
-    config = read_config(folder)
-    args = ModelArgs.from_dict({**config, "taps": taps})
-    check_args(args, folder)
-    model = Model(args)
-    model.compute_dtype = compute_dtype or mx.float32
-    weights = model.sanitize(st.load_folder(folder))   # drops every unneeded array before anything is evaluated
-    if args.quantization:
-        quantize_as_mlx_lm(model, weights, args.quantization)
-    load_into(model, weights, folder)
-    if quantize:
-        from ..loading.quantize import quantize_model
-        quantize_model(model, quantize["bits"], quantize.get("group_size", 64))
-    return model
+def whole_model_config(config: dict) -> dict:
+    """The taps that build every layer and the final norm (what convert writes)."""
+    return {"taps": [ModelArgs.from_dict(config).num_layers]}
 
 
-def tapped_nbytes(folder, taps=None) -> int:
-    """Bytes of the tensors load_text_encoder reads for these taps (headers only)."""
-    folder = Path(folder)
-    args = ModelArgs.from_dict({**read_config(folder), "taps": taps})
-    check_args(args, folder)
-    total = 0
-    for f in st.safetensors_files(folder):
-        for name, (dtype, shape) in st.check_safetensors(f).items():
-            mapped = list(remap({name: None}, KEYMAP))
-            if mapped and reads(mapped[0], args):
-                total += int(np.prod(shape, dtype=np.int64)) * st.ITEMSIZE[dtype]
-    return total
-
-
-# ------------------------------------------------------------------------------------------------------------------
-# Tokenization, exactly as diffusers' pipelines format prompts
-
-def load_tokenizer(folder):
-    """The transformers tokenizer of a FLUX.2 `tokenizer/` folder, with its chat template.
-
-    FLUX.2-dev's folder is a processor (PixtralProcessor) folder: its chat template may only be in the processor's
-    legacy chat_template.json, which a tokenizer does not read, so that file is used as a fallback."""
-    from ..tokenizers import load_tokenizer as load_hf_tokenizer
-    folder = Path(folder)
-    tokenizer = load_hf_tokenizer(folder)
-    if not getattr(tokenizer, "chat_template", None):
-        for name in ("chat_template.json", "processor_config.json"):
-            try:
-                template = json.loads((folder / name).read_text()).get("chat_template")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if template:
-                tokenizer.chat_template = template
-                break
-    require_chat_template(tokenizer)
-    return tokenizer
-
-
-def require_chat_template(tokenizer) -> None:
-    if not getattr(tokenizer, "chat_template", None):
-        where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-        raise MlxdiffError(f"{where}: the tokenizer has no chat template, and FLUX.2 formats prompts with it; add the "
-                           "model's chat_template.jinja (or tokenizer_config.json with chat_template) to the folder")
-
-
-def dev_messages(prompts, system_message=SYSTEM_MESSAGE) -> list:
-    """diffusers' flux2 `format_input` for text-only prompts: "[IMG]" removed, system + user message, content parts."""
-    return [[{"role": "system", "content": [{"type": "text", "text": system_message}]},
-             {"role": "user", "content": [{"type": "text", "text": p.replace("[IMG]", "")}]}] for p in prompts]
-
-
-def _warn_if_truncated(tokenizer, texts, ids, add_special_tokens):
-    from ..tokenizers import report_truncation
-    truncated = []
-    for text, kept in zip(texts, ids):
-        whole = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
-        if len(whole) > len(kept):
-            truncated.append((text, tokenizer.decode(whole[len(kept):])))
-    report_truncation(truncated, f"{len(ids[0])} tokens")
-
-
-def tokenize_dev(tokenizer, prompts, max_sequence_length=512, system_message=SYSTEM_MESSAGE):
-    """Flux2Pipeline's tokenization: (input_ids, attention_mask), int32 (B, max_sequence_length).
-
-    diffusers calls the processor's apply_chat_template(add_generation_prompt=False, tokenize=True,
-    padding="max_length", truncation=True, max_length=...). The processor renders the template and tokenizes the text
-    with add_special_tokens unless the text already starts with the BOS token (processing_utils), padding on the
-    tokenizer's padding_side (left for Mistral's LlamaTokenizer). `tokenizer` may be that processor or its tokenizer;
-    either way this does what the processor does."""
-    require_chat_template(tokenizer)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    texts = tokenizer.apply_chat_template(dev_messages(prompts, system_message), add_generation_prompt=False,
-                                          tokenize=False)
-    tok = getattr(tokenizer, "tokenizer", tokenizer)
-    add_special = not (tok.bos_token is not None and texts[0].startswith(tok.bos_token))
-    enc = tok(texts, padding="max_length", truncation=True, max_length=max_sequence_length,
-              add_special_tokens=add_special)
-    _warn_if_truncated(tok, texts, enc["input_ids"], add_special)
-    return np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32)
-
-
-def tokenize_klein(tokenizer, prompts, max_sequence_length=512):
-    """Flux2KleinPipeline's tokenization: per prompt, the user message alone through the chat template
-    (add_generation_prompt=True, enable_thinking=False), then tokenizer(padding="max_length", truncation=True), on the
-    tokenizer's padding_side (right for Qwen2Tokenizer)."""
-    require_chat_template(tokenizer)
-    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True, enable_thinking=False) for p in prompts]
-    ids, mask = [], []
-    for text in texts:
-        enc = tokenizer(text, padding="max_length", truncation=True, max_length=max_sequence_length)
-        ids.append(enc["input_ids"])
-        mask.append(enc["attention_mask"])
-    _warn_if_truncated(tokenizer, texts, ids, True)
-    return np.array(ids, np.int32), np.array(mask, np.int32)
+def reads_stored(name: str, args: ModelArgs) -> bool:
+    """Whether a stored tensor (transformers / mlx-lm name) is one the encoder reads for its taps."""
+    mapped = list(remap({name: None}, KEYMAP))
+    return bool(mapped) and reads(mapped[0], args)

@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import BaseModelArgs
 
 from ..errors import MlxdiffError
-from ..loading.keymaps import remap
+from ..formats.keymaps import remap
 
 ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "mish": nn.mish, "gelu": nn.gelu, "relu": nn.relu}
 
@@ -402,10 +402,6 @@ class Model(nn.Module):
         """`encode_moments` tile by tile (image tiles of tile_latent_size * 2**(levels - 1), see `tiled_decode`)."""
         return self.encode_moments(x, True, tile_latent_size, overlap)
 
-    def tiled_encode(self, x, tile_latent_size=None, overlap=0.25):
-        """`encode` (the latent mean) tile by tile."""
-        return self.encode_moments(x, True, tile_latent_size, overlap)[0]
-
     def __call__(self, x):
         """Reconstruction, as diffusers' forward with sample_posterior=False: decode(encode(x).mode())."""
         return self.decode(self.encode(x))
@@ -416,6 +412,7 @@ class Model(nn.Module):
         return (mean - shift) * self.args.scaling_factor
 
     def unscale_latents(self, z):
+        """The inverse of `scale_latents`: denoised latents -> what `decode` takes."""
         shift = self.args.shift_factor or 0.0
         return z / self.args.scaling_factor + shift
 

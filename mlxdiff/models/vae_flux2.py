@@ -12,34 +12,28 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
 
 from . import vae
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
-    in_channels: int = 3
-    out_channels: int = 3
-    down_block_types: tuple = ("DownEncoderBlock2D",) * 4
-    up_block_types: tuple = ("UpDecoderBlock2D",) * 4
-    block_out_channels: tuple = (128, 256, 512, 512)
-    decoder_block_out_channels: Optional[tuple] = None
-    layers_per_block: int = 2
-    act_fn: str = "silu"
+class ModelArgs(vae.ModelArgs):
+    """vae.ModelArgs with AutoencoderKLFlux2's defaults and fields: no latent scaling (the `bn` statistics take its
+    place), quant convs, an optional narrower decoder, the 2x2 latent patch."""
     latent_channels: int = 32
-    norm_num_groups: int = 32
-    sample_size: int = 1024
+    scaling_factor: float = 1.0
+    shift_factor: Optional[float] = None
     use_quant_conv: bool = True
     use_post_quant_conv: bool = True
-    mid_block_add_attention: bool = True
+    decoder_block_out_channels: Optional[tuple] = None
     batch_norm_eps: float = 1e-4
     batch_norm_momentum: float = 0.1
     patch_size: tuple = (2, 2)
 
 
 # the class defaults above are the FLUX.2-dev / klein vae/config.json; used for original single files
-FLUX2_CONFIG = {k: list(v) if isinstance(v, tuple) else v for k, v in ModelArgs().__dict__.items()}
+FLUX2_CONFIG = {k: list(v) if isinstance(v, tuple) else v for k, v in ModelArgs().__dict__.items()
+                if k not in ("scaling_factor", "shift_factor", "latents_mean", "latents_std", "force_upcast")}
 
 
 def patchify(latents, patch_size=(2, 2)):
@@ -98,6 +92,8 @@ class Model(vae.Model):
     def denormalize_and_unpatchify(self, latents):
         """Denoised [B, 128, h, w] -> [B, 32, 2h, 2w], ready for `decode` (the end of Flux2Pipeline.__call__)."""
         return unpatchify(self.denormalize_latents(latents), self.args.patch_size)
+
+    unscale_latents = denormalize_and_unpatchify   # what the shared decode step asks every VAE for
 
     def sanitize(self, weights):
         # BatchNorm's step counter (int64) is not used by inference

@@ -1,8 +1,10 @@
-"""What every pipeline shares: phases that load a model, use it and free it; the Result; progress.
+"""The skeleton every pipeline shares: phases that load a model, use it and free it; the denoise loop; the decode
+tail; the Result; progress; the request checks and defaults.
 
 A run is encode -> free -> denoise -> free -> decode. Each model lives only inside `loaded(...)`, so the peak is
 the largest phase, not the sum. On leaving, the module is emptied in place (a reference the caller still holds
-becomes an empty shell) and MLX's buffer cache is returned, so the next phase starts from near zero.
+becomes an empty shell) and MLX's buffer cache is returned, so the next phase starts from near zero. A family
+(sd3.py, flux2.py) supplies only what is its own: prompt encoding, its velocity and its latent packing.
 """
 
 import gc
@@ -17,9 +19,12 @@ import numpy as np
 from .. import backend
 import mlx.core as mx
 
-from ..loading.matmul import use_strategy
+from .. import schedulers
+from ..errors import MlxdiffError
 from ..loading.quantize import materialize
 from ..memory import check_fits, snapshot, fmt_gb, reset_footprint_peak
+from .images import to_pil
+from .matmul import use_strategy
 
 
 @dataclass
@@ -51,6 +56,12 @@ class Result:
                         f"{fmt_gb(m.get('after')):>10} {fmt_gb(m.get('footprint_peak')):>13} "
                         f"{fmt_gb(m.get('footprint')):>14}")
         return "\n".join(rows)
+
+
+def new_run():
+    """(Result, PhaseLog) for one generate() call."""
+    result = Result(image=None, latents=None)
+    return result, PhaseLog(result)
 
 
 class PhaseLog:
@@ -96,10 +107,10 @@ def loaded(spec, compute_dtype, result: Result | None = None):
     check_fits(spec)  # refuse before loading anything that cannot fit
     start = time.perf_counter()
     model = spec.build(compute_dtype)
-    use_strategy(model, getattr(spec, "matmul", None) or backend.default_matmul_strategy())
+    use_strategy(model, spec.matmul or backend.default_matmul_strategy())
     materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
     if result is not None:
-        result.load_seconds[getattr(spec, "name", "text_encoder")] = time.perf_counter() - start
+        result.load_seconds[spec.name] = time.perf_counter() - start
     try:
         yield model
     finally:
@@ -117,7 +128,6 @@ def progress(iterable, total, desc, enabled=True):
 
 def initial_latents(latents, shape, seed, layout=""):
     """Injected noise (numpy, in diffusers' `latents` layout) or seeded MLX noise; always float32."""
-    from ..errors import MlxdiffError
     if latents is None:
         return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.float32)
     latents = np.asarray(latents)
@@ -125,3 +135,92 @@ def initial_latents(latents, shape, seed, layout=""):
         raise MlxdiffError(f"latents have shape {tuple(latents.shape)}, expected {tuple(shape)} for this size"
                            + (f" ({layout})" if layout else ""))
     return mx.array(latents.astype(np.float32))
+
+
+def evaluate_each_block(*outputs):
+    """The memory policy the pipelines pass to a transformer: evaluate each block's outputs before the next block
+    is built, so transient buffers are freed block by block instead of piling up over the whole stack."""
+    mx.eval([o for o in outputs if o is not None])
+
+
+def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
+    """The flow-match Euler loop: `velocity(i, x)` is the family's prediction at step i (CFG, skip-layer or
+    embedded guidance included). Latents stay float32 whatever the compute dtype; each step is evaluated."""
+    steps = len(timesteps)
+    for i in progress(range(steps), steps, "denoise", progress_bar):
+        x = schedulers.euler_step(x, velocity(i, x).astype(mx.float32), sigmas[i], sigmas[i + 1])
+        mx.eval(x)
+        if callback is not None:
+            callback(i, float(timesteps[i]), x)
+    return x
+
+
+def decode(vae, latents, dtype) -> list:
+    """Denoised latents -> PIL images: the VAE undoes its own latent scaling (`unscale_latents`), decodes, and the
+    output is mapped from [-1, 1] to [0, 1]."""
+    image = vae.decode(vae.unscale_latents(latents).astype(dtype))
+    image = mx.clip(image.astype(mx.float32) / 2 + 0.5, 0, 1)
+    mx.eval(image)
+    return to_pil(np.array(image))
+
+
+class Pipeline:
+    """What both families hold and check: specs (no weights), tokenizers, scheduler settings, the compute dtype."""
+    family = ""
+    patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
+
+    def __init__(self, sources, dtype=None):
+        self.pipeline_class = sources.pipeline_class
+        self.components = sources.components     # name -> ComponentSpec (or None for an absent text_encoder_3)
+        self.tokenizers = sources.tokenizers
+        self.scheduler_config = sources.scheduler_config
+        self.options = sources.options
+        self.dtype = backend.compute_dtype(dtype)
+        backend.warn_if_slow_blas()
+
+    def defaults(self) -> dict:
+        """The steps and guidance a run gets when the caller gives none (the CLI's defaults too)."""
+        raise NotImplementedError
+
+    def default_size(self) -> int:
+        raise NotImplementedError
+
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.components["vae"].args.block_out_channels) - 1)
+
+    def request(self, width, height, steps, guidance) -> tuple:
+        """The run's (width, height, steps, guidance): defaults filled in, then checked."""
+        defaults = self.defaults()
+        steps = defaults["steps"] if steps is None else steps
+        guidance = defaults["guidance"] if guidance is None else guidance
+        width, height = width or self.default_size(), height or self.default_size()
+        factor = self.vae_scale_factor() * self.patch_size
+        if width % factor or height % factor or width <= 0 or height <= 0:
+            raise MlxdiffError(f"width and height must be positive multiples of {factor}, got {width}x{height}; "
+                               f"try {max(factor, width - width % factor)}x{max(factor, height - height % factor)}")
+        if steps < 1:
+            raise MlxdiffError(f"steps must be at least 1, got {steps}")
+        return width, height, steps, guidance
+
+    def encode_phase(self, phase, prompt, conditioning, cfg, encode):
+        """The encode phase: the given conditioning (checked for CFG), else `encode()`."""
+        with phase("encode"):
+            if conditioning is None:
+                if prompt is None:
+                    raise MlxdiffError("give a prompt or a conditioning")
+                return encode()
+            if cfg and conditioning.negative_prompt_embeds is None:
+                raise MlxdiffError("guidance > 1 needs a conditioning encoded with do_classifier_free_guidance=True")
+            return conditioning
+
+
+def finish(result: Result, images: list, latents) -> Result:
+    result.latents = np.array(latents)
+    result.images = images
+    result.image = images[0]
+    return result
+
+
+def as_numpy(conditioning) -> dict:
+    """A conditioning dataclass's arrays as float32 numpy (None stays None)."""
+    return {k: None if v is None else np.array(v.astype(mx.float32)) for k, v in vars(conditioning).items()}

@@ -3,7 +3,7 @@
 Safety first: `check_gguf` parses the whole header itself (struct over a read-only mmap, every length and count
 checked against the bytes that remain) before anything else looks at the file. gguf-py's GGUFReader can loop for
 minutes eating memory on a forged array length, and lets a tensor offset wrap into the header; `mx.load` segfaults
-on forged counts and decodes Q4_K wrongly (../../shared/specs/readers-robustness.md, mlx.md section 2). mx.load is
+on forged counts and decodes Q4_K wrongly (measured; see the project's reader-robustness notes). mx.load is
 never called on a GGUF. Tensor bytes are then read through a numpy memmap of exactly the validated ranges (what
 GGUFReader does too, without its per-metadata-element cost: 13 s and 0.9 GB RSS for a 786k-entry tokenizer).
 
@@ -25,30 +25,10 @@ with MLX ops, a bounded chunk of rows at a time (never a float copy of a whole t
 | F32, F16, BF16 | kept as stored (bf16 stays bf16)                                                  |
 Any other type is refused with one error naming the tensor and its type, before anything is converted.
 
-Why (numbers from `python tests/gguf_helpers.py`: 512 x 4096 Gaussian weights with a spread of row scales,
-quantized by the simplified reference encoders there; "own" = rms(file - original) / rms(original), "+" = rms(ours
-- file) / rms(original), "worse" = how much larger rms(ours - original) is than the file's own error; bpw with the
-float32 scales and biases of the CPU default, 16-bit ones cost 1 bpw less at g32, 0.5 at g64, 0.25 at g128):
-- Q3_K (3.44 bpw, own 0.155): exact 8-bit g128 costs 8.5 bpw. Requantizing instead: 4-bit g32 (6 bpw) or g64
-  (5 bpw) is 12-13% worse than the file, 3-bit g32 25% worse, 6-bit g32 (8 bpw) +1.6e-2 (under 1% worse) but
-  still not the file. MLX groups are at least 32 wide and Q3_K's scales change every 16 weights, so no exact
-  3/4-bit form exists. Chosen: exact (a Q3_K file's bytes are not what it costs in memory here).
-- Q6_K (6.56 bpw, own 1.9e-2): near-exact 8-bit g32 (10 bpw) keeps the file's codes for the 16-weight sub-block
-  with the larger |scale| in each group of 32 and rounds the other one onto that lattice (at most half a step;
-  a full step in the rare group whose two scales are equal and opposite): +3.8e-3, 2% worse. A 6-bit g32
-  requantization (8 bpw) adds 1.9e-2, 41% worse; 4-bit 350% worse. Chosen: near-exact 8-bit.
-- Q2_K (2.63 bpw, own 0.33): two real lattices (d, dmin) per 16 weights have no exact MLX form. Requantized to
-  4-bit g64 (5 bpw): +9.1e-2, 3% worse; 4-bit g32 (6 bpw) 2%; 3-bit g32 12%; 6-bit g32 (8 bpw) under 1%.
-  Chosen: 4-bit g64 (whoever picks Q2_K wants memory; 4-bit is also the CUDA fast-path width).
-
-Scales and biases are float32 when the compute dtype is float32 (the CPU default; every exact type is then exact
-bit for bit against gguf-py), else float16 / bfloat16 like the compute dtype (quantized_matmul's output dtype
-follows the scales). What rounding the scales and biases to 16 bits adds (max |error| / max |w|, stored form
-evaluated in float32, same data): float16: 0 for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K (d is float16 already and
-the biases are power-of-two multiples or float16 themselves), 2.0e-4 for Q6_K, 5.9e-4 Q5_K, 8.3e-4 Q4_K (d * sc
-needs 17 bits), 7.4e-4 Q2_K; bfloat16: 2.4e-3 (Q8_0) to 5.6e-3 (Q4_K), i.e. 2^-9 to 2^-8 (bfloat16 keeps 8
-significant bits). On top of that, mx.dequantize and quantized_matmul do their arithmetic in the scales' dtype.
-A tensor whose float16 scales or biases would overflow keeps float32 ones.
+Why each type gets its form (the error and bytes-per-weight figures behind the Q3_K, Q6_K and Q2_K choices, and
+what 16-bit scales cost): bench/RESULTS.md, "GGUF: the form of each type". Scales and biases are float32 when the
+compute dtype is float32 (the CPU default: every exact type is then exact bit for bit against gguf-py), else the
+compute dtype's 16-bit type; a tensor whose 16-bit scales would overflow keeps float32 ones.
 
 1-D quantized tensors (biases, norm scales; rare) are returned dequantized, in the scales' dtype.
 """
@@ -64,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxdiffError
+from .quantized import QuantizedTensor
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -285,101 +266,8 @@ def _parse(buf, size, path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Quantized tensors
-
-
-@dataclass
-class QuantizedTensor:
-    """A weight kept in MLX affine form: w = scales * code + biases per group of `group_size` along the last axis.
-
-    The arrays are exactly those of an `nn.QuantizedLinear` / `nn.QuantizedEmbedding`: `weight` uint32 packed
-    [*rows, K * bits / 32], `scales` and `biases` [*rows, K / group_size]. `shape` is the logical PyTorch shape.
-    """
-    weight: mx.array
-    scales: mx.array
-    biases: mx.array
-    bits: int
-    group_size: int
-    source_type: str = ""   # the GGUF type it came from
-
-    @property
-    def shape(self):
-        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
-
-    @property
-    def quantization(self) -> dict:
-        """The per-layer settings `nn.quantize`'s class_predicate returns for this weight."""
-        return {"bits": self.bits, "group_size": self.group_size}
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
-
-    def dequantize(self, dtype=None) -> mx.array:
-        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
-        return w.astype(dtype) if dtype is not None else w
-
-    def arrays(self, prefix) -> dict:
-        """{prefix.weight, prefix.scales, prefix.biases}: the parameters of the quantized layer at `prefix`."""
-        return {f"{prefix}.weight": self.weight, f"{prefix}.scales": self.scales, f"{prefix}.biases": self.biases}
-
-
-def split_rows(tensor, n: int) -> list:
-    """Split a weight into `n` equal parts along its rows (axis 0), e.g. a fused qkv into q, k, v.
-
-    A QuantizedTensor is split while still quantized (rows of weight, scales and biases); an array with mx.split.
-    """
-    if not isinstance(tensor, QuantizedTensor):
-        return mx.split(tensor, n, axis=0)
-    rows = tensor.weight.shape[0]
-    if tensor.weight.ndim < 2 or rows % n:
-        raise MlxdiffError(f"cannot split a quantized weight of shape {tensor.shape} into {n} equal row blocks")
-    return [QuantizedTensor(w, s, b, tensor.bits, tensor.group_size, tensor.source_type)
-            for w, s, b in zip(*(mx.split(a, n, axis=0) for a in (tensor.weight, tensor.scales, tensor.biases)))]
-
-
-def concat_rows(parts: list):
-    """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share bits and group size."""
-    if not all(isinstance(p, QuantizedTensor) for p in parts):
-        return mx.concatenate([p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts], axis=0)
-    settings = {(p.bits, p.group_size) for p in parts}
-    if len(settings) != 1:
-        raise MlxdiffError(f"cannot join quantized weights with different settings {sorted(settings)}")
-    return QuantizedTensor(*(mx.concatenate([getattr(p, a) for p in parts], axis=0)
-                             for a in ("weight", "scales", "biases")), parts[0].bits, parts[0].group_size,
-                           parts[0].source_type)
-
-
-def flatten_quantized(weights: dict):
-    """{name: array | QuantizedTensor} -> (flat {name: array}, {layer path: {"bits", "group_size"}}).
-
-    A quantized "<layer>.weight" becomes "<layer>.weight" / ".scales" / ".biases". Use the second dict with
-    `nn.quantize(model, class_predicate=quantized_predicate(layers))` before `load_weights`.
-    """
-    flat, layers = {}, {}
-    for name, value in weights.items():
-        if not isinstance(value, QuantizedTensor):
-            flat[name] = value
-            continue
-        if not name.endswith(".weight"):
-            raise MlxdiffError(f"quantized tensor {name!r} is not a layer weight (no '.weight' suffix); only "
-                               "Linear and Embedding weights can stay quantized")
-        prefix = name[: -len(".weight")]
-        flat.update(value.arrays(prefix))
-        layers[prefix] = value.quantization
-    return flat, layers
-
-
-def quantized_predicate(layers: dict):
-    """class_predicate for nn.quantize: per-layer {"bits", "group_size"} for the layers stored quantized."""
-    def predicate(path, module):
-        return layers.get(path, False) if hasattr(module, "to_quantized") else False
-    return predicate
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Block decoders: blocks [R, nb, block bytes] uint8 -> (codes uint8 [R, nb, block], scales, biases float32
-# [R, nb, groups per block]). Layouts: ../../shared/specs/mlx.md section 3 and gguf-py's quants.py.
+# [R, nb, groups per block]). Layouts: gguf-py's quants.py.
 
 
 def _f16(blocks, offset):

@@ -32,26 +32,45 @@ def load_into(module, weights: dict, source) -> None:
 
 
 def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False, quantize=None):
-    """Make `arch.Model` from its config dict and diffusers-named weights (already remapped from any other naming).
+    """Make `arch.Model` from its config dict and weights in the names `arch.Model.sanitize` reads (already remapped
+    from any other naming), for every architecture alike, LLM text encoders included.
 
     `arch` is a model module (mlxdiff.models.clip, ...) with `ModelArgs`, `Model` and `Model.sanitize`.
     The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters.
     """
     import mlx.core as mx
-    from .gguf import flatten_quantized, quantized_predicate
+    from ..formats.quantized import flatten_quantized, quantized_predicate
     from .quantize import prepare_quantized, quantize_model
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
     # mlxdiff's own checkpoints (`native`) are saved after sanitize, in the module's own names and layouts
+    rename = None if native else model.sanitize
     if not native:
         weights = model.sanitize(weights)
-    if config.get("quantization"):  # saved quantized by mlxdiff.convert
-        prepare_quantized(model, weights, config["quantization"])
+    if config.get("quantization"):  # saved quantized (mlxdiff.convert, mlx-lm's convert)
+        prepare_quantized(model, weights, config["quantization"], rename)
     weights, gguf_layers = flatten_quantized(weights)
     if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear, per their own bits
         import mlx.nn as nn
         nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
     load_into(model, weights, source)
+    keep_activations_in(model, model.compute_dtype)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
-        quantize_model(model, quantize["bits"], quantize.get("group_size", 64))
+        quantize_model(model, quantize["bits"], quantize["group_size"])
     return model
+
+
+def keep_activations_in(model, compute_dtype) -> None:
+    """No weight may change the dtype the activations are computed in: a float weight that would promote them
+    (float32 norm scales, which GGUF and ComfyUI files keep, under bfloat16 compute; bfloat16 under float16) is cast
+    to the compute dtype, lazily. Weights that the compute dtype absorbs (bfloat16 under float32) stay as stored."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    def cast(w):
+        if not isinstance(w, mx.array) or w.dtype == compute_dtype or not mx.issubdtype(w.dtype, mx.floating):
+            return w
+        promoted = (mx.zeros((), w.dtype) + mx.zeros((), compute_dtype)).dtype
+        return w if promoted == compute_dtype else w.astype(compute_dtype)
+
+    model.update(tree_map(cast, model.parameters()))

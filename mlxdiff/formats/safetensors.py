@@ -2,7 +2,7 @@
 
 `mx.load` is lazy (nothing is read until an array is evaluated, and then straight into an MLX buffer, with no
 second copy), but it accepts files that safetensors' own parser rejects: shifted or overlapping data offsets,
-impossible shapes (see ../shared/specs/readers-robustness.md). So every file passes `check_safetensors` first:
+impossible shapes. So every file passes `check_safetensors` first:
 a bounded read of the header, then a check that the tensors tile the data region exactly.
 """
 
@@ -21,6 +21,10 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself uses
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E8M0": 1, "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
             "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "C64": 8}
 UNSUPPORTED = {"F64": "float64", "F8_E5M2": "float8 e5m2"}
+
+
+def nbytes(dtype, shape) -> int:
+    return math.prod(shape) * ITEMSIZE[dtype]
 
 
 def _bad(path, what):

@@ -38,7 +38,7 @@ class DequantizedLinear(nn.Module):
     bias; group_size, bits, mode), so checkpoints and `load_weights` treat both alike.
     """
 
-    def __init__(self, weight, scales, biases, bias=None, group_size=64, bits=4, mode="affine",
+    def __init__(self, weight, scales, biases, bias, group_size, bits, mode="affine",
                  compute_dtype=None):
         super().__init__()
         self.group_size, self.bits, self.mode = group_size, bits, mode

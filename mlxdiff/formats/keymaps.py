@@ -10,18 +10,11 @@ A key no rule matches passes through unchanged, so that strict loading can name 
 
 import re
 
-import mlx.core as mx
-
-
-def split_rows(w, n):
-    """Equal row blocks of an array, or of a GGUF weight that stays quantized (rows of weight/scales/biases)."""
-    from .gguf import split_rows as split
-    return split(w, n)
+from .quantized import concat_rows, split_rows
 
 
 def swap_halves(w):
     """Original checkpoints order adaLN chunks (shift, scale); diffusers uses (scale, shift)."""
-    from .gguf import concat_rows
     shift, scale = split_rows(w, 2)
     return concat_rows([scale, shift])
 
@@ -64,3 +57,20 @@ def strip_prefix(weights: dict, prefix: str) -> dict:
     """The keys under `prefix`, without it."""
     n = len(prefix)
     return {k[n:]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def under_prefix_if_present(weights: dict, prefix: str) -> dict:
+    """Original checkpoints come with or without a component prefix (`model.diffusion_model.`): with it present,
+    only the keys under it (the other components left out), without it; else the keys as they are."""
+    if any(k.startswith(prefix) for k in weights):
+        return strip_prefix(weights, prefix)
+    return weights
+
+
+def required_shape(weights: dict, key: str, what: str) -> tuple:
+    """The shape of `weights[key]` for reading a config off an original checkpoint; a missing key means the file is
+    incomplete."""
+    from ..errors import MlxdiffError
+    if key not in weights:
+        raise MlxdiffError(f"not a complete {what} original checkpoint: {key!r} is missing; re-download the file")
+    return tuple(weights[key].shape)

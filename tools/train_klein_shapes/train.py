@@ -1,12 +1,12 @@
 """Train the embedded default model (klein-shapes): a tiny Flux2KleinPipeline that draws coloured shapes.
 
-    python -m mlxdiff.train.train --out weights/klein-shapes --work build/klein-train [--device cuda]
+    python -m tools.train_klein_shapes.train --out weights/klein-shapes --work build/klein-train [--device cuda]
 
 PyTorch + diffusers + transformers, on a CUDA GPU when there is one (the CPU works, hundreds of times slower), in
 four stages; each writes into --work and is skipped when its output is already there, so a later stage can be re-run
 alone. The training images are rendered once, up front (dataset.batch, seeded), and every stage samples from them.
 
-  1. tokenizer: a word-level `tokenizers` model over the caption vocabulary (mlxdiff.train.dataset.vocabulary) with
+  1. tokenizer: a word-level `tokenizers` model over the caption vocabulary (tools.train_klein_shapes.dataset.vocabulary) with
      Qwen3's special tokens and a Qwen3-style chat template, saved as a transformers fast tokenizer.
   2. vae: AutoencoderKLFlux2, 3 levels (64x64 -> 16x16x8 latents -> 8x8 tokens of 32 after the 2x2 patchify),
      trained on reconstruction (MSE + L1) with a small KL term; then its `bn` running mean/var are set from the

@@ -1,0 +1,60 @@
+"""File formats, below the models: every weight file is opened here, and nothing here imports a model.
+
+`open_weights(path)` decides by file type once: a safetensors file through the gate (safetensors.py), a GGUF file
+through its own checked reader (gguf.py), whose quantized tensors stay quantized (quantized.py). Key-map tables
+(keymaps.py) rename what the readers return.
+"""
+
+from pathlib import Path
+
+from ..errors import MlxdiffError
+from . import safetensors
+
+WEIGHT_SUFFIXES = (".safetensors", ".gguf")
+
+
+def is_gguf(path) -> bool:
+    return Path(path).suffix == ".gguf"
+
+
+def check_weight_file(path, what="weights file") -> Path:
+    """A path that names an existing .safetensors or .gguf file, or one line saying what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        raise MlxdiffError(f"{path}: {what} not found")
+    if path.suffix not in WEIGHT_SUFFIXES:
+        raise MlxdiffError(f"{path}: expected a .safetensors or .gguf {what}")
+    return path
+
+
+def open_weights(path, compute_dtype=None) -> dict:
+    """{name: mx.array} from a safetensors file, or {name: mx.array | QuantizedTensor} from a GGUF file; lazy
+    where the format allows (safetensors are mapped, not read). Every header is checked first."""
+    if is_gguf(path):
+        from .gguf import load_gguf
+        return load_gguf(path, compute_dtype)
+    return safetensors.load_safetensors(path)
+
+
+class TensorShape:
+    """Stands in for an array where only its shape is needed (config inference from a file's header)."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+        self.ndim = len(self.shape)
+
+
+def tensor_shapes(path) -> dict:
+    """{name: TensorShape} from a safetensors or GGUF header, without reading any tensor."""
+    if is_gguf(path):
+        from .gguf import check_gguf
+        return {t.name: TensorShape(t.shape) for t in check_gguf(path).tensors}
+    return {k: TensorShape(shape) for k, (_, shape) in safetensors.check_safetensors(path).items()}
+
+
+def tensor_nbytes(path) -> dict:
+    """{name: bytes as stored} from a safetensors or GGUF header, without reading any tensor."""
+    if is_gguf(path):
+        from .gguf import check_gguf
+        return {t.name: t.nbytes for t in check_gguf(path).tensors}
+    return {k: safetensors.nbytes(dtype, shape) for k, (dtype, shape) in safetensors.check_safetensors(path).items()}

@@ -1,0 +1,69 @@
+"""What every reference run shares: the device and dtype policy, memory freeing, and the markers that
+mlxdiff.footprint reads from stderr:
+
+    MLXDIFF_PHASE <phase> start|end <unix time>
+    MLXDIFF_GPU <phase> <max_memory_allocated bytes> <max_memory_reserved bytes>   (CUDA only, before the end)
+
+Process RSS misses what lives on a CUDA device, so on CUDA each phase also reports the peaks of torch's caching
+allocator over that phase (the peak statistics are reset when the phase starts).
+"""
+
+import gc
+import sys
+import time
+from contextlib import contextmanager
+
+
+def mark(phase, event):
+    print(f"MLXDIFF_PHASE {phase} {event} {time.time():.3f}", file=sys.stderr, flush=True)
+
+
+def device() -> str:
+    import torch
+    if torch.cuda.is_available():
+        return "cuda"
+    if torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def free(device):
+    import torch
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    elif device == "mps":
+        torch.mps.empty_cache()
+
+
+def synchronize(device):
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+    elif device == "mps":
+        torch.mps.synchronize()
+
+
+@contextmanager
+def phase(name, device):
+    """Markers around a phase; on CUDA, the allocator's peaks over the phase."""
+    import torch
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    mark(name, "start")
+    try:
+        yield
+    finally:
+        synchronize(device)
+        if device == "cuda":
+            print(f"MLXDIFF_GPU {name} {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}",
+                  file=sys.stderr, flush=True)
+        mark(name, "end")
+
+
+def noise(shape, seed, dtype):
+    """Seeded float noise in diffusers' `latents` layout (numpy, so that it is the same on every device)."""
+    import numpy as np
+    import torch
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)).to(dtype)
