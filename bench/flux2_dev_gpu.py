@@ -85,6 +85,7 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     from mlxdiff.loading import sources
     from mlxdiff.loading.quantize import materialize
     from mlxdiff.models import flux2
+    from mlxdiff.pipelines.phases import evaluate_each_block
     out = {"backend": f"mlx {mx.__version__} {mx.default_device()}", "strategy": strategy, "size": size}
     mx.reset_peak_memory()
     t = time.perf_counter()
@@ -104,7 +105,8 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     mx.reset_peak_memory()
     for i in range(steps):
         t = time.perf_counter()
-        y = model(img, txt, mx.array([1.0 - i / steps]), img_ids, txt_ids, guidance=g)
+        y = model(img, txt, mx.array([1.0 - i / steps]), img_ids, txt_ids, guidance=g,
+                  after_block=evaluate_each_block)
         mx.eval(y)
         mx.synchronize()
         times.append(time.perf_counter() - t)

@@ -124,7 +124,8 @@ def run_mlxdiff(path, strategy, size, text_len):
     reset_process_peak()
     mx.reset_peak_memory()
     t = time.perf_counter()
-    y = model(mx.array(img), mx.array(txt), mx.array([1.0]), img_ids, txt_ids)
+    from mlxdiff.pipelines.phases import evaluate_each_block
+    y = model(mx.array(img), mx.array(txt), mx.array([1.0]), img_ids, txt_ids, after_block=evaluate_each_block)
     mx.eval(y)
     out["forward_s"] = time.perf_counter() - t
     out["forward_mlx_peak"], out["forward_process_peak"] = mx.get_peak_memory(), process_peak()

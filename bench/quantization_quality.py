@@ -17,6 +17,7 @@ import mlxdiff
 import mlx.core as mx
 from mlxdiff.loading import sources
 from mlxdiff.pipelines.matmul import use_strategy
+from mlxdiff.pipelines.phases import evaluate_each_block
 from mlxdiff.loading.quantize import materialize
 from mlxdiff.models import mmdit
 
@@ -43,7 +44,7 @@ def main():
         use_strategy(model, "dequantize")
         materialize(model)
         start = time.perf_counter()
-        out = model(lat, ctx, pooled, t)
+        out = model(lat, ctx, pooled, t, after_block=evaluate_each_block)
         mx.eval(out)
         seconds = time.perf_counter() - start
         result = np.array(out), mx.get_active_memory(), seconds

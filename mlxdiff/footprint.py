@@ -30,12 +30,13 @@ from .memory import GB, process_footprint
 
 def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
     """Run `cmd`, sampling its footprint every `interval` s. Returns the samples, the phases its stderr markers
-    name, the GPU allocator lines (`MLXDIFF_GPU <phase> <allocated> <reserved>`: {phase: {allocated, reserved}}),
+    name, the peaks it reports itself per phase (`MLXDIFF_RSS <phase> <bytes>`: its VmHWM over the phase, which a
+    phase shorter than the interval needs; `MLXDIFF_GPU <phase> <allocated> <reserved>`: torch's CUDA allocator),
     its stdout and the tail of its other stderr."""
     start = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, **(env or {})})
-    phases, open_phases, tail, gpu, stdout = [], {}, [], {}, []
+    phases, open_phases, tail, gpu, rss, stdout = [], {}, [], {}, {}, []
 
     def read_stderr():
         for line in proc.stderr:
@@ -45,6 +46,9 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
                     open_phases[name] = float(t) - start
                 elif name in open_phases:
                     phases.append((name, open_phases.pop(name), float(t) - start))
+            elif line.startswith("MLXDIFF_RSS "):
+                _, name, peak = line.split()
+                rss[name] = int(peak)
             elif line.startswith("MLXDIFF_GPU "):
                 _, name, allocated, reserved = line.split()
                 gpu[name] = {"allocated": int(allocated), "reserved": int(reserved)}
@@ -71,7 +75,7 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
         time.sleep(interval)
     for r in readers:
         r.join(timeout=5)
-    return {"cmd": cmd, "rc": proc.returncode, "samples": samples, "phases": phases, "gpu": gpu,
+    return {"cmd": cmd, "rc": proc.returncode, "samples": samples, "phases": phases, "rss_peaks": rss, "gpu": gpu,
             "stdout": "".join(stdout), "stderr_tail": "".join(tail)}
 
 
@@ -82,28 +86,36 @@ def _bytes(text):
     return int(float(value) * (GB if unit == "GB" else 2 ** 20))
 
 
-def mlx_peaks(stdout: str) -> dict:
-    """{phase: MLX peak bytes} from mlxdiff.generate's phase table (phase, seconds, MLX peak, ...; --report-memory's
-    too): the first size after the seconds column."""
-    peaks = {}
+def report_peaks(stdout: str) -> dict:
+    """From mlxdiff.generate's phase table (--report-memory: phase, load s, MLX peak, MLX after, process peak,
+    process after): {"mlx": {phase: MLX peak bytes}, "process": {phase: process peak bytes}} (sizes as printed,
+    to 0.01 GB or 0.1 MB; a "-" is left out)."""
+    out = {"mlx": {}, "process": {}}
     for line in stdout.splitlines():
         tokens = line.split()
         if len(tokens) >= 3 and tokens[0] in PHASES:
             sizes = re.findall(r"-(?=\s|$)|[0-9.]+ [MG]B", " ".join(tokens[2:]))
-            if sizes:
-                peaks[tokens[0]] = _bytes(sizes[0])
-    return peaks
+            for key, i in (("mlx", 0), ("process", 2)):
+                if len(sizes) > i and _bytes(sizes[i]) is not None:
+                    out[key][tokens[0]] = _bytes(sizes[i])
+    return out
 
 
 PHASES = ("load", "encode", "denoise", "decode")
 
 
 def summarize(run: dict) -> dict:
-    samples = run["samples"]
-    out = {"peak": max((m for _, m in samples), default=0), "phases": {}, "gpu": run.get("gpu") or {}}
+    """Peaks overall and per phase: the larger of what was sampled inside the phase and the peak the process
+    reported for it (a phase shorter than the sampling interval has no sample)."""
+    samples, reported = run["samples"], run.get("rss_peaks") or {}
+    out = {"peak": max([m for _, m in samples] + list(reported.values()), default=0), "phases": {},
+           "gpu": run.get("gpu") or {}}
     for name, a, b in run["phases"]:
         inside = [m for t, m in samples if a <= t <= b]
-        out["phases"][name] = {"peak": max(inside, default=None), "seconds": b - a}
+        sampled = max(inside, default=None)
+        peaks = [p for p in (sampled, reported.get(name)) if p is not None]
+        out["phases"][name] = {"peak": max(peaks, default=None), "sampled": sampled, "reported": reported.get(name),
+                               "seconds": b - a}
     den = [m for t, m in samples for name, a, b in run["phases"] if name == "denoise" and a <= t <= b]
     out["steady"] = sorted(den)[len(den) // 2] if den else None
     return out
@@ -158,21 +170,31 @@ def reference_for(model) -> tuple:
     raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
 
 
-def measured(runs: dict) -> str:
+def measured(runs: dict, interval: float) -> str:
     """What the table's figures are, on this machine."""
     from . import backend
+    how = f"; per phase: the larger of samples every {interval:g} s and the process's own peak over the phase"
     if any(run.get("gpu") for label, run in runs.items() if label != "mlxdiff"):
-        return ("memory: GPU allocator + process (CUDA): process RSS rows; GPU rows: torch max_memory_allocated / "
-                "max_memory_reserved per phase, mlxdiff: MLX peak")
+        return ("memory: GPU allocator + process (CUDA): process RSS rows" + how + "; GPU rows: torch "
+                "max_memory_allocated / max_memory_reserved per phase, mlxdiff: MLX peak")
     if sys.platform == "darwin":
-        return "memory: process phys_footprint (macOS; unified memory, the GPU's included)"
+        return f"memory: process phys_footprint (macOS; unified memory, the GPU's included); samples every {interval:g} s"
     if sys.platform.startswith("linux"):
-        return "memory: process RSS (Linux " + ("CPU" if backend.on_cpu() else "; the GPU's memory not included") + ")"
-    return "memory: process footprint"
+        return ("memory: process RSS (Linux " + ("CPU" if backend.on_cpu() else "; the GPU's memory not included")
+                + ")" + how)
+    return f"memory: process footprint; samples every {interval:g} s"
 
 
 def _gb(n):
     return "-" if n is None else f"{n / GB:.2f}"
+
+
+def _gpu_overall(gpu: dict) -> str:
+    """The largest allocated (/ reserved) figure over the phases."""
+    if not gpu:
+        return "-"
+    reserved = [g["reserved"] for g in gpu.values() if g["reserved"] is not None]
+    return _gb(max(g["allocated"] or 0 for g in gpu.values())) + (f" / {_gb(max(reserved))}" if reserved else "")
 
 
 def compare(args) -> int:
@@ -187,7 +209,8 @@ def compare(args) -> int:
         if not transformer.is_file():
             raise MlxdiffError(f"--transformer {args.transformer}: no such file")
         if not path.is_dir():
-            raise MlxdiffError("--transformer needs a pipeline folder (its transformer config) on the diffusers side")
+            raise MlxdiffError(f"--transformer with the single file {path.name}: the diffusers reference needs a "
+                               "pipeline folder (it reads the transformer's config there); pass the folder")
     prompt = args.prompt
     if prompt is None:
         is_default = path.resolve() == default_model.FOLDER.resolve()
@@ -216,12 +239,13 @@ def compare(args) -> int:
         if run["rc"] != 0:
             raise MlxdiffError(f"{label} run failed (exit {run['rc']}): {run['stderr_tail'][-500:]}")
     mlx = runs["mlxdiff"]
-    mlx["mlx_peak"] = mlx_peaks(mlx["stdout"])
+    reported = report_peaks(mlx["stdout"])
+    mlx["mlx_peak"], mlx["rss_peaks"] = reported["mlx"], reported["process"]   # its own VmHWM per phase (Linux)
     if not backend.on_cpu():   # MLX on a GPU (Metal or CUDA): its peak is device memory
         mlx["gpu"] = {name: {"allocated": peak, "reserved": None} for name, peak in mlx["mlx_peak"].items()}
     summaries = {label: summarize(run) for label, run in runs.items()}
     labels = list(runs)
-    print(measured(runs))
+    print(measured(runs, args.interval))
     print("| phase | " + " | ".join(f"{l} peak GB" for l in labels) + " |")
     print("|---|" + "---|" * len(labels))
     for phase in PHASES:
@@ -244,9 +268,8 @@ def compare(args) -> int:
                 cells.append("-" if not g else _gb(g["allocated"]) + (
                     "" if g["reserved"] is None else f" / {_gb(g['reserved'])}"))
             print(f"| GPU {phase} | " + " | ".join(cells) + " |")
-        print("| GPU overall peak | " + " | ".join(
-            _gb(max((g["allocated"] or 0 for g in summaries[l]["gpu"].values()), default=None)) for l in labels) + " |")
-    (out / "footprint.json").write_text(json.dumps({"measured": measured(runs), "runs": runs,
+        print("| GPU overall peak | " + " | ".join(_gpu_overall(summaries[l]["gpu"]) for l in labels) + " |")
+    (out / "footprint.json").write_text(json.dumps({"measured": measured(runs, args.interval), "runs": runs,
                                                     "summaries": summaries}, indent=1))
     print(f"timeline: {timeline(runs, out / 'timeline.png')}; raw: {out / 'footprint.json'}")
     return 0

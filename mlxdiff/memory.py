@@ -109,6 +109,24 @@ def available_bytes():
         return None
 
 
+def budget_bytes():
+    """What a phase may use: the memory limit, else the free memory, else unbounded."""
+    budget = [b for b in (memory_limit, available_bytes()) if b]
+    return min(budget) if budget else float("inf")
+
+
+CPU_CONV_BAND = 256 << 20   # mlx-cpu unfolds a convolution's input: band it above this working buffer
+
+
+def conv_band_bytes():
+    """The largest convolution working buffer a VAE may build before it runs in row bands: on the CPU, where the
+    convolution unfolds its input, CPU_CONV_BAND (or a sixteenth of a smaller memory limit); on GPUs only under a
+    memory limit. None: no bands."""
+    if mx.default_device() == mx.cpu:
+        return min(CPU_CONV_BAND, memory_limit // 16) if memory_limit else CPU_CONV_BAND
+    return memory_limit // 16 if memory_limit else None
+
+
 def check_fits(spec):
     """Before a component loads: refuse, with a line saying what would fit, if its weights exceed the limit."""
     from .errors import MlxdiffError

@@ -245,7 +245,7 @@ def measure(rows=512, cols=4096):
 
     import mlxdiff  # noqa: F401
     import mlx.core as mx
-    from mlxdiff.loading.gguf import load_gguf
+    from mlxdiff.formats.gguf import load_gguf
 
     w = realistic_weights(rows, cols).astype(np.float64)
     rms_w = float(np.sqrt((w ** 2).mean()))

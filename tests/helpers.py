@@ -1,6 +1,14 @@
-"""Shared test helpers: the error measure used by every parity test, and seeded randomisation of torch models."""
+"""Shared test helpers: the error measure used by every parity test, seeded randomisation of torch models, and
+the round trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_model_fixture, load_ours)."""
+
+import json
+from pathlib import Path
 
 import numpy as np
+import pytest
+
+import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
 
 
 def max_rel_err(ours, ref) -> float:
@@ -25,3 +33,26 @@ def randomize_(module, seed=0, scale=0.2):
         for name, p in module.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if name.endswith("norm.weight") else 0.0))
     return module
+
+
+def saved_model_fixture(make_model, names, prefix):
+    """A module-scoped fixture parametrized over `names`, giving (name, torch model, its save_pretrained folder): the
+    model is make_model(name, seed=len(name)), saved in a fresh tmp folder "{prefix}_{name}". Assign it to the
+    fixture's name in the test module: `saved = saved_model_fixture(make_torch_model, CONFIGS, "flux2")`."""
+    @pytest.fixture(scope="module", params=list(names))
+    def saved(request, tmp_path_factory):
+        name = request.param
+        model = make_model(name, seed=len(name))
+        folder = tmp_path_factory.mktemp(f"{prefix}_{name}")
+        model.save_pretrained(str(folder))
+        return name, model, folder
+    return saved
+
+
+def load_ours(folder, arch, dtype=mx.float32):
+    """mlxdiff's `arch` model (an mlxdiff.models module) from a save_pretrained folder: its config.json and
+    safetensors, through our loader. dtype is the compute dtype handed to build; None leaves it to build's default."""
+    from mlxdiff.formats.safetensors import load_folder
+    from mlxdiff.loading.build import build
+    config = json.loads((Path(folder) / "config.json").read_text())
+    return build(arch, config, load_folder(folder), str(folder), dtype)

@@ -99,7 +99,7 @@ def test_default_model_draws_its_default_prompt(tmp_path):
     """No --model, no --prompt: the embedded klein-shapes model draws its default prompt (a red shape on the left,
     a blue one on the right), says which model it used, and prints where the image went."""
     from mlxdiff import default_model
-    from mlxdiff.train import dataset
+    from tools.train_klein_shapes import dataset
     out = tmp_path / "default.png"
     proc = run_cli("--output", str(out))
     assert proc.returncode == 0, proc.stderr

@@ -1,19 +1,15 @@
 """Parity of mlxdiff.models.clip with transformers' CLIPTextModelWithProjection (from a save_pretrained folder and
 from SD3 single-file names, against what diffusers' single-file converter builds)."""
 
-import json
-
 import numpy as np
 import pytest
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from helpers import max_rel_err, randomize_
+from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.safetensors import load_folder
 from mlxdiff.loading.sources import ComponentSpec
-from mlxdiff.loading.weights import build
 from mlxdiff.models import clip
 
 # Every size differs from the others (hidden, heads, head dim, ffn, projection, vocab, positions, layers, tokens).
@@ -66,25 +62,14 @@ def ours_outputs(model, ids):
     return [f32(h) for h in out.hidden_states], f32(out.last_hidden_state), f32(out.text_embeds)
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def saved(request, tmp_path_factory):
-    name = request.param
-    model = torch_model(name, seed=len(name))
-    folder = tmp_path_factory.mktemp(f"clip_{name}")
-    model.save_pretrained(str(folder))
-    return name, model, folder
-
-
-def load_ours(folder, dtype=mx.float32):
-    config = json.loads((folder / "config.json").read_text())
-    return build(clip, config, load_folder(folder), str(folder), dtype)
+saved = saved_model_fixture(torch_model, CONFIGS, "clip")
 
 
 def test_folder_parity(saved):
     name, model, folder = saved
     ids = make_ids(name)
     ref_hidden, ref_last, ref_pooled = torch_outputs(model, ids)
-    hidden, last, pooled = ours_outputs(load_ours(folder), ids)
+    hidden, last, pooled = ours_outputs(load_ours(folder, clip), ids)
     assert len(hidden) == len(ref_hidden) == CONFIGS[name]["num_hidden_layers"] + 1
     errors = [max_rel_err(o, r) for o, r in zip(hidden, ref_hidden)]
     errors += [max_rel_err(last, ref_last), max_rel_err(pooled, ref_pooled)]
@@ -93,7 +78,7 @@ def test_folder_parity(saved):
     # the pooling rule matters for these ids: pooling at the other rule's position gives a different vector
     other = clip.Model(clip.ModelArgs.from_dict({**CONFIGS[name], "eos_token_id": 95 if name == "L_legacy" else 2}))
     assert not np.array_equal(np.array(other.eos_index(mx.array(ids))),
-                              np.array(load_ours(folder).eos_index(mx.array(ids))))
+                              np.array(load_ours(folder, clip).eos_index(mx.array(ids))))
 
 
 def test_bfloat16_weights_and_compute(saved, tmp_path):
@@ -107,7 +92,7 @@ def test_bfloat16_weights_and_compute(saved, tmp_path):
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(str(folder))
     ids = make_ids(name)
     ref_hidden, ref_last, ref_pooled = torch_outputs(model, ids)
-    ours = load_ours(folder, mx.bfloat16)
+    ours = load_ours(folder, clip, mx.bfloat16)
     assert ours.text_model.encoder.layers[0].mlp.fc1.weight.dtype == mx.bfloat16  # stored dtype kept
     out = ours(mx.array(ids))
     assert out.last_hidden_state.dtype == mx.bfloat16
@@ -121,7 +106,7 @@ def test_too_many_tokens_is_a_clear_error(saved):
     name, _, folder = saved
     ids = np.zeros((1, CONFIGS[name]["max_position_embeddings"] + 1), np.int64)
     with pytest.raises(MlxdiffError, match="positions"):
-        load_ours(folder)(mx.array(ids))
+        load_ours(folder, clip)(mx.array(ids))
 
 
 # -- SD3 single files: clip_l without a projection, clip_g with one ------------------------------------------
@@ -167,8 +152,8 @@ def test_sd3_single_file_matches_diffusers_converter(short, tmp_path):
     if short == "clip_l":
         assert torch.equal(reference.text_projection.weight, torch.eye(768))
 
-    from mlxdiff.loading.keymaps import strip_prefix
-    from mlxdiff.loading.safetensors import load_safetensors
+    from mlxdiff.formats.keymaps import strip_prefix
+    from mlxdiff.formats.safetensors import load_safetensors
     config = clip.config_from_weights(strip_prefix(load_safetensors(file), prefix))
     assert config["hidden_act"] == cfg["hidden_act"] and config["num_attention_heads"] == cfg["num_attention_heads"]
     spec = ComponentSpec("text_encoder", clip, config, [file], prefix)

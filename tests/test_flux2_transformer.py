@@ -9,13 +9,13 @@ import pytest
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from helpers import max_rel_err, randomize_
+from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.keymaps import remap
-from mlxdiff.loading.safetensors import load_folder, load_safetensors
+from mlxdiff.formats.keymaps import remap
+from mlxdiff.formats.safetensors import load_folder, load_safetensors
 from mlxdiff.loading import sources
-from mlxdiff.loading.weights import build
 from mlxdiff.models import flux2
+from twins import flux2_to_bfl
 
 # Within each config every dimension differs from the others (heads, head dim, D, M, 2M, 3D+2M, D+M, in, out, joint,
 # sinusoid channels, text length, image tokens), so a swapped axis cannot pass. The axes are equal within a config
@@ -87,25 +87,13 @@ def out_channels(name):
     return cfg["out_channels"] or cfg["in_channels"]
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def saved(request, tmp_path_factory):
-    """(config name, torch model, its save_pretrained folder)."""
-    name = request.param
-    model = make_torch_model(name, seed=len(name))
-    folder = tmp_path_factory.mktemp(f"flux2_{name}")
-    model.save_pretrained(str(folder))
-    return name, model, folder
-
-
-def load_ours(folder):
-    config = json.loads((folder / "config.json").read_text())
-    return build(flux2, config, load_folder(folder), str(folder), mx.float32)
+saved = saved_model_fixture(make_torch_model, CONFIGS, "flux2")   # (config name, torch model, its folder)
 
 
 def test_folder_parity(saved):
     name, torch_model, folder = saved
     inputs = make_inputs(name)
-    ours_model = load_ours(folder)
+    ours_model = load_ours(folder, flux2)
     ref = torch_forward(torch_model, inputs)
     ours = mlx_forward(ours_model, inputs)
     err = max_rel_err(ours, ref)
@@ -133,7 +121,7 @@ def test_position_ids_must_cover_the_tokens(saved):
     inputs = make_inputs(name)
     inputs["img_ids"] = inputs["img_ids"][:, 1:]
     with pytest.raises(MlxdiffError, match="position ids"):
-        mlx_forward(load_ours(folder), inputs)
+        mlx_forward(load_ours(folder, flux2), inputs)
 
 
 def test_rope_tables_match_diffusers():
@@ -179,47 +167,6 @@ def test_time_scaling_and_bf16_rounding():
 
 # -- BFL original naming ----------------------------------------------------------------------------------------
 
-def diffusers_to_original(sd, cfg):
-    """Test-side inverse of diffusers' converter (validated below: diffusers' from_single_file must give back the
-    exact state dict from what this writes)."""
-    import torch
-
-    def swap(t):  # diffusers (scale, shift) -> BFL (shift, scale)
-        scale, shift = t.chunk(2, dim=0)
-        return torch.cat([shift, scale])
-
-    out = {"img_in.weight": sd["x_embedder.weight"], "txt_in.weight": sd["context_embedder.weight"],
-           "time_in.in_layer.weight": sd["time_guidance_embed.timestep_embedder.linear_1.weight"],
-           "time_in.out_layer.weight": sd["time_guidance_embed.timestep_embedder.linear_2.weight"],
-           "final_layer.linear.weight": sd["proj_out.weight"],
-           "final_layer.adaLN_modulation.1.weight": swap(sd["norm_out.linear.weight"])}
-    if cfg["guidance_embeds"]:
-        out["guidance_in.in_layer.weight"] = sd["time_guidance_embed.guidance_embedder.linear_1.weight"]
-        out["guidance_in.out_layer.weight"] = sd["time_guidance_embed.guidance_embedder.linear_2.weight"]
-    for m in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation"):
-        out[f"{m}.lin.weight"] = sd[f"{m}.linear.weight"]
-    for i in range(cfg["num_layers"]):
-        o, d = f"double_blocks.{i}.", f"transformer_blocks.{i}.attn."
-        out[o + "img_attn.qkv.weight"] = torch.cat([sd[d + f"to_{c}.weight"] for c in "qkv"])
-        out[o + "txt_attn.qkv.weight"] = torch.cat([sd[d + f"add_{c}_proj.weight"] for c in "qkv"])
-        out[o + "img_attn.norm.query_norm.scale"] = sd[d + "norm_q.weight"]
-        out[o + "img_attn.norm.key_norm.scale"] = sd[d + "norm_k.weight"]
-        out[o + "txt_attn.norm.query_norm.scale"] = sd[d + "norm_added_q.weight"]
-        out[o + "txt_attn.norm.key_norm.scale"] = sd[d + "norm_added_k.weight"]
-        out[o + "img_attn.proj.weight"] = sd[d + "to_out.0.weight"]
-        out[o + "txt_attn.proj.weight"] = sd[d + "to_add_out.weight"]
-        for bfl, ours in (("img_mlp", "ff"), ("txt_mlp", "ff_context")):
-            out[o + f"{bfl}.0.weight"] = sd[f"transformer_blocks.{i}.{ours}.linear_in.weight"]
-            out[o + f"{bfl}.2.weight"] = sd[f"transformer_blocks.{i}.{ours}.linear_out.weight"]
-    for i in range(cfg["num_single_layers"]):
-        o, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}.attn."
-        out[o + "linear1.weight"] = sd[d + "to_qkv_mlp_proj.weight"]
-        out[o + "linear2.weight"] = sd[d + "to_out.weight"]
-        out[o + "norm.query_norm.scale"] = sd[d + "norm_q.weight"]
-        out[o + "norm.key_norm.scale"] = sd[d + "norm_k.weight"]
-    return out
-
-
 @pytest.fixture(scope="module")
 def single_files(saved, tmp_path_factory):
     """The saved model's weights in BFL naming: a plain file (as BFL / GGUF) and a ComfyUI-style file with the
@@ -228,7 +175,7 @@ def single_files(saved, tmp_path_factory):
     from safetensors.torch import save_file
     name, torch_model, folder = saved
     sd = {k: v.detach().clone().contiguous() for k, v in torch_model.state_dict().items()}
-    original = diffusers_to_original(sd, CONFIGS[name])
+    original = flux2_to_bfl(sd, CONFIGS[name])
     assert sum(v.numel() for v in original.values()) == sum(v.numel() for v in sd.values())  # nothing dropped
     root = tmp_path_factory.mktemp(f"flux2_sf_{name}")
     plain, prefixed = root / "flux2_bfl.safetensors", root / "flux2_comfy.safetensors"
@@ -313,7 +260,7 @@ def test_real_configs_from_shapes(variant):
     with torch.device("meta"):
         ref = Flux2Transformer2DModel(**overrides)
     config = {k: v for k, v in ref.config.items() if not k.startswith("_")}
-    original = diffusers_to_original(ref.state_dict(), config)
+    original = flux2_to_bfl(ref.state_dict(), config)
     shapes = {"model.diffusion_model." + k: mx.zeros(tuple(v.shape), dtype=mx.bfloat16) for k, v in original.items()}
     got = flux2.config_from_original(shapes)
     assert got == {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()}
@@ -331,7 +278,7 @@ def test_bf16_weights_stay_bf16_and_compute_in_float32(saved, tmp_path):
     name, _, _ = saved
     bf16_model = make_torch_model(name, seed=len(name), dtype=torch.bfloat16)
     bf16_model.save_pretrained(str(tmp_path))
-    ours = load_ours(tmp_path)
+    ours = load_ours(tmp_path, flux2)
     assert {v.dtype for _, v in tree_flatten(ours.parameters())} == {mx.bfloat16}
     inputs = make_inputs(name, seed=2)
     out = ours(**{k: mx.array(v) for k, v in inputs.items()})

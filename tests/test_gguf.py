@@ -23,9 +23,9 @@ from gguf import quants as gq
 
 from gguf_helpers import QUANTIZABLE, T, header_fields, patched, random_blocks, realistic_weights, write_gguf
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading import gguf as gguf_module
-from mlxdiff.loading.gguf import (QuantizedTensor, check_gguf, concat_rows, flatten_quantized, load_gguf,
-                                  quantized_predicate, split_rows)
+from mlxdiff.formats import gguf as gguf_module
+from mlxdiff.formats.gguf import check_gguf, load_gguf
+from mlxdiff.formats.quantized import QuantizedTensor, concat_rows, flatten_quantized, quantized_predicate, split_rows
 
 EXACT = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K)
 QUANTIZED = EXACT + (T.Q6_K, T.Q2_K)
@@ -416,7 +416,8 @@ FUZZ = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import mlxdiff, mlx.core as mx
     from mlxdiff.errors import MlxdiffError
-    from mlxdiff.loading.gguf import QuantizedTensor, check_gguf, load_gguf
+    from mlxdiff.formats.gguf import check_gguf, load_gguf
+    from mlxdiff.formats.quantized import QuantizedTensor
     from gguf import GGUFReader
     from gguf_helpers import header_fields
 

@@ -24,13 +24,12 @@ from gguf import quants as gq
 
 from gguf_helpers import encode, random_blocks
 from helpers import max_rel_err, randomize_
-from mlxdiff.loading import gguf as gguf_reader
+from mlxdiff.formats import gguf as gguf_reader
 from mlxdiff.loading import sources
 from mlxdiff.loading.quantize import materialize
-from mlxdiff.loading.matmul import DequantizedLinear, strategy_of, use_strategy
+from mlxdiff.pipelines.matmul import DequantizedLinear, strategy_of, use_strategy
 from mlxdiff.models import flux2, mmdit
-from test_flux2_transformer import diffusers_to_original as flux2_to_bfl
-from test_mmdit import diffusers_to_original as sd3_to_sai
+from twins import H, SEQ, TAPS, W, build_pipeline, flux2_to_bfl, sd3_to_sai
 
 # -- city96's type mix ---------------------------------------------------------------------------------------------
 
@@ -321,7 +320,6 @@ def test_klein_pipeline_with_gguf_transformer(tmp_path):
       the quantization's own scale (one forward moves 2-5e-2 in the parity tests above): between 1e-3 and 1e-1."""
     import torch
     from diffusers import Flux2Transformer2DModel
-    from test_flux2_pipeline import H, SEQ, TAPS, W, build_pipeline
     _, folder, _ = build_pipeline("klein_base", tmp_path / "pipeline")
     config = dict(FLUX2["klein"], in_channels=20, out_channels=None, joint_attention_dim=120, num_single_layers=1)
     twin = randomize_(Flux2Transformer2DModel(**config), seed=21, scale=SCALE).eval()

@@ -9,10 +9,11 @@ import pytest
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from helpers import max_rel_err, randomize_
-from mlxdiff.loading.safetensors import load_folder, load_safetensors
-from mlxdiff.loading.weights import build
+from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
+from mlxdiff.formats.safetensors import load_folder, load_safetensors
+from mlxdiff.loading.build import build
 from mlxdiff.models import mmdit
+from twins import sd3_to_sai
 
 # Every dimension differs from the others (D, 4D, heads, head dim, joint, pooled, channels, patch^2*out, text
 # length, grid), so a swapped axis cannot pass. pos_embed_max_size exceeds the latent grid on both axes, so the
@@ -69,19 +70,7 @@ def mlx_forward(model, inputs, skip_layers=None):
     return np.array(out.astype(mx.float32))
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def saved(request, tmp_path_factory):
-    """(config name, torch model, its save_pretrained folder)."""
-    name = request.param
-    model = make_torch_model(name, seed=len(name))
-    folder = tmp_path_factory.mktemp(f"sd3_{name}")
-    model.save_pretrained(str(folder))
-    return name, model, folder
-
-
-def load_ours(folder):
-    config = json.loads((folder / "config.json").read_text())
-    return build(mmdit, config, load_folder(folder), str(folder), mx.float32)
+saved = saved_model_fixture(make_torch_model, CONFIGS, "sd3")   # (config name, torch model, its folder)
 
 
 @pytest.mark.parametrize("skip_layers", [None, [1], [0, -1]], ids=["all", "skip1", "skip_first_last"])
@@ -91,7 +80,7 @@ def test_folder_parity(saved, skip_layers):
         skip_layers = [0, CONFIGS[name]["num_layers"] - 1]
     inputs = make_inputs(name)
     ref = torch_forward(torch_model, inputs, skip_layers)
-    ours = mlx_forward(load_ours(folder), inputs, skip_layers)
+    ours = mlx_forward(load_ours(folder, mmdit), inputs, skip_layers)
     err = max_rel_err(ours, ref)
     print(f"{name} skip={skip_layers}: max_rel_err {err:.2e}")
     assert ours.shape == (2, CONFIGS[name]["out_channels"], *LATENT_HW[name])
@@ -108,58 +97,10 @@ def test_crop_too_large_is_a_clear_error(saved):
     side = (cfg["pos_embed_max_size"] + 1) * cfg["patch_size"]
     inputs["hidden_states"] = np.zeros((2, cfg["in_channels"], side, cfg["patch_size"]), np.float32)
     with pytest.raises(MlxdiffError, match="pos_embed_max_size"):
-        load_ours(folder)(**{k: mx.array(v) for k, v in inputs.items()})
+        load_ours(folder, mmdit)(**{k: mx.array(v) for k, v in inputs.items()})
 
 
 # -- original single-file naming ------------------------------------------------------------------------------
-
-def diffusers_to_original(sd, num_layers):
-    """Test-side inverse of diffusers' converter (validated below: diffusers' from_single_file must reproduce the
-    exact state dict from what this writes)."""
-    import torch
-
-    def swap(t):  # diffusers (scale, shift) -> original (shift, scale)
-        scale, shift = t.chunk(2, dim=0)
-        return torch.cat([shift, scale])
-
-    out = {"pos_embed": sd["pos_embed.pos_embed"], "x_embedder.proj.weight": sd["pos_embed.proj.weight"],
-           "x_embedder.proj.bias": sd["pos_embed.proj.bias"]}
-    for p in ("weight", "bias"):
-        out[f"t_embedder.mlp.0.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_1.{p}"]
-        out[f"t_embedder.mlp.2.{p}"] = sd[f"time_text_embed.timestep_embedder.linear_2.{p}"]
-        out[f"y_embedder.mlp.0.{p}"] = sd[f"time_text_embed.text_embedder.linear_1.{p}"]
-        out[f"y_embedder.mlp.2.{p}"] = sd[f"time_text_embed.text_embedder.linear_2.{p}"]
-        out[f"context_embedder.{p}"] = sd[f"context_embedder.{p}"]
-        out[f"final_layer.linear.{p}"] = sd[f"proj_out.{p}"]
-        out[f"final_layer.adaLN_modulation.1.{p}"] = swap(sd[f"norm_out.linear.{p}"])
-        for i in range(num_layers):
-            o, d = f"joint_blocks.{i}.", f"transformer_blocks.{i}."
-            last = i == num_layers - 1
-            out[o + f"x_block.attn.qkv.{p}"] = torch.cat([sd[d + f"attn.to_{c}.{p}"] for c in "qkv"])
-            out[o + f"context_block.attn.qkv.{p}"] = torch.cat([sd[d + f"attn.add_{c}_proj.{p}"] for c in "qkv"])
-            out[o + f"x_block.attn.proj.{p}"] = sd[d + f"attn.to_out.0.{p}"]
-            out[o + f"x_block.adaLN_modulation.1.{p}"] = sd[d + f"norm1.linear.{p}"]
-            ctx_mod = sd[d + f"norm1_context.linear.{p}"]
-            out[o + f"context_block.adaLN_modulation.1.{p}"] = swap(ctx_mod) if last else ctx_mod
-            out[o + f"x_block.mlp.fc1.{p}"] = sd[d + f"ff.net.0.proj.{p}"]
-            out[o + f"x_block.mlp.fc2.{p}"] = sd[d + f"ff.net.2.{p}"]
-            if not last:
-                out[o + f"context_block.attn.proj.{p}"] = sd[d + f"attn.to_add_out.{p}"]
-                out[o + f"context_block.mlp.fc1.{p}"] = sd[d + f"ff_context.net.0.proj.{p}"]
-                out[o + f"context_block.mlp.fc2.{p}"] = sd[d + f"ff_context.net.2.{p}"]
-            if d + f"attn2.to_q.{p}" in sd:
-                out[o + f"x_block.attn2.qkv.{p}"] = torch.cat([sd[d + f"attn2.to_{c}.{p}"] for c in "qkv"])
-                out[o + f"x_block.attn2.proj.{p}"] = sd[d + f"attn2.to_out.0.{p}"]
-    for i in range(num_layers):
-        o, d = f"joint_blocks.{i}.", f"transformer_blocks.{i}."
-        for c in "qk":
-            if d + f"attn.norm_{c}.weight" in sd:
-                out[o + f"x_block.attn.ln_{c}.weight"] = sd[d + f"attn.norm_{c}.weight"]
-                out[o + f"context_block.attn.ln_{c}.weight"] = sd[d + f"attn.norm_added_{c}.weight"]
-            if d + f"attn2.norm_{c}.weight" in sd:
-                out[o + f"x_block.attn2.ln_{c}.weight"] = sd[d + f"attn2.norm_{c}.weight"]
-    return out
-
 
 @pytest.fixture(scope="module")
 def single_file(saved, tmp_path_factory):
@@ -169,7 +110,7 @@ def single_file(saved, tmp_path_factory):
     from safetensors.torch import save_file
     name, torch_model, folder = saved
     sd = {k: v.detach().clone().contiguous() for k, v in torch_model.state_dict().items()}
-    original = diffusers_to_original(sd, CONFIGS[name]["num_layers"])
+    original = sd3_to_sai(sd, CONFIGS[name]["num_layers"])
     assert sum(v.numel() for v in original.values()) == sum(v.numel() for v in sd.values())  # nothing dropped
     tensors = {"model.diffusion_model." + k: v for k, v in original.items()}
     tensors["first_stage_model.decoder.conv_in.bias"] = torch.zeros(3)
@@ -245,7 +186,7 @@ def test_bf16_weights_stay_bf16_and_compute_in_float32(saved, tmp_path):
     name, _, _ = saved
     bf16_model = make_torch_model(name, seed=len(name)).to(torch.bfloat16)
     bf16_model.save_pretrained(str(tmp_path))
-    ours = load_ours(tmp_path)
+    ours = load_ours(tmp_path, mmdit)
     from mlx.utils import tree_flatten
     assert {v.dtype for _, v in tree_flatten(ours.parameters())} == {mx.bfloat16}
     inputs = make_inputs(name, seed=2)

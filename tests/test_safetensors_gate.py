@@ -8,7 +8,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.safetensors import check_safetensors, load_safetensors, load_folder
+from mlxdiff.formats.safetensors import check_safetensors, load_safetensors, load_folder
 
 
 def _write(path, header: dict, data: bytes):

@@ -8,8 +8,7 @@ from safetensors.torch import save_file
 
 import mlxdiff
 from conftest import sd3_tiny_components
-from test_mmdit import diffusers_to_original
-from test_vae import diffusers_to_ldm
+from twins import diffusers_to_ldm, sd3_to_sai
 
 H, W = 32, 40
 
@@ -24,7 +23,7 @@ def original_files(tmp_path_factory):
     pipe = StableDiffusion3Pipeline(**comps)
     sd = lambda m: {k: v.detach().clone().contiguous() for k, v in m.state_dict().items()}
     root = tmp_path_factory.mktemp("sd3_single")
-    main = {"model.diffusion_model." + k: v for k, v in diffusers_to_original(sd(pipe.transformer), 3).items()}
+    main = {"model.diffusion_model." + k: v for k, v in sd3_to_sai(sd(pipe.transformer), 3).items()}
     main.update({"first_stage_model." + k: v for k, v in diffusers_to_ldm(sd(pipe.vae), 2).items()})
     clip_l = {k: v for k, v in sd(pipe.text_encoder).items() if k != "text_projection.weight"}
     t5 = {k: v for k, v in sd(pipe.text_encoder_3).items() if k != "encoder.embed_tokens.weight"}

@@ -2,7 +2,6 @@
 and float16, and from SD3 single-file names against what diffusers' single-file converter builds)."""
 
 import copy
-import json
 
 import numpy as np
 import pytest
@@ -11,11 +10,9 @@ import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from helpers import max_rel_err, randomize_
+from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.safetensors import load_folder
 from mlxdiff.loading.sources import ComponentSpec
-from mlxdiff.loading.weights import build
 from mlxdiff.models import t5
 
 # Every size differs (d_model, inner = heads * d_kv, d_kv, heads, d_ff, vocab, buckets, layers, tokens). The token
@@ -56,24 +53,13 @@ def ours_out(model, ids):
     return np.array(model(mx.array(ids)).astype(mx.float32))
 
 
-def load_ours(folder, dtype=mx.float32):
-    config = json.loads((folder / "config.json").read_text())
-    return build(t5, config, load_folder(folder), str(folder), dtype)
-
-
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def saved(request, tmp_path_factory):
-    name = request.param
-    model = torch_model(name, seed=len(name))
-    folder = tmp_path_factory.mktemp(f"t5_{name}")
-    model.save_pretrained(str(folder))
-    return name, model, folder
+saved = saved_model_fixture(torch_model, CONFIGS, "t5")
 
 
 def test_folder_parity(saved):
     name, model, folder = saved
     ids = make_ids(name)
-    ours = load_ours(folder)
+    ours = load_ours(folder, t5)
     out = ours_out(ours, ids)
     err = max_rel_err(out, torch_out(model, ids))
     print(f"{name}: max_rel_err {err:.2e}")
@@ -110,7 +96,7 @@ def test_bfloat16_weights_and_compute(saved, tmp_path):
     model_bf16.save_pretrained(str(folder))
     ids = make_ids(name)
     ref = torch_out(model, ids)
-    ours = load_ours(folder, mx.bfloat16)
+    ours = load_ours(folder, t5, mx.bfloat16)
     assert ours.shared.weight.dtype == mx.bfloat16  # stored dtype kept
     result = ours(mx.array(ids))
     assert result.dtype == mx.bfloat16
@@ -155,7 +141,7 @@ def test_float16_overflow_matches_transformers(tmp_path):
     assert ff_out.abs().max() > 65504              # float16 wo would overflow
 
     ref = torch_out(reference, ids)
-    ours_model = load_ours(tmp_path, mx.float16)
+    ours_model = load_ours(tmp_path, t5, mx.float16)
     out = ours_out(ours_model, ids)
     assert np.isfinite(ref).all() and np.isfinite(out).all()
     err = max_rel_err(out, ref)
@@ -188,8 +174,8 @@ def test_single_file_matches_diffusers_converter(layout, tmp_path):
     from safetensors.torch import save_file
     from transformers import T5Config, T5EncoderModel
     from diffusers.loaders.single_file_utils import create_diffusers_t5_model_from_checkpoint
-    from mlxdiff.loading.keymaps import strip_prefix
-    from mlxdiff.loading.safetensors import load_safetensors
+    from mlxdiff.formats.keymaps import strip_prefix
+    from mlxdiff.formats.safetensors import load_safetensors
 
     torch.manual_seed(5)
     source = randomize_(T5EncoderModel(T5Config(**SINGLE)), seed=13)

@@ -21,39 +21,16 @@ import mlx.nn as nn
 
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.loading.quantize import materialize
-from mlxdiff.models import text_llm
-from tests.helpers import max_rel_err, randomize_
+from mlxdiff import tokenizers
+from mlxdiff.loading.sources import text_encoder_spec
+from helpers import max_rel_err
+from twins import MISTRAL_TEMPLATE, QWEN3_TEMPLATE, build_tokenizer, save_mistral3, save_qwen3
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-CORPUS = ["a red fox sitting in the snow at dawn, soft light", "a photo of a cat on a wooden table",
-          "You are an AI that reasons about image descriptions.", "object relationships, attribution and actions",
-          "a watercolor painting of a lighthouse by the sea", "the quick brown fox jumps over the lazy dog"]
 PROMPTS = ["a red fox [IMG]in the snow",
            "a watercolor painting of a lighthouse by the sea at dawn with a cat on a wooden table " * 3]
-
-MISTRAL_TEMPLATE = (
-    "{{- bos_token }}"
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{%- if messages[0]['content'] is string %}{%- set system_message = messages[0]['content'] %}"
-    "{%- else %}{%- set system_message = messages[0]['content'][0]['text'] %}{%- endif %}"
-    "{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
-    "{%- if system_message is defined %}{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- endif %}"
-    "{%- for message in loop_messages %}"
-    "{%- if message['role'] == 'user' %}{{- '[INST]' }}"
-    "{%- if message['content'] is string %}{{- message['content'] }}"
-    "{%- else %}{%- for block in message['content'] %}{%- if block['type'] == 'text' %}{{- block['text'] }}"
-    "{%- endif %}{%- endfor %}{%- endif %}{{- '[/INST]' }}"
-    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}{%- endif %}"
-    "{%- endfor %}")
-QWEN3_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
 
 # (text_config, vision_config, taps, max_sequence_length); B: a sliding window shorter than the sequence, and a tap on
 # the last layer (transformers' last hidden state is the final-normed one)
@@ -76,29 +53,13 @@ QWEN3_CASES = {
 }
 
 
-def build_tokenizer(folder, specials, template, padding_side, pad, bos=None, eos=None, add_bos=False):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    if add_bos:  # like Mistral's tokenizer.json: add_special_tokens prepends <s>, so a doubled BOS would show
-        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                           special_tokens=[(bos, tok.token_to_id(bos))])
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=pad,
-                                              padding_side=padding_side, chat_template=template)
-    hf.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def mistral_tokenizer(tmp_path_factory):
     # LlamaTokenizer (Mistral's class in transformers) pads on the left
     folder = build_tokenizer(tmp_path_factory.mktemp("mistral_tok"),
                              ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
                               "<pad>", "[IMG]"], MISTRAL_TEMPLATE, "left", "<pad>", "<s>", "</s>", add_bos=True)
-    return text_llm.load_tokenizer(folder)
+    return tokenizers.load_chat_tokenizer(folder)
 
 
 @pytest.fixture(scope="module")
@@ -107,23 +68,7 @@ def qwen3_tokenizer(tmp_path_factory):
     folder = build_tokenizer(tmp_path_factory.mktemp("qwen3_tok"),
                              ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
                              QWEN3_TEMPLATE, "right", "<|endoftext|>", eos="<|im_end|>")
-    return text_llm.load_tokenizer(folder)
-
-
-def save_mistral3(folder, text, vision, seed, scale=0.2):
-    config = transformers.Mistral3Config(text_config=dict(model_type="mistral", max_position_embeddings=128, **text),
-                                         vision_config=dict(model_type="pixtral", **vision),
-                                         tie_word_embeddings=False)   # as Mistral-Small: its own lm_head
-    model = randomize_(transformers.Mistral3ForConditionalGeneration(config).eval(), seed, scale)
-    model.save_pretrained(folder)
-    return model
-
-
-def save_qwen3(folder, text, seed, scale=0.2):
-    config = transformers.Qwen3Config(max_position_embeddings=128, **text)
-    model = randomize_(transformers.Qwen3ForCausalLM(config).eval(), seed, scale)
-    model.save_pretrained(folder)
-    return model
+    return tokenizers.load_chat_tokenizer(folder)
 
 
 @pytest.fixture(scope="module", params=sorted(MISTRAL_CASES))
@@ -154,7 +99,7 @@ def run_diffusers_helper(helper, torch_model, **kwargs):
 
 def test_system_message_is_diffusers():
     from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
-    assert text_llm.SYSTEM_MESSAGE == SYSTEM_MESSAGE
+    assert tokenizers.SYSTEM_MESSAGE == SYSTEM_MESSAGE
 
 
 def test_dev_matches_diffusers(mistral_case, mistral_tokenizer):
@@ -164,7 +109,7 @@ def test_dev_matches_diffusers(mistral_case, mistral_tokenizer):
         Flux2Pipeline._get_mistral_3_small_prompt_embeds, torch_model, tokenizer=mistral_tokenizer,
         prompt=PROMPTS, max_sequence_length=length, hidden_states_layers=taps)
 
-    ids, mask = text_llm.tokenize_dev(mistral_tokenizer, PROMPTS, length)
+    ids, mask = tokenizers.tokenize_dev(mistral_tokenizer, PROMPTS, length)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
     assert mask[0, 0] == 0 and mask[0, -1] == 1 and mask[1].all()   # left-padded short prompt, truncated long one
@@ -173,7 +118,7 @@ def test_dev_matches_diffusers(mistral_case, mistral_tokenizer):
     bos = mistral_tokenizer.bos_token_id
     assert ids[1, 0] == bos and (ids == bos).sum(axis=1).tolist() == [1, 1]   # the template's BOS, not a second one
 
-    encoder = text_llm.load_text_encoder(folder, taps)
+    encoder = text_encoder_spec(folder, taps).build()
     assert len(encoder.layers) == max(taps)
     ours = encoder(ids, mask)
     assert ours.shape == (2, length, 3 * torch_model.config.text_config.hidden_size)
@@ -189,14 +134,14 @@ def test_klein_matches_diffusers(qwen3_case, qwen3_tokenizer):
         Flux2KleinPipeline._get_qwen3_prompt_embeds, torch_model, tokenizer=qwen3_tokenizer,
         prompt=PROMPTS, max_sequence_length=length, hidden_states_layers=taps)
 
-    ids, mask = text_llm.tokenize_klein(qwen3_tokenizer, PROMPTS, length)
+    ids, mask = tokenizers.tokenize_klein(qwen3_tokenizer, PROMPTS, length)
     np.testing.assert_array_equal(ids, ref_ids)
     np.testing.assert_array_equal(mask, ref_mask)
     assert mask[0, 0] == 1 and mask[0, -1] == 0 and mask[1].all()   # right-padded short prompt, truncated long one
     think = qwen3_tokenizer.convert_tokens_to_ids("</think>")
     assert think in ids[0]                                          # enable_thinking=False's empty think block
 
-    encoder = text_llm.load_text_encoder(folder, taps)
+    encoder = text_encoder_spec(folder, taps).build()
     ours = encoder(ids, mask)
     assert ours.shape == (2, length, 3 * torch_model.config.hidden_size)
     err = max_rel_err(np.array(ours), ref)
@@ -228,9 +173,9 @@ def test_layers_below_the_deepest_tap_are_all_that_is_read(tmp_path):
     shard1 = split / "model-00001-of-00002.safetensors"
     with open(shard1, "rb") as f:
         shard1_data = os.path.getsize(shard1) - 8 - struct.unpack("<Q", f.read(8))[0]
-    assert text_llm.tapped_nbytes(split, taps) == shard1_data
+    assert text_encoder_spec(split, taps).nbytes() == shard1_data
 
-    encoder = text_llm.load_text_encoder(split, taps)
+    encoder = text_encoder_spec(split, taps).build()
     witness = mx.load(str(deep))["model.layers.4.mlp.up_proj.weight"]   # mapped now, read on evaluation
     with open(deep, "rb") as f:
         header = struct.unpack("<Q", f.read(8))[0]
@@ -253,7 +198,7 @@ def test_bf16_weights_stay_bf16_and_compute_in_float32(tmp_path):
     transformers loading the same folder in float32."""
     text, taps = QWEN3_CASES["A"][0], (2, 3)
     save_qwen3(tmp_path, text, seed=3).to(torch.bfloat16).save_pretrained(tmp_path)
-    encoder = text_llm.load_text_encoder(tmp_path, taps, mx.float32)
+    encoder = text_encoder_spec(tmp_path, taps).build(mx.float32)
     assert encoder.embed_tokens.weight.dtype == mx.bfloat16
     assert encoder.layers[1].mlp.up_proj.weight.dtype == mx.bfloat16
     ids = np.random.default_rng(3).integers(0, text["vocab_size"], (1, 8))
@@ -290,7 +235,7 @@ def test_mlx_lm_4bit_folder(tmp_path, family):
     del model
 
     taps = (1, 3, 5)   # 5 = the last layer: transformers' and mlx-lm's final-normed output
-    encoder = text_llm.load_text_encoder(tmp_path / "q4", taps)
+    encoder = text_encoder_spec(tmp_path / "q4", taps).build()
     assert isinstance(encoder.embed_tokens, nn.QuantizedEmbedding)
     assert isinstance(encoder.layers[0].mlp.down_proj, nn.QuantizedLinear)
     assert isinstance(encoder.layers[4].self_attn.q_proj, nn.QuantizedLinear)
@@ -324,29 +269,29 @@ def test_wrong_architecture_and_bad_taps(tmp_path, qwen3_case):
     (clip / "config.json").write_text(json.dumps({"architectures": ["CLIPTextModelWithProjection"],
                                                   "model_type": "clip_text_model", "hidden_size": 32}))
     with pytest.raises(MlxdiffError, match="clip_text_model.*not a FLUX.2 text encoder"):
-        text_llm.load_text_encoder(clip, (10, 20, 30))
+        text_encoder_spec(clip, (10, 20, 30)).build()
 
     _, folder, _, _ = qwen3_case
     with pytest.raises(MlxdiffError, match="need 9 decoder layers"):
-        text_llm.load_text_encoder(folder, (1, 9))
+        text_encoder_spec(folder, (1, 9)).build()
 
     bnb = tmp_path / "bnb"
     shutil.copytree(folder, bnb)
     config = json.loads((bnb / "config.json").read_text())
     (bnb / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "bitsandbytes"}}))
     with pytest.raises(MlxdiffError, match="bitsandbytes"):
-        text_llm.load_text_encoder(bnb, (1, 2))
+        text_encoder_spec(bnb, (1, 2)).build()
 
 
 def test_chat_template_missing_or_in_processor_file(tmp_path, mistral_tokenizer):
     bare = tmp_path / "bare"
     build_tokenizer(bare, ["<s>", "</s>", "<pad>"], None, "left", "<pad>", "<s>", "</s>")
     with pytest.raises(MlxdiffError, match="no chat template"):
-        text_llm.load_tokenizer(bare)
+        tokenizers.load_chat_tokenizer(bare)
     tokenizer = transformers.AutoTokenizer.from_pretrained(bare)
     with pytest.raises(MlxdiffError, match="no chat template"):
-        text_llm.tokenize_dev(tokenizer, ["a fox"], 16)
+        tokenizers.tokenize_dev(tokenizer, ["a fox"], 16)
 
     # a processor folder may keep the template only in the processor's legacy chat_template.json
     (bare / "chat_template.json").write_text(json.dumps({"chat_template": MISTRAL_TEMPLATE}))
-    assert text_llm.load_tokenizer(bare).chat_template == MISTRAL_TEMPLATE
+    assert tokenizers.load_chat_tokenizer(bare).chat_template == MISTRAL_TEMPLATE

@@ -1,4 +1,4 @@
-"""The training script (mlxdiff.train.train) runs end to end at a toy scale on the CPU and writes a klein pipeline
+"""The training script (tools.train_klein_shapes.train) runs end to end at a toy scale on the CPU and writes a klein pipeline
 folder that both diffusers and mlxdiff load; a save-only re-run keeps the training record and the folder's notes."""
 
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 import mlxdiff
-from mlxdiff.train import train
+from tools.train_klein_shapes import train
 
 TOY = ["--device", "cpu", "--threads", "2", "--images", "96", "--vae-steps", "2", "--vae-batch", "4",
        "--text-steps", "2", "--transformer-steps", "3", "--transformer-batch", "4", "--no-final-eval"]

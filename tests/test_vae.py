@@ -2,9 +2,6 @@
 distinct dimensions. Weights reach our model only through our loaders (save_pretrained folder or a single file)."""
 
 import json
-import re
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,14 +11,13 @@ import mlxdiff  # noqa: F401
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import max_rel_err, randomize_  # noqa: E402
-
-from mlxdiff.errors import MlxdiffError  # noqa: E402
-from mlxdiff.loading.keymaps import remap, strip_prefix  # noqa: E402
-from mlxdiff.loading.safetensors import load_folder, load_safetensors  # noqa: E402
-from mlxdiff.loading.weights import build  # noqa: E402
-from mlxdiff.models import vae, vae_flux2  # noqa: E402
+from helpers import load_ours, max_rel_err, randomize_
+from mlxdiff.errors import MlxdiffError
+from mlxdiff.formats.keymaps import remap, strip_prefix
+from mlxdiff.formats.safetensors import load_folder, load_safetensors
+from mlxdiff.loading.build import build
+from mlxdiff.models import vae, vae_flux2
+from twins import diffusers_to_ldm, make_flux2_twin
 
 TOL = 1e-4
 
@@ -51,24 +47,11 @@ def make_sd3_twin(spec, seed):
     return randomize_(model, seed=seed).eval()
 
 
-def make_flux2_twin(spec, seed):
-    import torch
-    from diffusers import AutoencoderKLFlux2
-    spec = {k: v for k, v in spec.items() if k != "image"}
-    n = len(spec["block_out_channels"])
-    model = AutoencoderKLFlux2(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * n,
-                               up_block_types=("UpDecoderBlock2D",) * n, **spec)
-    randomize_(model, seed=seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    with torch.no_grad():  # the bn statistics are buffers, which randomize_ leaves alone
-        model.bn.running_mean.copy_(torch.randn(model.bn.running_mean.shape, generator=g))
-        model.bn.running_var.copy_(torch.rand(model.bn.running_var.shape, generator=g) * 2 + 0.1)
-    return model.eval()
-
-
-def load_ours(folder, arch):
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return build(arch, config, load_folder(folder), folder)
+def save_and_load(twin, folder, arch):
+    """The twin saved with save_pretrained in `folder` and loaded back through our loader (build's default
+    compute dtype)."""
+    twin.save_pretrained(str(folder))
+    return load_ours(folder, arch, dtype=None)
 
 
 def inputs(spec, twin, seed=0):
@@ -99,28 +82,6 @@ def check_parity(ours, twin, spec):
     return errors
 
 
-def diffusers_to_ldm(state_dict, num_blocks):
-    """Test-side inverse naming (diffusers -> original ldm), checked below by diffusers' own converter."""
-    out = {}
-    for key, value in state_dict.items():
-        k = key.replace("conv_norm_out", "norm_out").replace("conv_shortcut", "nin_shortcut")
-        k = re.sub(r"encoder\.down_blocks\.(\d+)\.resnets\.", r"encoder.down.\1.block.", k)
-        k = re.sub(r"encoder\.down_blocks\.(\d+)\.downsamplers\.0\.", r"encoder.down.\1.downsample.", k)
-        m = re.match(r"decoder\.up_blocks\.(\d+)\.(resnets|upsamplers\.0)\.(.*)", k)
-        if m:
-            level = num_blocks - 1 - int(m.group(1))
-            k = f"decoder.up.{level}." + ("block." if m.group(2) == "resnets" else "upsample.") + m.group(3)
-        k = k.replace("mid_block.resnets.0.", "mid.block_1.").replace("mid_block.resnets.1.", "mid.block_2.")
-        m = re.match(r"(encoder|decoder)\.mid_block\.attentions\.0\.(group_norm|to_q|to_k|to_v|to_out\.0)\.(.*)", k)
-        if m:
-            name = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}[m.group(2)]
-            k = f"{m.group(1)}.mid.attn_1.{name}.{m.group(3)}"
-            if value.ndim == 2:  # ldm uses 1x1 convs
-                value = value[:, :, None, None]
-        out[k] = value.contiguous()
-    return out
-
-
 def assert_same_state(model, reference_model):
     ours, ref = model.state_dict(), reference_model.state_dict()
     assert ours.keys() == ref.keys()
@@ -134,8 +95,7 @@ def assert_same_state(model, reference_model):
 def test_sd3_vae_matches_diffusers(name, tmp_path):
     spec = SD3_CONFIGS[name]
     twin = make_sd3_twin(spec, seed=3)
-    twin.save_pretrained(str(tmp_path))
-    ours = load_ours(tmp_path, vae)
+    ours = save_and_load(twin, tmp_path, vae)
     assert ("quant_conv" in ours) == spec["use_quant_conv"]
     check_parity(ours, twin, spec)
     z = mx.array(np.linspace(-2, 2, 12, dtype=np.float32))
@@ -148,8 +108,7 @@ def test_sd3_vae_bf16_weights_stay_bf16(tmp_path):
     import torch
     spec = SD3_CONFIGS["four_levels"]
     twin = make_sd3_twin(spec, seed=5).to(torch.bfloat16)
-    twin.save_pretrained(str(tmp_path))
-    ours = load_ours(tmp_path, vae)
+    ours = save_and_load(twin, tmp_path, vae)
     dtypes = {v.dtype for _, v in tree_flatten(ours.parameters())}
     assert dtypes == {mx.bfloat16}
     image, latent = inputs(spec, twin)
@@ -208,8 +167,7 @@ def test_sd3_vae_wrong_config_names_the_key(tmp_path):
 def test_flux2_vae_matches_diffusers(name, tmp_path):
     spec = FLUX2_CONFIGS[name]
     twin = make_flux2_twin(spec, seed=11)
-    twin.save_pretrained(str(tmp_path))
-    ours = load_ours(tmp_path, vae_flux2)
+    ours = save_and_load(twin, tmp_path, vae_flux2)
     check_parity(ours, twin, spec)
 
 
@@ -220,8 +178,7 @@ def test_flux2_latent_normalisation_matches_pipeline(name, tmp_path):
     from diffusers import Flux2Pipeline
     spec = FLUX2_CONFIGS[name]
     twin = make_flux2_twin(spec, seed=13)
-    twin.save_pretrained(str(tmp_path))
-    ours = load_ours(tmp_path, vae_flux2)
+    ours = save_and_load(twin, tmp_path, vae_flux2)
     image, latent = inputs(spec, twin, seed=1)
     pipe = SimpleNamespace(vae=twin, _patchify_latents=Flux2Pipeline._patchify_latents)
     with torch.no_grad():

@@ -2,23 +2,15 @@
 latents span several tiles in both directions; what the blend changes against untiled decoding; and the memory
 bound that is the point of tiling. Weights reach our model only through our loader (save_pretrained folder)."""
 
-import json
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 import mlxdiff  # noqa: F401
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers import max_rel_err, randomize_  # noqa: E402
-
-from mlxdiff.errors import MlxdiffError  # noqa: E402
-from mlxdiff.loading.safetensors import load_folder  # noqa: E402
-from mlxdiff.loading.weights import build  # noqa: E402
-from mlxdiff.models import vae, vae_flux2  # noqa: E402
+from helpers import load_ours, max_rel_err, randomize_
+from mlxdiff.errors import MlxdiffError
+from mlxdiff.models import vae, vae_flux2
 
 TOL = 1e-4
 
@@ -69,15 +61,10 @@ def make_twin(arch, spec, seed):
     return model
 
 
-def load_ours(folder, arch):
-    config = json.loads((Path(folder) / "config.json").read_text())
-    return build(arch, config, load_folder(folder), folder)
-
-
 def twin_and_ours(arch, spec, tmp_path, seed=3):
     twin = make_twin(arch, spec, seed)
     twin.save_pretrained(str(tmp_path))
-    return twin, load_ours(tmp_path, arch)
+    return twin, load_ours(tmp_path, arch, dtype=None)   # build's default compute dtype
 
 
 def inputs(spec, twin, seed=0):

@@ -1,11 +1,16 @@
-"""Weights kept quantized below the models: the QuantizedTensor type (an MLX affine triplet) and the row
-operations key maps need on it (split a fused qkv, reorder row blocks) without dequantizing.
+"""Weights kept quantized below the models, in two forms, and how a layer multiplies through them:
 
-A file reader (GGUF today) returns QuantizedTensor values; `flatten_quantized` turns them into the arrays of
-`nn.QuantizedLinear` layers and says which layers to quantize before strict loading.
+- QuantizedTensor: an MLX affine triplet (weight codes, scales, biases), the arrays of an nn.QuantizedLinear;
+- RawBlocks: a file's own blocks (GGUF's Q2_K, Q3_K, Q6_K, which have no exact affine form at their size), held at
+  the file's size and decoded to float one layer at a time just before its matmul (formats/gguf.py RawLinear).
+
+Key maps split and join both along their rows (a fused qkv into q, k, v) without decoding. `flatten_quantized`
+turns them into layer arrays and says which layers to make quantized before strict loading; `chunked_matmul` is
+the per-layer decode-then-matmul that DequantizedLinear and RawLinear share.
 """
 
 from dataclasses import dataclass
+from typing import Callable
 
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
@@ -48,11 +53,35 @@ class QuantizedTensor:
         return {f"{prefix}.weight": self.weight, f"{prefix}.scales": self.scales, f"{prefix}.biases": self.biases}
 
 
+@dataclass
+class RawBlocks:
+    """A weight kept as the file's quantized blocks: `blocks` uint8 [rows, bytes per row], of GGUF type
+    `type_name`; `shape` is the logical PyTorch shape. Decoded exactly (float32) by formats/gguf.py."""
+    blocks: mx.array
+    type_name: str
+    shape: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.nbytes
+
+    def dequantize(self, dtype=None) -> mx.array:
+        from .gguf import decode_rows
+        w = decode_rows(self.blocks, self.type_name).reshape(self.shape)
+        return w.astype(dtype) if dtype is not None else w
+
+
 def split_rows(tensor, n: int) -> list:
     """Split a weight into `n` equal parts along its rows (axis 0), e.g. a fused qkv into q, k, v.
 
-    A QuantizedTensor is split while still quantized (rows of weight, scales and biases); an array with mx.split.
+    Quantized forms are split while still quantized (rows of weight, scales and biases, or of blocks); an array
+    with mx.split.
     """
+    if isinstance(tensor, RawBlocks):
+        rows = tensor.shape[0]
+        if rows % n:
+            raise MlxdiffError(f"cannot split a quantized weight of shape {tensor.shape} into {n} equal row blocks")
+        return [RawBlocks(b, tensor.type_name, (rows // n, *tensor.shape[1:])) for b in mx.split(tensor.blocks, n)]
     if not isinstance(tensor, QuantizedTensor):
         return mx.split(tensor, n, axis=0)
     rows = tensor.weight.shape[0]
@@ -63,9 +92,13 @@ def split_rows(tensor, n: int) -> list:
 
 
 def concat_rows(parts: list):
-    """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share bits and group size."""
+    """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share their form and settings."""
+    if all(isinstance(p, RawBlocks) for p in parts) and len({p.type_name for p in parts}) == 1:
+        return RawBlocks(mx.concatenate([p.blocks for p in parts]), parts[0].type_name,
+                         (sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
     if not all(isinstance(p, QuantizedTensor) for p in parts):
-        return mx.concatenate([p.dequantize() if isinstance(p, QuantizedTensor) else p for p in parts], axis=0)
+        return mx.concatenate([p.dequantize() if isinstance(p, (QuantizedTensor, RawBlocks)) else p for p in parts],
+                              axis=0)
     settings = {(p.bits, p.group_size) for p in parts}
     if len(settings) != 1:
         raise MlxdiffError(f"cannot join quantized weights with different settings {sorted(settings)}")
@@ -75,27 +108,64 @@ def concat_rows(parts: list):
 
 
 def flatten_quantized(weights: dict):
-    """{name: array | QuantizedTensor} -> (flat {name: array}, {layer path: {"bits", "group_size"}}).
+    """{name: array | QuantizedTensor | RawBlocks} -> (flat {name: array}, {layer path: setting}).
 
-    A quantized "<layer>.weight" becomes "<layer>.weight" / ".scales" / ".biases". Use the second dict with
-    `nn.quantize(model, class_predicate=quantized_predicate(layers))` before `load_weights`.
+    A quantized "<layer>.weight" becomes "<layer>.weight" / ".scales" / ".biases" with setting {"bits",
+    "group_size"} (use `nn.quantize(model, class_predicate=quantized_predicate(layers))` before `load_weights`),
+    or, for RawBlocks, "<layer>.weight" = the blocks with setting {"raw": GGUF type} (formats/gguf.use_raw_layers).
     """
     flat, layers = {}, {}
     for name, value in weights.items():
-        if not isinstance(value, QuantizedTensor):
+        if not isinstance(value, (QuantizedTensor, RawBlocks)):
             flat[name] = value
             continue
         if not name.endswith(".weight"):
             raise MlxdiffError(f"quantized tensor {name!r} is not a layer weight (no '.weight' suffix); only "
                                "Linear and Embedding weights can stay quantized")
         prefix = name[: -len(".weight")]
-        flat.update(value.arrays(prefix))
-        layers[prefix] = value.quantization
+        if isinstance(value, RawBlocks):
+            flat[name] = value.blocks
+            layers[prefix] = {"raw": value.type_name}
+        else:
+            flat.update(value.arrays(prefix))
+            layers[prefix] = value.quantization
     return flat, layers
 
 
 def quantized_predicate(layers: dict):
-    """class_predicate for nn.quantize: per-layer {"bits", "group_size"} for the layers stored quantized."""
+    """class_predicate for nn.quantize: per-layer {"bits", "group_size"} for the layers stored in affine form."""
     def predicate(path, module):
-        return layers.get(path, False) if hasattr(module, "to_quantized") else False
+        setting = layers.get(path, False)
+        if not hasattr(module, "to_quantized") or not setting or "raw" in setting:
+            return False
+        return setting
     return predicate
+
+
+# -- decode-then-matmul, one layer at a time ---------------------------------------------------------------------
+
+CHUNK_WEIGHTS = 1 << 20   # weights a layer decodes at a time on the CPU (whole rows) ...
+MIN_ROWS = 256            # ... but at least this many rows: thinner output tiles make the matmul slow
+CHUNK_ON_GPU = False      # chunks on the CPU only (see chunk_rows)
+
+
+def chunk_rows() -> bool:
+    """Row chunks on the CPU only: there mx.dequantize's transient is 2-5x its output and the chunks cost no speed.
+    On CUDA (H200, mlx 0.32.4, 4608 tokens, bf16) the transient is the output alone, and chunks cost speed and,
+    through the concatenation, memory: one 6144 -> 55296 layer 4.8 ms whole, 5.8 ms chunked; a FLUX.2-dev-sized
+    block of five layers 7.2 ms / 1.64 GB above the weights whole, 8.3 ms / 2.21 GB chunked (qmm: 40.8 ms /
+    0.74 GB). So a GPU decodes whole layers (still after their input, mx.depends)."""
+    return CHUNK_ON_GPU or mx.default_device() == mx.cpu
+
+
+def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
+    """x @ W.T where W's rows come from `weight_rows(start, stop, after)` (a float weight slice, made to depend on
+    `after` so that MLX decodes it only once the input, or the previous chunk's product, exists; lazily it would
+    decode every layer's weights first and hold them all). On the CPU in chunks of whole rows: CHUNK_WEIGHTS'
+    worth, at least MIN_ROWS and at least as many rows as the input has tokens, so the transient is a few chunks."""
+    step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if chunk_rows() else rows
+    parts, after = [], x
+    for r in range(0, rows, step):
+        after = mx.matmul(x, weight_rows(r, min(r + step, rows), after).astype(dtype).T)
+        parts.append(after)
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)

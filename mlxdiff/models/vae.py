@@ -69,7 +69,73 @@ def group_norm(groups, channels):
     return nn.GroupNorm(groups, channels, eps=1e-6, pytorch_compatible=True)
 
 
+def _group_stats(x, groups, eps):
+    """Per (batch, group) mean and 1/std over H, W and the group's channels, in two passes (mean, then the mean
+    squared deviation), in float32."""
+    b, h, w, c = x.shape
+    g = x.reshape(b, h * w, groups, c // groups).astype(mx.float32)
+    mean = g.mean(axis=(1, 3), keepdims=True)
+    return mean, mx.rsqrt(mx.square(g - mean).mean(axis=(1, 3), keepdims=True) + eps)
+
+
+def _normalize_act(x, mean, inv_std, weight, bias, act):
+    b, h, w, c = x.shape
+    g = (x.reshape(b, h * w, mean.shape[2], c // mean.shape[2]) - mean) * inv_std
+    y = (g.reshape(x.shape) * weight + bias).astype(x.dtype)
+    return act(y)
+
+
+_COMPILED = {}
+
+
+def norm_act(norm: nn.GroupNorm, act, x):
+    """act(norm(x)) for a GroupNorm `norm` (its parameters and settings), as one compiled elementwise pass after the
+    statistics: MLX's GroupNorm then the activation hold about five copies of x at once (1.3 GB for 256 channels
+    at 512x512 in float32), this holds the output alone."""
+    fn = _COMPILED.get(act)
+    if fn is None:
+        fn = _COMPILED[act] = mx.compile(lambda x, m, s, w, b: _normalize_act(x, m, s, w, b, act))
+    mean, inv_std = _group_stats(x, norm.num_groups, norm.eps)
+    return fn(x, mean, inv_std, norm.weight, norm.bias)
+
+
 # -- blocks (NHWC) ---------------------------------------------------------------------------------------------
+
+def stage(after_stage, x):
+    """The caller's memory policy between stages (the pipelines evaluate there); returns x."""
+    if after_stage is not None:
+        after_stage(x)
+    return x
+
+
+class Conv2d(nn.Conv2d):
+    """nn.Conv2d that can run in row bands: a convolution unfolds its input in a working buffer (mlx-cpu: kernel
+    area x input, 2.4 GB for one 256-channel 3x3 conv at 512x512), so when that buffer would exceed `band_bytes`
+    the output rows are computed a band at a time, each from its input rows plus the halo the kernel needs (zero
+    padding added per band). Every output pixel sums the same products, so the result equals the unbanded one.
+    `band_bytes` None (the default): never band; the caller's memory policy sets it (`Model.set_band_bytes`)."""
+    band_bytes = None
+
+    def __call__(self, x):
+        kh, kw = self.weight.shape[1:3]
+        (sh, sw), (ph, pw) = self.stride, self.padding
+        b, h, w, c = x.shape
+        if self.band_bytes is None or b * h * w * c * kh * kw * x.itemsize <= self.band_bytes:
+            return super().__call__(x)
+        rows_out = (h + 2 * ph - kh) // sh + 1
+        per_row = b * ((w + 2 * pw - kw) // sw + 1) * c * kh * kw * x.itemsize
+        step = max(1, self.band_bytes // per_row)
+        bands = []
+        for r in range(0, rows_out, step):
+            n = min(step, rows_out - r)
+            top, bottom = r * sh - ph, (r + n - 1) * sh + kh - ph        # input rows, in unpadded coordinates
+            xb = x[:, max(top, 0):min(bottom, h)]
+            xb = mx.pad(xb, [(0, 0), (max(-top, 0), max(bottom - h, 0)), (pw, pw), (0, 0)])
+            y = mx.conv2d(xb, self.weight, stride=self.stride, padding=0, dilation=self.dilation, groups=self.groups)
+            bands.append(y + self.bias if "bias" in self else y)
+            mx.eval(bands[-1])   # one band's working buffer at a time (lazily, MLX would hold them all)
+        return mx.concatenate(bands, axis=1)
+
 
 class ResnetBlock2D(nn.Module):
     """GN -> act -> conv3x3 -> GN -> act -> conv3x3, plus the input (through a 1x1 conv when channels change)."""
@@ -78,15 +144,16 @@ class ResnetBlock2D(nn.Module):
         super().__init__()
         self.act = act
         self.norm1 = group_norm(groups, in_channels)
-        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.conv1 = Conv2d(in_channels, out_channels, 3, padding=1)
         self.norm2 = group_norm(groups, out_channels)
-        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        self.conv2 = Conv2d(out_channels, out_channels, 3, padding=1)
         if in_channels != out_channels:
             self.conv_shortcut = nn.Conv2d(in_channels, out_channels, 1)
 
-    def __call__(self, x):
-        h = self.conv1(self.act(self.norm1(x)))
-        h = self.conv2(self.act(self.norm2(h)))
+    def __call__(self, x, after_stage=None):
+        h = self.conv1(norm_act(self.norm1, self.act, x))
+        stage(after_stage, h)
+        h = self.conv2(norm_act(self.norm2, self.act, h))
         if "conv_shortcut" in self:
             x = self.conv_shortcut(x)
         return x + h
@@ -115,7 +182,7 @@ class Downsample2D(nn.Module):
 
     def __init__(self, channels):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2)
+        self.conv = Conv2d(channels, channels, 3, stride=2)
 
     def __call__(self, x):
         return self.conv(mx.pad(x, [(0, 0), (0, 1), (0, 1), (0, 0)]))
@@ -126,7 +193,7 @@ class Upsample2D(nn.Module):
 
     def __init__(self, channels):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv = Conv2d(channels, channels, 3, padding=1)
 
     def __call__(self, x):
         b, h, w, c = x.shape
@@ -142,11 +209,11 @@ class DownEncoderBlock2D(nn.Module):
         if add_downsample:
             self.downsamplers = [Downsample2D(out_channels)]
 
-    def __call__(self, x):
+    def __call__(self, x, after_stage=None):
         for resnet in self.resnets:
-            x = resnet(x)
+            x = stage(after_stage, resnet(x, after_stage))
         for down in self.get("downsamplers", []):
-            x = down(x)
+            x = stage(after_stage, down(x))
         return x
 
 
@@ -158,11 +225,11 @@ class UpDecoderBlock2D(nn.Module):
         if add_upsample:
             self.upsamplers = [Upsample2D(out_channels)]
 
-    def __call__(self, x):
+    def __call__(self, x, after_stage=None):
         for resnet in self.resnets:
-            x = resnet(x)
+            x = stage(after_stage, resnet(x, after_stage))
         for up in self.get("upsamplers", []):
-            x = up(x)
+            x = stage(after_stage, up(x))
         return x
 
 
@@ -175,11 +242,11 @@ class UNetMidBlock2D(nn.Module):
         if add_attention:
             self.attentions = [Attention(channels, groups)]
 
-    def __call__(self, x):
-        x = self.resnets[0](x)
+    def __call__(self, x, after_stage=None):
+        x = stage(after_stage, self.resnets[0](x, after_stage))
         for attn in self.get("attentions", []):
-            x = attn(x)
-        return self.resnets[1](x)
+            x = stage(after_stage, attn(x))
+        return stage(after_stage, self.resnets[1](x, after_stage))
 
 
 class Encoder(nn.Module):
@@ -190,7 +257,7 @@ class Encoder(nn.Module):
         super().__init__()
         act = activation(act_fn)
         self.act = act
-        self.conv_in = nn.Conv2d(in_channels, block_out_channels[0], 3, padding=1)
+        self.conv_in = Conv2d(in_channels, block_out_channels[0], 3, padding=1)
         self.down_blocks = []
         prev = block_out_channels[0]
         for i, ch in enumerate(block_out_channels):
@@ -199,14 +266,14 @@ class Encoder(nn.Module):
             prev = ch
         self.mid_block = UNetMidBlock2D(prev, norm_num_groups, act, mid_block_add_attention)
         self.conv_norm_out = group_norm(norm_num_groups, prev)
-        self.conv_out = nn.Conv2d(prev, 2 * out_channels if double_z else out_channels, 3, padding=1)
+        self.conv_out = Conv2d(prev, 2 * out_channels if double_z else out_channels, 3, padding=1)
 
-    def __call__(self, x):
-        x = self.conv_in(x)
+    def __call__(self, x, after_stage=None):
+        x = stage(after_stage, self.conv_in(x))
         for block in self.down_blocks:
-            x = block(x)
-        x = self.mid_block(x)
-        return self.conv_out(self.act(self.conv_norm_out(x)))
+            x = block(x, after_stage)
+        x = self.mid_block(x, after_stage)
+        return self.conv_out(norm_act(self.conv_norm_out, self.act, x))
 
 
 class Decoder(nn.Module):
@@ -218,7 +285,7 @@ class Decoder(nn.Module):
         act = activation(act_fn)
         self.act = act
         reversed_channels = list(reversed(block_out_channels))
-        self.conv_in = nn.Conv2d(in_channels, reversed_channels[0], 3, padding=1)
+        self.conv_in = Conv2d(in_channels, reversed_channels[0], 3, padding=1)
         self.mid_block = UNetMidBlock2D(reversed_channels[0], norm_num_groups, act, mid_block_add_attention)
         self.up_blocks = []
         prev = reversed_channels[0]
@@ -227,13 +294,13 @@ class Decoder(nn.Module):
                                                    add_upsample=i < len(reversed_channels) - 1))
             prev = ch
         self.conv_norm_out = group_norm(norm_num_groups, prev)
-        self.conv_out = nn.Conv2d(prev, out_channels, 3, padding=1)
+        self.conv_out = Conv2d(prev, out_channels, 3, padding=1)
 
-    def __call__(self, z):
-        x = self.mid_block(self.conv_in(z))
+    def __call__(self, z, after_stage=None):
+        x = self.mid_block(stage(after_stage, self.conv_in(z)), after_stage)
         for block in self.up_blocks:
-            x = block(x)
-        return self.conv_out(self.act(self.conv_norm_out(x)))
+            x = block(x, after_stage)
+        return self.conv_out(norm_act(self.conv_norm_out, self.act, x))
 
 
 # -- the model -------------------------------------------------------------------------------------------------
@@ -324,14 +391,32 @@ class Model(nn.Module):
         if args.use_post_quant_conv:
             self.post_quant_conv = nn.Conv2d(args.latent_channels, args.latent_channels, 1)
 
+    def set_memory_policy(self, after_stage=None, band_bytes=None):
+        """The caller's memory policy: `after_stage(x)` runs between the encoder's and decoder's stages (the
+        pipelines evaluate there, so that nothing outlives its use), and convolutions whose working buffer would
+        exceed `band_bytes` run in exact row bands (Conv2d). Both None: one lazy graph, no bands."""
+        self.after_stage = after_stage
+        for _, module in self.named_modules():
+            if isinstance(module, Conv2d):
+                module.band_bytes = band_bytes
+
+    def decode_bytes(self, shape, dtype) -> int:
+        """About the activations of an untiled staged decode of latents `shape` (NCHW): at full resolution the
+        input (the widest full-resolution block's channels), a normalised copy, the output and one conv band."""
+        b, _, h, w = shape
+        factor = 2 ** (len(self.args.block_out_channels) - 1)
+        channels = list(getattr(self.args, "decoder_block_out_channels", None) or self.args.block_out_channels)
+        widest = max(channels[:2])
+        return 4 * b * h * w * factor * factor * widest * mx.zeros((), dtype).itemsize
+
     def _moments(self, x):
-        h = self.encoder(x)
+        h = self.encoder(x, getattr(self, "after_stage", None))
         return self.quant_conv(h) if "quant_conv" in self else h
 
     def _decoded(self, z):
         if "post_quant_conv" in self:
             z = self.post_quant_conv(z)
-        return self.decoder(z)
+        return self.decoder(z, getattr(self, "after_stage", None))
 
     def encode_moments(self, x, tiling=None, tile_latent_size=None, overlap=0.25):
         """Image [B, C, H, W] in [-1, 1] -> (mean, logvar), each [B, latent_channels, H/f, W/f].

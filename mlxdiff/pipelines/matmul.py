@@ -16,7 +16,7 @@ rows, at least as many rows as the input has tokens), each chunk made to depend 
 or the previous chunk's output: the extra memory is a few chunks, whatever the layer size, and nothing forces an
 evaluation (the graph stays lazy). On this CPU the chunked form is as fast as one whole-layer dequantization (1536
 tokens, 4-bit, 3072 -> 27648: 117 against 104 GFLOP/s, half the transient memory), and far faster than MLX's CPU
-`quantized_matmul` at prompt-like sizes (bench/gguf_cpu.py). GPUs dequantize whole layers (see _chunked).
+`quantized_matmul` at prompt-like sizes (bench/gguf_cpu.py). GPUs dequantize whole layers (see formats/quantized.chunk_rows).
 """
 
 import mlx.core as mx
@@ -24,11 +24,9 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from ..errors import MlxdiffError
+from ..formats.quantized import chunked_matmul
 
 STRATEGIES = ("qmm", "dequantize")
-CHUNK_WEIGHTS = 1 << 20   # weights DequantizedLinear dequantizes at a time (whole rows) ...
-MIN_ROWS = 256            # ... but at least this many rows: thinner output tiles make the matmul slow
-CHUNK_ON_GPU = False      # chunks on the CPU only (see _chunked)
 
 
 class DequantizedLinear(nn.Module):
@@ -58,31 +56,16 @@ class DequantizedLinear(nn.Module):
         dtype = self.compute_dtype or x.dtype
         x = x.astype(dtype)
         weight, scales, biases = self["weight"], self["scales"], self.get("biases")
-        rows, in_dims = weight.shape[0], weight.shape[-1] * 32 // self.bits
-        # rows per chunk: CHUNK_WEIGHTS' worth, at least MIN_ROWS, and at least as many as the input has tokens
-        # (so a chunk of weights is never larger than the input activations; at prompt-like sizes the matmuls
-        # stay large, at one or two tokens the chunks stay small)
-        step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if _chunked() else rows
-        parts, after = [], x
-        for r in range(0, rows, step):
-            w = mx.dequantize(mx.depends(weight[r:r + step], after), scales[r:r + step],
-                              None if biases is None else biases[r:r + step], group_size=self.group_size,
-                              bits=self.bits, mode=self.mode).astype(dtype)
-            after = mx.matmul(x, w.T)
-            parts.append(after)
-        y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+        def weight_rows(r0, r1, after):
+            return mx.dequantize(mx.depends(weight[r0:r1], after), scales[r0:r1],
+                                 None if biases is None else biases[r0:r1], group_size=self.group_size,
+                                 bits=self.bits, mode=self.mode)
+
+        y = chunked_matmul(x, weight.shape[0], weight.shape[-1] * 32 // self.bits, weight_rows, dtype)
         if "bias" in self:
             y = y + self["bias"]
         return y
-
-
-def _chunked() -> bool:
-    """Row chunks on the CPU only: there mx.dequantize's transient is 2-5x its output and the chunks cost no speed.
-    On CUDA (H200, mlx 0.32.4, 4608 tokens, bf16) the transient is the output alone, and chunks cost speed and,
-    through the concatenation, memory: one 6144 -> 55296 layer 4.8 ms whole, 5.8 ms chunked; a FLUX.2-dev-sized
-    block of five layers 7.2 ms / 1.64 GB above the weights whole, 8.3 ms / 2.21 GB chunked (qmm: 40.8 ms /
-    0.74 GB). So a GPU dequantizes whole layers (still after their input, mx.depends)."""
-    return CHUNK_ON_GPU or mx.default_device() == mx.cpu
 
 
 def _arrays(layer):

@@ -22,7 +22,7 @@ import mlx.core as mx
 from .. import schedulers
 from ..errors import MlxdiffError
 from ..loading.quantize import materialize
-from ..memory import check_fits, snapshot, fmt_gb, reset_footprint_peak
+from ..memory import budget_bytes, check_fits, conv_band_bytes, fmt_gb, reset_footprint_peak, snapshot
 from .images import to_pil
 from .matmul import use_strategy
 
@@ -45,16 +45,19 @@ class Result:
         return "\n".join(rows)
 
     def memory_report(self) -> str:
-        """The per-phase memory table (--report-memory): peaks during, and what remains after each phase."""
-        rows = [f"{'phase':<9} {'load s':>7} {'MLX peak':>10} {'MLX after':>10} {'process peak':>13} "
-                f"{'process after':>14}"]
+        """The per-phase memory table (--report-memory): the phase's weights (its floor: the largest model it
+        held), its MLX peak, the overhead above the floor, and what remains after it."""
+        rows = [f"{'phase':<9} {'load s':>7} {'weights':>10} {'MLX peak':>10} {'overhead':>10} {'MLX after':>10} "
+                f"{'process peak':>13} {'process after':>14}"]
         loads = {"denoise": self.load_seconds.get("transformer"), "decode": self.load_seconds.get("vae")}
         for name in self.timings:
             m = self.memory.get(name, {})
             load = loads.get(name)
-            rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} {fmt_gb(m.get('peak')):>10} "
-                        f"{fmt_gb(m.get('after')):>10} {fmt_gb(m.get('footprint_peak')):>13} "
-                        f"{fmt_gb(m.get('footprint')):>14}")
+            floor, peak = m.get("floor"), m.get("peak")
+            overhead = None if floor is None or peak is None else max(peak - floor, 0)
+            rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} {fmt_gb(floor):>10} "
+                        f"{fmt_gb(peak):>10} {fmt_gb(overhead):>10} {fmt_gb(m.get('after')):>10} "
+                        f"{fmt_gb(m.get('footprint_peak')):>13} {fmt_gb(m.get('footprint')):>14}")
         return "\n".join(rows)
 
 
@@ -72,6 +75,7 @@ class PhaseLog:
 
     @contextmanager
     def __call__(self, name):
+        _phase_floor[0] = 0
         mark_phase(name, "start")
         mx.reset_peak_memory()
         reset_footprint_peak()
@@ -86,8 +90,11 @@ class PhaseLog:
             snap = snapshot()
             self.result.timings[name] = time.perf_counter() - start
             self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
-                                        "footprint_peak": footprint_peak}
+                                        "footprint_peak": footprint_peak, "floor": _phase_floor[0]}
             mark_phase(name, "end")
+
+
+_phase_floor = [0]   # the largest weights loaded in the current phase (its floor)
 
 
 def mark_phase(name, event):
@@ -105,10 +112,11 @@ def release():
 def loaded(spec, compute_dtype, result: Result | None = None):
     """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
     check_fits(spec)  # refuse before loading anything that cannot fit
-    start = time.perf_counter()
+    start, before = time.perf_counter(), mx.get_active_memory()
     model = spec.build(compute_dtype)
     use_strategy(model, spec.matmul or backend.default_matmul_strategy())
     materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
+    _phase_floor[0] = max(_phase_floor[0], mx.get_active_memory() - before)
     if result is not None:
         result.load_seconds[spec.name] = time.perf_counter() - start
     try:
@@ -155,10 +163,17 @@ def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
     return x
 
 
+def decode_array(vae, z, dtype):
+    """vae.decode(z) within the memory budget: evaluated stage by stage, convolutions in exact row bands where their
+    working buffer would be large (memory.conv_band_bytes), tiles only when even that does not fit the budget."""
+    vae.set_memory_policy(after_stage=evaluate_each_block, band_bytes=conv_band_bytes())
+    return vae.decode(z, tiling=vae.decode_bytes(z.shape, dtype) > budget_bytes())
+
+
 def decode(vae, latents, dtype) -> list:
-    """Denoised latents -> PIL images: the VAE undoes its own latent scaling (`unscale_latents`), decodes, and the
-    output is mapped from [-1, 1] to [0, 1]."""
-    image = vae.decode(vae.unscale_latents(latents).astype(dtype))
+    """Denoised latents -> PIL images: the VAE undoes its own latent scaling (`unscale_latents`), decodes
+    (decode_array), and the output is mapped from [-1, 1] to [0, 1]."""
+    image = decode_array(vae, vae.unscale_latents(latents).astype(dtype), dtype)
     image = mx.clip(image.astype(mx.float32) / 2 + 0.5, 0, 1)
     mx.eval(image)
     return to_pil(np.array(image))

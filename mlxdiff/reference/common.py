@@ -2,10 +2,13 @@
 mlxdiff.footprint reads from stderr:
 
     MLXDIFF_PHASE <phase> start|end <unix time>
+    MLXDIFF_RSS <phase> <peak RSS bytes>                                           (Linux, before the end)
     MLXDIFF_GPU <phase> <max_memory_allocated bytes> <max_memory_reserved bytes>   (CUDA only, before the end)
 
-Process RSS misses what lives on a CUDA device, so on CUDA each phase also reports the peaks of torch's caching
-allocator over that phase (the peak statistics are reset when the phase starts).
+An outside sampler misses the peak of a phase shorter than its interval, so on Linux each phase also reports its
+own peak RSS (VmHWM, reset when the phase starts, as mlxdiff's phases do). Process RSS misses what lives on a CUDA
+device, so on CUDA each phase also reports the peaks of torch's caching allocator over that phase (the peak
+statistics are reset when the phase starts).
 """
 
 import gc
@@ -44,18 +47,43 @@ def synchronize(device):
         torch.mps.synchronize()
 
 
+def _reset_rss_peak() -> bool:
+    """Linux: VmHWM back to the current RSS (5 to clear_refs); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _rss_peak():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 @contextmanager
 def phase(name, device):
-    """Markers around a phase; on CUDA, the allocator's peaks over the phase."""
+    """Markers around a phase; on Linux, the phase's peak RSS; on CUDA, the allocator's peaks over the phase."""
     import torch
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    rss = sys.platform.startswith("linux") and _reset_rss_peak()
     mark(name, "start")
     try:
         yield
     finally:
         synchronize(device)
+        peak = _rss_peak() if rss else None
+        if peak is not None:
+            print(f"MLXDIFF_RSS {name} {peak}", file=sys.stderr, flush=True)
         if device == "cuda":
             print(f"MLXDIFF_GPU {name} {torch.cuda.max_memory_allocated()} {torch.cuda.max_memory_reserved()}",
                   file=sys.stderr, flush=True)

@@ -1,0 +1,199 @@
+"""`python -m mlxdiff.footprint compare` end to end, for each family's diffusers reference: the embedded default
+(a Flux2KleinPipeline folder), and a tiny FLUX.2-dev folder with a GGUF transformer in city96's type mix (the
+published FLUX.2-dev Q4_K_M recipe on the diffusers side). Plus the parts that need no model: the marker parsing
+(GPU allocator lines included, which only CUDA prints), the reference chosen by family, and the CUDA table."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlxdiff import footprint
+from mlxdiff.errors import MlxdiffError
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT = ROOT / "weights" / "klein-shapes"
+LABELS = ("mlxdiff", "diffusers as is", "diffusers sequential")
+PHASES = ("load", "encode", "denoise", "decode")
+
+
+def _import(name, modules):
+    """The first of `modules` that defines `name`: the shared builders are moving from the test modules into
+    tests/twins.py / helpers.py / gguf_helpers.py; prefer those, fall back on the test module."""
+    import importlib
+    for module in modules:
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return found
+    raise ImportError(f"{name} is in none of {modules}")
+
+
+SHARED = ("twins", "gguf_helpers", "helpers")
+build_pipeline = _import("build_pipeline", SHARED + ("test_flux2_pipeline",))
+flux2_to_bfl = _import("flux2_to_bfl", SHARED + ("test_gguf_models",))
+write_city96_gguf = _import("write_city96_gguf", SHARED + ("test_gguf_models",))
+randomize_ = _import("randomize_", ("helpers", "twins"))
+
+
+def run_compare(out, *args):
+    proc = subprocess.run([sys.executable, "-m", "mlxdiff.footprint", "compare", *args, "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    return proc.stdout, json.loads((out / "footprint.json").read_text())
+
+
+def check_table_and_runs(stdout, data):
+    lines = stdout.splitlines()
+    assert lines[0].startswith("memory: ")
+    if sys.platform.startswith("linux"):
+        assert lines[0].startswith("memory: process RSS (Linux CPU); per phase: the larger of samples every")
+    header = next(line for line in lines if line.startswith("| phase |"))
+    for label in LABELS:
+        assert f"{label} peak GB" in header
+    for phase in PHASES:
+        row = next(line for line in lines if line.startswith(f"| {phase} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        assert len(cells) == 3
+        # mlxdiff has no load phase of its own (each model is loaded inside its phase); diffusers has all four
+        assert all(c != "-" for c in (cells if phase != "load" else cells[1:])), row
+    for row in ("overall peak", "steady (denoise median)", "peak ratio vs mlxdiff"):
+        assert any(line.startswith(f"| {row} |") for line in lines)
+    assert set(data["runs"]) == set(LABELS)
+    for label, run in data["runs"].items():
+        assert run["rc"] == 0 and run["samples"], label
+        names = [name for name, _, _ in run["phases"]]
+        assert set(names) == set(PHASES) - ({"load"} if label == "mlxdiff" else set()), (label, names)
+        assert data["summaries"][label]["peak"] > 0
+    assert data["runs"]["mlxdiff"]["mlx_peak"].keys() == {"encode", "denoise", "decode"}
+    if sys.platform.startswith("linux"):   # every run reports its own peak RSS per phase
+        for label, run in data["runs"].items():
+            assert run["rss_peaks"].keys() == {name for name, _, _ in run["phases"]}, label
+
+
+def test_compare_embedded_default(tmp_path):
+    stdout, data = run_compare(tmp_path, "--model", str(DEFAULT), "--width", "64", "--height", "64",
+                               "--steps", "2")
+    check_table_and_runs(stdout, data)
+    assert data["runs"]["diffusers as is"]["cmd"][2] == "mlxdiff.reference.flux2"
+    request = json.loads(data["runs"]["diffusers sequential"]["cmd"][3])
+    assert request["mode"] == "sequential" and request["steps"] == 2 and "transformer" not in request
+    assert (tmp_path / "mlxdiff.png").exists()
+
+
+# D = 256 (quantized in-dims must be multiples of 256) so that city96's mix really gives Q4_K / Q5_K layers;
+# joint = 3 taps x the Mistral3 twin's 48, in = 4 x the VAE twin's 5 latent channels
+DEV_TRANSFORMER = dict(patch_size=1, in_channels=20, out_channels=None, num_layers=1, num_single_layers=1,
+                       attention_head_dim=64, num_attention_heads=4, joint_attention_dim=144,
+                       timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(16, 16, 16, 16),
+                       rope_theta=2000, eps=1e-6, guidance_embeds=True)
+
+
+def make_dev_gguf(root):
+    """A tiny Flux2Pipeline folder (Mistral3 encoder of 6 layers) whose model_index names its taps and prompt
+    length, and a GGUF of a D=256 transformer in city96's Q4_K_M type mix, written in BFL names."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    _, folder, _ = build_pipeline("dev", root)
+    index_path = folder / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index.update(text_encoder_out_layers=[1, 3, 4], max_sequence_length=48)   # diffusers' (10, 20, 30) > 6 layers
+    index_path.write_text(json.dumps(index, indent=2))
+    torch.manual_seed(0)
+    twin = randomize_(Flux2Transformer2DModel(**DEV_TRANSFORMER), seed=21, scale=0.05).eval()
+    twin.save_pretrained(str(folder / "transformer"))   # its config is what from_single_file reads
+    state = {k: v.detach().float().numpy() for k, v in flux2_to_bfl(twin.state_dict(), DEV_TRANSFORMER).items()}
+    path = root / "dev-Q4_K_M.gguf"
+    types = write_city96_gguf(path, state, "flux2", "flux")
+    assert {t.name for t in types.values()} >= {"Q4_K", "Q5_K"}
+    return folder, path
+
+
+@pytest.fixture(scope="module")
+def dev_gguf(tmp_path_factory):
+    return make_dev_gguf(tmp_path_factory.mktemp("dev"))
+
+
+def test_compare_dev_with_gguf_transformer(dev_gguf, tmp_path):
+    folder, gguf = dev_gguf
+    stdout, data = run_compare(tmp_path, "--model", str(folder), "--transformer", str(gguf), "--width", "40",
+                               "--height", "24", "--steps", "2")
+    check_table_and_runs(stdout, data)
+    runs = data["runs"]
+    assert runs["mlxdiff"]["cmd"][runs["mlxdiff"]["cmd"].index("--transformer") + 1] == str(gguf)
+    for label in LABELS[1:]:
+        request = json.loads(runs[label]["cmd"][3])
+        assert runs[label]["cmd"][2] == "mlxdiff.reference.flux2" and request["transformer"] == str(gguf)
+        # diffusers really held the transformer as GGUF Q4_K / Q5_K tensors
+        loaded = [line for line in runs[label]["stdout"].splitlines() if "transformer from" in line]
+        assert loaded and "GGUF" in loaded[0] and "Q4_K" in loaded[0] and "Q5_K" in loaded[0], runs[label]["stdout"]
+
+
+# -- no model needed -------------------------------------------------------------------------------------------------
+
+def test_sample_reads_phase_and_gpu_markers():
+    child = ("import sys, time\n"
+             "w = lambda s: print(s, file=sys.stderr, flush=True)\n"
+             "w(f'MLXDIFF_PHASE denoise start {time.time():.3f}')\n"
+             "b = bytearray(64 << 20); time.sleep(0.5)\n"
+             "w('MLXDIFF_GPU denoise 123456789 234567890')\n"
+             "w('MLXDIFF_RSS denoise 987654321')\n"
+             "w(f'MLXDIFF_PHASE denoise end {time.time():.3f}')\n"
+             "print('phase load s MLX peak')\n"
+             "print('denoise 0.05 16.8 MB 0.1 MB 0.29 GB 0.28 GB')\n"
+             "w('other')\n")
+    run = footprint.sample([sys.executable, "-c", child], interval=0.05, echo=False)
+    assert run["rc"] == 0
+    assert [name for name, _, _ in run["phases"]] == ["denoise"]
+    assert run["gpu"] == {"denoise": {"allocated": 123456789, "reserved": 234567890}}
+    assert run["stderr_tail"] == "other\n"
+    assert run["rss_peaks"] == {"denoise": 987654321}
+    assert footprint.report_peaks(run["stdout"]) == {"mlx": {"denoise": int(16.8 * 2 ** 20)},
+                                                     "process": {"denoise": int(0.29 * 2 ** 30)}}
+    sampled = footprint.summarize(run)["phases"]["denoise"]["sampled"]
+    assert 64 << 20 < sampled < 987654321
+    assert footprint.summarize(run)["phases"]["denoise"]["peak"] == 987654321   # the larger of the two
+    assert footprint.summarize(run)["peak"] == 987654321
+
+
+def test_reference_chosen_by_family(tmp_path):
+    assert footprint.reference_for(str(DEFAULT)) == ("mlxdiff.reference.flux2", DEFAULT)
+    for cls, module in (("StableDiffusion3Pipeline", "sd3"), ("Flux2Pipeline", "flux2")):
+        (tmp_path / cls).mkdir()
+        (tmp_path / cls / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+        assert footprint.reference_for(str(tmp_path / cls))[0] == f"mlxdiff.reference.{module}"
+    (tmp_path / "sd35.safetensors").write_bytes(b"")
+    assert footprint.reference_for(str(tmp_path / "sd35.safetensors"))[0] == "mlxdiff.reference.sd3"
+    (tmp_path / "unet").mkdir()
+    (tmp_path / "unet" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    with pytest.raises(MlxdiffError, match="no diffusers reference for pipeline 'StableDiffusionPipeline'"):
+        footprint.reference_for(str(tmp_path / "unet"))
+
+
+def test_cuda_table_names_the_gpu_figures(tmp_path, monkeypatch, capsys):
+    """What the table looks like where the reference runs print allocator lines (CUDA), without a GPU."""
+    def fake_sample(cmd, interval=0.2, env=None, echo=True):
+        mlx = cmd[2] == "mlxdiff.generate"
+        phases = [("encode", 0.0, 1.0), ("denoise", 1.0, 2.0), ("decode", 2.0, 3.0)]
+        if not mlx:
+            phases = [("load", -1.0, 0.0)] + phases
+        gpu = {} if mlx else {p: {"allocated": (i + 1) << 30, "reserved": (i + 2) << 30}
+                              for i, (p, _, _) in enumerate(phases)}
+        stdout = "encode - 1.3 MB 0.1 MB 0.26 GB 0.26 GB\ndenoise 0.05 2.00 GB 0.1 MB 0.29 GB 0.28 GB\n" if mlx else ""
+        return {"cmd": cmd, "rc": 0, "samples": [(t, (1 + t) * 2 ** 28) for t in np.arange(-1, 3, 0.5)],
+                "phases": phases, "gpu": gpu, "stdout": stdout, "stderr_tail": ""}
+    monkeypatch.setattr(footprint, "sample", fake_sample)
+    monkeypatch.setattr(footprint, "timeline", lambda runs, path: path)
+    assert footprint.main(["compare", "--model", str(DEFAULT), "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("memory: GPU allocator + process (CUDA)")
+    assert "| GPU load | - | 1.00 / 2.00 | 1.00 / 2.00 |" in lines
+    assert "| GPU decode | - | 4.00 / 5.00 | 4.00 / 5.00 |" in lines
+    assert "| GPU overall peak | - | 4.00 / 5.00 | 4.00 / 5.00 |" in lines
+    assert sum(line.startswith("| GPU ") for line in lines) == 5
