@@ -25,7 +25,8 @@ from gguf_helpers import QUANTIZABLE, T, header_fields, patched, random_blocks, 
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats import gguf as gguf_module
 from mlxdiff.formats.gguf import check_gguf, load_gguf
-from mlxdiff.formats.quantized import QuantizedTensor, concat_rows, flatten_quantized, quantized_predicate, split_rows
+from mlxdiff.formats.quantized import (QuantizedTensor, RawBlocks, concat_rows, flatten_quantized,
+                                      quantized_predicate, split_rows)
 
 EXACT = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q3_K, T.Q4_K, T.Q5_K)
 QUANTIZED = EXACT + (T.Q6_K, T.Q2_K)
@@ -65,7 +66,7 @@ def test_quantized_types_match_gguf_py(tmp_path, monkeypatch, qtype):
     sources = [_tensors(qtype, rng)] + ([_tensors(qtype, rng, real=True)] if qtype in QUANTIZABLE else [])
     for i, tensors in enumerate(sources):
         path = write_gguf(tmp_path / f"{qtype.name}_{i}.gguf", tensors)
-        loaded = load_gguf(path, mx.float32)
+        loaded = load_gguf(path, mx.float32, layout="affine")
         assert set(loaded) == set(tensors)
         for name, (_, raw) in tensors.items():
             ref = _reference(qtype, raw)
@@ -124,7 +125,7 @@ def test_quantized_matmul_matches_float64(tmp_path, qtype):
     rng = np.random.default_rng(100 + int(qtype))
     raw = random_blocks(qtype, 40, 768, rng)
     path = write_gguf(tmp_path / "m.gguf", {"w.weight": (qtype, raw)})
-    q = load_gguf(path, mx.float32)["w.weight"]
+    q = load_gguf(path, mx.float32, layout="affine")["w.weight"]
     x = rng.standard_normal((5, 768)).astype(np.float32)
     y = mx.quantized_matmul(mx.array(x), q.weight, q.scales, q.biases, transpose=True, group_size=q.group_size,
                             bits=q.bits)
@@ -163,7 +164,7 @@ def test_16_bit_scales(tmp_path, dtype, unit_roundoff):
     rng = np.random.default_rng(7)
     tensors = {f"{t.name}.weight": (t, random_blocks(t, 3, 256, rng)) for t in QUANTIZED}
     path = write_gguf(tmp_path / "s.gguf", tensors)
-    exact, half = load_gguf(path, mx.float32), load_gguf(path, dtype)
+    exact, half = load_gguf(path, mx.float32, layout="affine"), load_gguf(path, dtype, layout="affine")
     for name, q32 in exact.items():
         q16 = half[name]
         assert q16.scales.dtype == q16.biases.dtype == dtype
@@ -217,16 +218,20 @@ def test_unsupported_types_are_named(tmp_path):
 # Quantized layers: split, join, nn.quantize
 
 
-def test_split_rows_keeps_quantized_rows(tmp_path):
+@pytest.mark.parametrize("layout", ["affine", "raw"])
+def test_split_rows_keeps_quantized_rows(tmp_path, layout):
     rng = np.random.default_rng(6)
     raw = random_blocks(T.Q4_K, 3 * 24, 512, rng)
     path = write_gguf(tmp_path / "qkv.gguf", {"attn.qkv.weight": (T.Q4_K, raw)})
-    qkv = load_gguf(path, mx.float32)["attn.qkv.weight"]
+    qkv = load_gguf(path, mx.float32, layout=layout)["attn.qkv.weight"]
     ref = _reference(T.Q4_K, raw)
     parts = split_rows(qkv, 3)
     assert [p.shape for p in parts] == [(24, 512)] * 3
     for i, p in enumerate(parts):
-        assert isinstance(p, QuantizedTensor) and p.weight.dtype == mx.uint32
+        if layout == "affine":
+            assert isinstance(p, QuantizedTensor) and p.weight.dtype == mx.uint32
+        else:
+            assert isinstance(p, RawBlocks) and p.blocks.dtype == mx.uint8 and p.nbytes == raw.nbytes // 3
         assert np.array_equal(np.array(p.dequantize(), np.float64), ref[24 * i:24 * (i + 1)])
     swapped = concat_rows([parts[2], parts[0], parts[1]])
     assert np.array_equal(np.array(swapped.dequantize(), np.float64), np.concatenate([ref[48:], ref[:48]]))
@@ -252,7 +257,7 @@ def test_quantized_layers_load_through_nn_quantize(tmp_path):
             self.norm = nn.RMSNorm(12)
 
     model = Tiny()
-    flat, layers = flatten_quantized(load_gguf(path, mx.float32))
+    flat, layers = flatten_quantized(load_gguf(path, mx.float32, layout="affine"))
     assert layers == {"proj": {"bits": 5, "group_size": 32}, "head": {"bits": 8, "group_size": 32}}
     nn.quantize(model, class_predicate=quantized_predicate(layers))
     assert isinstance(model.proj, nn.QuantizedLinear) and isinstance(model.head, nn.QuantizedLinear)
@@ -417,7 +422,7 @@ FUZZ = textwrap.dedent("""
     import mlxdiff, mlx.core as mx
     from mlxdiff.errors import MlxdiffError
     from mlxdiff.formats.gguf import check_gguf, load_gguf
-    from mlxdiff.formats.quantized import QuantizedTensor
+    from mlxdiff.formats.quantized import QuantizedTensor, RawBlocks
     from gguf import GGUFReader
     from gguf_helpers import header_fields
 
@@ -473,7 +478,7 @@ FUZZ = textwrap.dedent("""
         start = time.perf_counter()
         try:
             out = load_gguf(path, mx.float32)
-            assert all(isinstance(v, (mx.array, QuantizedTensor)) for v in out.values())
+            assert all(isinstance(v, (mx.array, QuantizedTensor, RawBlocks)) for v in out.values())
             # a file we accept is read the same way by gguf-py (safe to call now that the header is checked)
             ours = [(t.name, t.type_name, t.shape, t.offset) for t in check_gguf(path).tensors]
             theirs = [(t.name, t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())),
@@ -509,3 +514,51 @@ def test_fuzzed_headers_never_crash_or_hang(tmp_path, valid_file):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["error"] + result["ok"] == 500 and result["error"] > 250
     assert result["slowest"] < 2.0, result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The raw layout: the file's blocks, decoded per layer
+
+
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: t.name)
+def test_raw_layout_is_exact_at_the_file_size(tmp_path, qtype):
+    """Every quantized type kept as its blocks: resident bytes equal the file's tensor bytes, the decode equals
+    gguf-py's float32 dequantize bit for bit, and RawLinear's product is within float32 rounding of float64."""
+    from mlxdiff.formats.gguf import RawLinear, use_raw_layers
+    rng = np.random.default_rng(300 + int(qtype))
+    raw = random_blocks(qtype, 40, 768, rng)
+    path = write_gguf(tmp_path / "r.gguf", {"w.weight": (qtype, raw)})
+    q = load_gguf(path, mx.float32, layout="raw")["w.weight"]
+    assert isinstance(q, RawBlocks) and q.nbytes == raw.nbytes and q.shape == (40, 768)
+    ref = gq.dequantize(raw, qtype).astype(np.float32)
+    assert np.array_equal(np.array(q.dequantize()), ref)
+
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Linear(768, 40, bias=False)
+
+    model = One()
+    flat, layers = flatten_quantized({"w.weight": q})
+    assert layers == {"w": {"raw": qtype.name}}
+    use_raw_layers(model, layers)
+    assert isinstance(model.w, RawLinear)
+    model.load_weights(list(flat.items()), strict=True)
+    x = rng.standard_normal((5, 768)).astype(np.float32)
+    want = x.astype(np.float64) @ ref.astype(np.float64).T
+    assert np.abs(np.array(model.w(mx.array(x)), np.float64) - want).max() / np.abs(want).max() <= 1e-5
+
+
+def test_default_layout_per_compute_dtype(tmp_path):
+    """float32 compute (the CPU default): every quantized type raw; 16-bit compute: affine where that form is exact
+    at about the file's size, raw for Q2_K, Q3_K and Q6_K."""
+    rng = np.random.default_rng(9)
+    tensors = {f"{t.name}.weight": (t, random_blocks(t, 4, 256, rng)) for t in QUANTIZED}
+    path = write_gguf(tmp_path / "d.gguf", tensors)
+    assert all(isinstance(v, RawBlocks) for v in load_gguf(path, mx.float32).values())
+    half = load_gguf(path, mx.bfloat16)
+    for t in QUANTIZED:
+        assert isinstance(half[f"{t.name}.weight"], RawBlocks if t.name in ("Q2_K", "Q3_K", "Q6_K")
+                          else QuantizedTensor), t.name
+    with pytest.raises(MlxdiffError, match="layout"):
+        load_gguf(path, mx.float32, layout="packed")

@@ -11,6 +11,7 @@ is a multiple of 256: D = 256 (4 heads of 64).
 """
 
 import json
+import sys
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from helpers import max_rel_err, randomize_
 from mlxdiff.formats import gguf as gguf_reader
 from mlxdiff.loading import sources
 from mlxdiff.loading.quantize import materialize
+from mlxdiff.formats.gguf import RawLinear
 from mlxdiff.pipelines.matmul import DequantizedLinear, strategy_of, use_strategy
 from mlxdiff.models import flux2, mmdit
 from twins import H, SEQ, TAPS, W, build_pipeline, flux2_to_bfl, sd3_to_sai
@@ -240,9 +242,12 @@ def test_city96_type_mix(gguf_twin):
             assert t == MIX[family][1], n
 
 
-def test_quantized_parity_against_float64(gguf_twin):
-    """mlxdiff (weights kept quantized, float32 scales and compute) within 1e-4 of the float64 reference; and no
-    farther from it than diffusers' own GGUF path on the same file (which dequantizes through float16)."""
+@pytest.mark.parametrize("layout", ["affine", "raw"])
+def test_quantized_parity_against_float64(gguf_twin, layout, monkeypatch):
+    """mlxdiff (weights kept quantized: MLX affine with float32 scales, or the file's raw blocks; float32 compute)
+    within 1e-4 of the float64 reference; and no farther from it than diffusers' own GGUF path on the same file
+    (which dequantizes through float16)."""
+    monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", layout)
     import diffusers
     import torch
     from diffusers import GGUFQuantizationConfig
@@ -259,10 +264,15 @@ def test_quantized_parity_against_float64(gguf_twin):
 
     spec = sources.transformer_from_file(path, arch, base_config)
     ours_model = spec.build(mx.float32)
-    # exactly the layers stored quantized are QuantizedLinear (a fused qkv makes three), with float32 scales
-    layers = [m for _, m in ours_model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+    # exactly the layers stored quantized are QuantizedLinear (a fused qkv makes three), with float32 scales, or
+    # RawLinear holding the file's blocks
+    kind = nn.QuantizedLinear if layout == "affine" else RawLinear
+    layers = [m for _, m in ours_model.named_modules() if isinstance(m, kind)]
     assert len(layers) == sum(3 if ".qkv." in n else 1 for n, t in types.items() if t in (T.Q4_K, T.Q5_K))
-    assert all(m.weight.dtype == mx.uint32 and m.scales.dtype == mx.float32 for m in layers)
+    if layout == "affine":
+        assert all(m.weight.dtype == mx.uint32 and m.scales.dtype == mx.float32 for m in layers)
+    else:
+        assert all(m.weight.dtype == mx.uint8 for m in layers)
     ours = mlx_forward(ours_model, inputs)
     err = max_rel_err(ours, ref)
 
@@ -282,9 +292,10 @@ def test_quantized_parity_against_float64(gguf_twin):
     assert quantization_err > 100 * max(err, 1e-6)
 
 
-def test_matmul_strategies_agree(gguf_twin):
+def test_matmul_strategies_agree(gguf_twin, monkeypatch):
     """qmm and per-layer dequantize give the same output within float32 rounding; the arrays are moved, not copied,
-    and the swap goes both ways."""
+    and the swap goes both ways (the affine layout, which both strategies read)."""
+    monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", "affine")
     family, name, folder, path, _, _, _ = gguf_twin
     configs, _, _, make_inputs, arch, _, _ = FAMILIES[family]
     model = sources.transformer_from_file(path, arch, json.loads((folder / "config.json").read_text())).build(
@@ -311,7 +322,7 @@ def test_matmul_strategies_agree(gguf_twin):
 
 # -- the whole pipeline ----------------------------------------------------------------------------------------------
 
-def test_klein_pipeline_with_gguf_transformer(tmp_path):
+def test_klein_pipeline_with_gguf_transformer(tmp_path, monkeypatch):
     """mlxdiff.load(folder, transformer=file.gguf) runs the klein pipeline (CFG, 2 steps) with the transformer kept
     quantized, with either matmul strategy. Two comparisons on the same noise:
     - against the folder holding the GGUF's own values, dequantized by gguf-py (float32, diffusers names): the same
@@ -341,9 +352,13 @@ def test_klein_pipeline_with_gguf_transformer(tmp_path):
     pipe = mlxdiff.load(str(folder), transformer=str(path))
     spec = pipe.components["transformer"]
     assert [str(f) for f in spec.files] == [str(path)]
-    assert strategy_of(spec.build(mx.float32)) == {"QuantizedLinear": 14}   # 2 x 3 split qkv + 8 others
-    quantized = pipe.generate("a red fox in the snow", **run)   # the backend's default strategy (dequantize on CPU)
-    qmm = mlxdiff.load(str(folder), transformer=str(path), matmul="qmm").generate("a red fox in the snow", **run)
+    # the CPU default keeps the file's blocks (2 x 3 split qkv + 8 others)
+    assert sum(isinstance(m, RawLinear) for _, m in spec.build(mx.float32).named_modules()) == 14
+    quantized = pipe.generate("a red fox in the snow", **run)
+    monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", "affine")   # the affine layout, through MLX's quantized_matmul
+    affine = mlxdiff.load(str(folder), transformer=str(path), matmul="qmm")
+    assert strategy_of(affine.components["transformer"].build(mx.float32)) == {"QuantizedLinear": 14}
+    qmm = affine.generate("a red fox in the snow", **run)
     qmm_err = max_rel_err(qmm.latents, dequantized_run.latents)
     print(f"klein pipeline, matmul='qmm': latents {qmm_err:.2e} from the dequantized values")
     assert qmm_err <= 1e-4
@@ -459,3 +474,46 @@ def test_memory_of_a_large_gguf(big_gguf):
     assert extra < 0.15 * quantized_bf16
     assert extra < activations + block_bf16
     assert np.isfinite(deq).all()   # (the values agree within float32 rounding in float32: test above)
+
+
+# A mid-size FLUX.2 transformer (D = 1024, 1 double + 2 single blocks) with every large weight in one GGUF type
+RESIDENT_CONFIG = dict(MEMORY_CONFIG, num_attention_heads=8, num_layers=1, num_single_layers=2,
+                       joint_attention_dim=1280)
+
+
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resident_bytes_at_the_file_size(tmp_path, monkeypatch, qtype, dtype):
+    """A GGUF's weights occupy at most 1.1x the file's tensor bytes once loaded: the file's blocks as they are
+    (float32 compute, the CPU default: every type; bfloat16: Q2_K, Q3_K, Q6_K), or Q4_K's exact affine form with
+    16-bit scales (5 bits per weight against the file's 4.5, so 1.11x for the Q4_K tensors alone; the bound is
+    then 1.12x). Today's affine forms would fail: Q3_K 2.5x, Q6_K 1.5x, Q2_K 1.9x, Q4_K with float32 scales 1.33x."""
+    import gc
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    with torch.device("meta"):
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
+    path = tmp_path / f"flux2-{qtype.name}.gguf"
+    monkeypatch.setattr(sys.modules[__name__], "city96_type",
+                        lambda name, shape, family: T.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024
+                        else (qtype if len(shape) == 2 and shape[1] % 256 == 0 else T.BF16))
+    types = write_city96_gguf(path, shapes, "flux2", "flux", random=True)
+    header = gguf_reader.check_gguf(path)
+    file_bytes = sum(t.nbytes for t in header.tensors)
+    assert sum(types[t.name] == qtype for t in header.tensors) >= 10
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    model = sources.transformer_from_file(path, flux2).build(getattr(mx, dtype))
+    materialize(model)
+    resident = mx.get_active_memory() - base
+    affine = dtype == "bfloat16" and qtype == T.Q4_K
+    print(f"{qtype.name} {dtype}: file tensors {file_bytes / 1e6:.1f} MB, resident {resident / 1e6:.1f} MB "
+          f"({resident / file_bytes:.3f}x)")
+    assert resident <= (1.12 if affine else 1.1) * file_bytes
+    kinds = {type(m).__name__ for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, RawLinear))}
+    assert kinds == ({"QuantizedLinear"} if affine else {"RawLinear"})
+    inputs = dict(hidden_states=np.ones((1, 2, 128), np.float32), encoder_hidden_states=np.ones((1, 1, 1280),
+                  np.float32), timestep=np.array([0.5], np.float32), img_ids=np.zeros((1, 2, 4), np.int32),
+                  txt_ids=np.zeros((1, 1, 4), np.int32))
+    assert np.isfinite(mlx_forward(model, inputs)).all()

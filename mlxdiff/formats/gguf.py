@@ -35,6 +35,7 @@ compute dtype's 16-bit type; a tensor whose 16-bit scales would overflow keeps f
 
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +45,9 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxdiffError
-from .quantized import QuantizedTensor
+import mlx.nn as nn
+
+from .quantized import QuantizedTensor, RawBlocks, chunked_matmul
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -380,12 +383,44 @@ def _q2_k_float(b):
     return (dl[..., None] * q - ml[..., None]).reshape(*lead, 256)
 
 
+def _q6_k_float(b):
+    """Q6_K weights in float32 [R, nb, 256], exactly as gguf-py: d * sc * (q - 32) per sub-block of 16."""
+    lead = b.shape[:-1]
+    low4 = _nibbles(b[..., 0:128].reshape(*lead, 2, 64)).reshape(*lead, 256)
+    high2 = _fields(b[..., 128:192].reshape(*lead, 2, 32), 2, 4).reshape(*lead, 256)
+    q = ((low4 | (high2 << 4)).astype(mx.int32) - 32).reshape(*lead, 16, 16)
+    sc = mx.view(b[..., 192:208], mx.int8).astype(mx.float32)
+    d = _f16(b, 208)[..., None]
+    return ((d * sc)[..., None] * q.astype(mx.float32)).reshape(*lead, 256)
+
+
+def _affine_float(decode):
+    """An affine decoder as a float one: codes * scale + bias per group."""
+    def to_float(b):
+        codes, scales, biases = decode(b)
+        groups = scales.shape[-1]
+        c = codes.astype(mx.float32).reshape(*codes.shape[:-1], groups, -1)
+        return (c * scales[..., None] + biases[..., None]).reshape(codes.shape)
+    return to_float
+
+
 # GGUF type -> (decoder, bits, group size)
 AFFINE = {"Q4_0": (_q4_0, 4, 32), "Q4_1": (_q4_1, 4, 32), "Q5_0": (_q5_0, 5, 32), "Q5_1": (_q5_1, 5, 32),
           "Q8_0": (_q8_0, 8, 32), "Q4_K": (_q4_k, 4, 32), "Q5_K": (_q5_k, 5, 32), "Q3_K": (_q3_k, 8, 128),
           "Q6_K": (_q6_k, 8, 32)}
 # GGUF type -> (float32 decoder, bits, group size) of the requantization
 REQUANTIZED = {"Q2_K": (_q2_k_float, 4, 64)}
+# GGUF type -> float32 decoder of its blocks: the raw layout, decoded one layer at a time before its matmul
+FLOAT = {**{name: _affine_float(decode) for name, (decode, _, _) in AFFINE.items()},
+         "Q6_K": _q6_k_float, "Q2_K": _q2_k_float}
+# The layout of quantized tensors ("auto" unless load_gguf or MLXDIFF_GGUF_LAYOUT says otherwise):
+# - "raw": the file's blocks, decoded per layer before the matmul: exact, at the file's size, for every type;
+# - "affine": MLX affine triplets, which Metal's and CUDA's quantized kernels read (Q6_K near-exact, Q2_K
+#   requantized, Q3_K exact only at 8.5 bits per weight);
+# - "auto": raw under float32 compute (float32 scales would cost 1.5 bits per weight); otherwise affine with 16-bit
+#   scales, except RAW_BY_DEFAULT, whose affine forms are not exact at about their size.
+RAW_BY_DEFAULT = ("Q2_K", "Q3_K", "Q6_K")
+LAYOUTS = ("auto", "affine", "raw")
 PLAIN_NUMPY = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}   # numpy has no bfloat16: its bits, then mx.view
 PLAIN = tuple(PLAIN_NUMPY)
 SUPPORTED = (*PLAIN, *AFFINE, *REQUANTIZED)
@@ -428,6 +463,20 @@ def _convert_chunk(raw, type_name, block_bytes):
     return pack_codes(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1)
 
 
+def _raw(path, info, data):
+    """The tensor's blocks as they are in the file, checked to decode to finite weights (a chunk at a time)."""
+    block, block_bytes = BLOCKS[info.type_name]
+    k = info.shape[-1]
+    blocks = mx.array(np.ascontiguousarray(data).reshape(-1, k // block * block_bytes))
+    mx.eval(blocks)
+    step = max(1, CHUNK_WEIGHTS // k)
+    for r in range(0, blocks.shape[0], step):
+        if not mx.all(mx.isfinite(decode_rows(blocks[r:r + step], info.type_name))).item():
+            raise MlxdiffError(f"{path}: tensor {info.name!r} ({info.type_name}) has non-finite scales; the file is "
+                               "corrupt, re-download it")
+    return RawBlocks(blocks, info.type_name, tuple(info.shape))
+
+
 def _quantized(path, info, data, sdtype):
     """Convert one quantized tensor, `CHUNK_WEIGHTS` weights at a time. Returns a QuantizedTensor (2-D for a
     1-D tensor: one row)."""
@@ -456,7 +505,52 @@ def _quantized(path, info, data, sdtype):
     return QuantizedTensor(*arrays, bits, group, type_name)
 
 
-def load_gguf(path, compute_dtype=None) -> dict:
+def decode_rows(blocks, type_name) -> mx.array:
+    """uint8 blocks [rows, bytes per row] of a GGUF type -> float32 weights [rows, row length], exactly as gguf-py."""
+    block, block_bytes = BLOCKS[type_name]
+    rows = blocks.shape[0]
+    return FLOAT[type_name](blocks.reshape(rows, -1, block_bytes)).reshape(rows, -1)
+
+
+class RawLinear(nn.Module):
+    """A linear layer whose weight is kept as the file's GGUF blocks (`weight` uint8 [out, bytes per row]) and
+    decoded to float just before its matmul, a chunk of rows at a time on the CPU (formats/quantized.py)."""
+
+    def __init__(self, in_dims, out_dims, type_name, bias=False, compute_dtype=None):
+        super().__init__()
+        block, block_bytes = BLOCKS[type_name]
+        self.type_name, self.in_dims, self.compute_dtype = type_name, in_dims, compute_dtype
+        self.weight = mx.zeros((out_dims, in_dims // block * block_bytes), dtype=mx.uint8)
+        if bias:
+            self.bias = mx.zeros((out_dims,))
+        self.freeze()
+
+    def _extra_repr(self):
+        return f"input_dims={self.in_dims}, output_dims={self.weight.shape[0]}, {self.type_name} blocks"
+
+    def __call__(self, x):
+        dtype = self.compute_dtype or x.dtype
+        x = x.astype(dtype)
+        weight = self["weight"]
+        y = chunked_matmul(x, weight.shape[0], self.in_dims,
+                           lambda r0, r1, after: decode_rows(mx.depends(weight[r0:r1], after), self.type_name), dtype)
+        return y + self["bias"] if "bias" in self else y
+
+
+def use_raw_layers(model, layers: dict, compute_dtype=None) -> None:
+    """Replace the Linear layers named in `layers` ({path: {"raw": GGUF type}}) by RawLinear, before loading."""
+    def swap(path, module):
+        setting = layers.get(path)
+        if not setting or "raw" not in setting or not isinstance(module, nn.Linear):
+            return module
+        out_dims, in_dims = module.weight.shape
+        return RawLinear(in_dims, out_dims, setting["raw"], "bias" in module, compute_dtype)
+
+    from mlx.utils import tree_map_with_path
+    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+
+
+def load_gguf(path, compute_dtype=None, layout=None) -> dict:
     """Check `path` (check_gguf), then read every tensor: {GGUF name: mx.array | QuantizedTensor}.
 
     Shapes are in PyTorch order. F32/F16/BF16 stay as stored; quantized types become QuantizedTensor (see the
@@ -472,7 +566,14 @@ def load_gguf(path, compute_dtype=None) -> dict:
         more = f" (and {len(unsupported) - 1} more tensors)" if len(unsupported) > 1 else ""
         raise MlxdiffError(f"{path}: tensor {t.name!r} has GGUF type {t.type_name}{more}, which mlxdiff does not "
                            f"support; supported types: {', '.join(SUPPORTED)}. Use a file quantized with one of them")
+    layout = layout or os.environ.get("MLXDIFF_GGUF_LAYOUT", "auto")
+    if layout not in LAYOUTS:
+        raise MlxdiffError(f"GGUF layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     sdtype = scale_dtype(backend.compute_dtype(compute_dtype))
+    if layout == "auto":   # float32 scales (float32 compute, the CPU default) would cost 1.5 bits per weight
+        layout = "raw" if sdtype == mx.float32 else "auto"
+    raw_types = () if layout == "affine" else (tuple(AFFINE) + tuple(REQUANTIZED) if layout == "raw"
+                                               else RAW_BY_DEFAULT)
     try:
         filemap = np.memmap(path, mode="r") if header.tensors else None
     except (OSError, ValueError) as e:
@@ -486,6 +587,9 @@ def load_gguf(path, compute_dtype=None) -> dict:
             arr = mx.array(data.view(PLAIN_NUMPY[info.type_name]).reshape(info.shape))
             out[info.name] = mx.view(arr, mx.bfloat16) if info.type_name == "BF16" else arr
             mx.eval(out[info.name])
+            continue
+        if info.type_name in raw_types and len(info.shape) >= 2:
+            out[info.name] = _raw(path, info, data)
             continue
         qt = _quantized(path, info, data, sdtype)
         if len(info.shape) == 1:   # no MLX layer takes a quantized vector: dequantize it (it is small)

@@ -50,9 +50,11 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     if config.get("quantization"):  # saved quantized (mlxdiff.convert, mlx-lm's convert)
         prepare_quantized(model, weights, config["quantization"], rename)
     weights, gguf_layers = flatten_quantized(weights)
-    if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear, per their own bits
-        import mlx.nn as nn
+    if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear (per their own
+        import mlx.nn as nn  # bits) or RawLinear (the file's blocks)
+        from ..formats.gguf import use_raw_layers
         nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
+        use_raw_layers(model, gguf_layers, model.compute_dtype)
     load_into(model, weights, source)
     keep_activations_in(model, model.compute_dtype)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
