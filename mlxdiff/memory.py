@@ -121,7 +121,10 @@ CPU_CONV_BAND = 256 << 20   # mlx-cpu unfolds a convolution's input: band it abo
 def conv_band_bytes():
     """The largest convolution working buffer a VAE may build before it runs in row bands: on the CPU, where the
     convolution unfolds its input, CPU_CONV_BAND (or a sixteenth of a smaller memory limit); on GPUs only under a
-    memory limit. None: no bands."""
+    memory limit. None: no bands. MLXDIFF_CONV_BAND=bytes (0: never) overrides it, for measurements."""
+    forced = os.environ.get("MLXDIFF_CONV_BAND")
+    if forced is not None:
+        return int(forced) or None
     if mx.default_device() == mx.cpu:
         return min(CPU_CONV_BAND, memory_limit // 16) if memory_limit else CPU_CONV_BAND
     return memory_limit // 16 if memory_limit else None

@@ -69,13 +69,31 @@ def group_norm(groups, channels):
     return nn.GroupNorm(groups, channels, eps=1e-6, pytorch_compatible=True)
 
 
+STATS_CHUNK = 64 << 20   # bytes of float32 input that one pass of the group statistics converts at a time
+
+
 def _group_stats(x, groups, eps):
-    """Per (batch, group) mean and 1/std over H, W and the group's channels, in two passes (mean, then the mean
-    squared deviation), in float32."""
+    """Per (batch, group) mean and 1/std over H, W and the group's channels, in float32 and two passes (the mean,
+    then the mean squared deviation). Each pass reduces over the positions first (a column sum of [H*W, C], which
+    every backend reduces fast), then over the group's channels, a band of rows at a time, so that the float32
+    copy of a bfloat16 input is never made whole."""
     b, h, w, c = x.shape
-    g = x.reshape(b, h * w, groups, c // groups).astype(mx.float32)
-    mean = g.mean(axis=(1, 3), keepdims=True)
-    return mean, mx.rsqrt(mx.square(g - mean).mean(axis=(1, 3), keepdims=True) + eps)
+    rows = max(1, STATS_CHUNK // (b * w * c * 4))
+    count = h * w * (c // groups)
+
+    def total(fn):
+        acc = None
+        for r in range(0, h, rows):
+            part = fn(x[:, r:r + rows].reshape(b, -1, c).astype(mx.float32)).sum(axis=1)     # [b, c]
+            acc = part if acc is None else acc + part
+            if rows < h:
+                mx.eval(acc)
+        return acc.reshape(b, 1, groups, c // groups).sum(axis=-1, keepdims=True)        # [b, 1, groups, 1]
+
+    mean = total(lambda v: v) / count
+    per_channel = mx.repeat(mean.reshape(b, 1, groups), c // groups, axis=-1)             # [b, 1, c]
+    var = total(lambda v: mx.square(v - per_channel)) / count
+    return mean, mx.rsqrt(var + eps)
 
 
 def _normalize_act(x, mean, inv_std, weight, bias, act):
