@@ -78,11 +78,9 @@ def compute_dtype(requested=None) -> mx.Dtype:
 
 def default_matmul_strategy() -> str:
     """How layers kept quantized multiply (mlxdiff.pipelines.matmul), chosen from measurements (bench/RESULTS.md):
-    - CUDA: "dequantize" (one layer dequantized to bf16 just before its matmul): a FLUX.2-dev Q4_K_M step at
-      1024x1024 took 0.93 s against 10.8 s with MLX's quantized_matmul, with a lower peak (28.0 vs 29.1 GiB) on H200;
-    - CPU: "dequantize", so the matmul runs in OpenBLAS float32 instead of MLX's scalar quantized loop;
-    - Metal: "qmm", MLX's quantized kernels (the design point; not measurable here).
-    MLXDIFF_MATMUL=qmm|dequantize overrides it."""
+    "dequantize" (one layer dequantized just before an ordinary matmul) on CUDA, where MLX's quantized_matmul is
+    about ten times slower at prompt-like sizes, and on the CPU, where the matmul then runs in OpenBLAS; "qmm", MLX's
+    quantized kernels, on Metal (the design point; not measurable here). MLXDIFF_MATMUL=qmm|dequantize overrides."""
     forced = os.environ.get("MLXDIFF_MATMUL")
     if forced:
         return forced

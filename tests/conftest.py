@@ -1,6 +1,5 @@
 """Shared fixtures: tiny random diffusers pipelines saved with save_pretrained (the real Hugging Face layout)."""
 
-import os
 import sys
 from pathlib import Path
 

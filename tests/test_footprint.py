@@ -3,7 +3,6 @@
 
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 import mlxdiff
 import mlx.core as mx

@@ -3,7 +3,7 @@ by mlxdiff with their weights kept quantized, against a float64 diffusers refere
 dequantization, and against diffusers' GGUF path on the same file; the whole FLUX.2 klein pipeline with a GGUF
 transformer; the matmul strategies (mlxdiff/loading/matmul.py); and the memory of a 510 MB file.
 
-city96's Q4_K_M mix (ComfyUI-GGUF tools/convert.py + lcpp.patch / lcpp_sd3.patch; ../shared/specs/flux2.md 5.2):
+city96's Q4_K_M mix (ComfyUI-GGUF tools/convert.py + lcpp.patch / lcpp_sd3.patch):
 1-D tensors and tensors of at most 1024 elements F32; the embedders, modulations and final layer keep the source
 dtype (BF16 for FLUX.2, F16 for SD3.5 here); only 2-D tensors are quantized; names containing `attn.qkv.weight`
 get Q5_K; everything else Q4_K (rows must be a multiple of 256, else F16 fallback). So every quantized in-dim below

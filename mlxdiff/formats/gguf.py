@@ -474,7 +474,7 @@ def _raw(path, info, data):
         if not mx.all(mx.isfinite(decode_rows(blocks[r:r + step], info.type_name))).item():
             raise MlxdiffError(f"{path}: tensor {info.name!r} ({info.type_name}) has non-finite scales; the file is "
                                "corrupt, re-download it")
-    return RawBlocks(blocks, info.type_name, tuple(info.shape))
+    return RawBlocks(blocks, info.type_name, tuple(info.shape), decode_rows)
 
 
 def _quantized(path, info, data, sdtype):

@@ -56,18 +56,19 @@ class QuantizedTensor:
 @dataclass
 class RawBlocks:
     """A weight kept as the file's quantized blocks: `blocks` uint8 [rows, bytes per row], of GGUF type
-    `type_name`; `shape` is the logical PyTorch shape. Decoded exactly (float32) by formats/gguf.py."""
+    `type_name`; `shape` is the logical PyTorch shape; `decode(blocks, type_name)` -> float32 rows (the reader's
+    own exact decoder, formats/gguf.decode_rows)."""
     blocks: mx.array
     type_name: str
     shape: tuple
+    decode: Callable
 
     @property
     def nbytes(self) -> int:
         return self.blocks.nbytes
 
     def dequantize(self, dtype=None) -> mx.array:
-        from .gguf import decode_rows
-        w = decode_rows(self.blocks, self.type_name).reshape(self.shape)
+        w = self.decode(self.blocks, self.type_name).reshape(self.shape)
         return w.astype(dtype) if dtype is not None else w
 
 
@@ -81,7 +82,8 @@ def split_rows(tensor, n: int) -> list:
         rows = tensor.shape[0]
         if rows % n:
             raise MlxdiffError(f"cannot split a quantized weight of shape {tensor.shape} into {n} equal row blocks")
-        return [RawBlocks(b, tensor.type_name, (rows // n, *tensor.shape[1:])) for b in mx.split(tensor.blocks, n)]
+        return [RawBlocks(b, tensor.type_name, (rows // n, *tensor.shape[1:]), tensor.decode)
+                for b in mx.split(tensor.blocks, n)]
     if not isinstance(tensor, QuantizedTensor):
         return mx.split(tensor, n, axis=0)
     rows = tensor.weight.shape[0]
@@ -95,7 +97,7 @@ def concat_rows(parts: list):
     """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share their form and settings."""
     if all(isinstance(p, RawBlocks) for p in parts) and len({p.type_name for p in parts}) == 1:
         return RawBlocks(mx.concatenate([p.blocks for p in parts]), parts[0].type_name,
-                         (sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+                         (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].decode)
     if not all(isinstance(p, QuantizedTensor) for p in parts):
         return mx.concatenate([p.dequantize() if isinstance(p, (QuantizedTensor, RawBlocks)) else p for p in parts],
                               axis=0)
@@ -150,11 +152,9 @@ CHUNK_ON_GPU = False      # chunks on the CPU only (see chunk_rows)
 
 
 def chunk_rows() -> bool:
-    """Row chunks on the CPU only: there mx.dequantize's transient is 2-5x its output and the chunks cost no speed.
-    On CUDA (H200, mlx 0.32.4, 4608 tokens, bf16) the transient is the output alone, and chunks cost speed and,
-    through the concatenation, memory: one 6144 -> 55296 layer 4.8 ms whole, 5.8 ms chunked; a FLUX.2-dev-sized
-    block of five layers 7.2 ms / 1.64 GB above the weights whole, 8.3 ms / 2.21 GB chunked (qmm: 40.8 ms /
-    0.74 GB). So a GPU decodes whole layers (still after their input, mx.depends)."""
+    """Row chunks on the CPU only: there mx.dequantize's transient is 2-5x its output and chunks cost no speed; on
+    CUDA the transient is the output alone and chunks cost speed and memory (figures: bench/RESULTS.md), so a GPU
+    decodes whole layers (still after their input, mx.depends)."""
     return CHUNK_ON_GPU or mx.default_device() == mx.cpu
 
 

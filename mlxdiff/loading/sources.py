@@ -1,8 +1,9 @@
 """What a user names -> component specs: where each component's bytes are, its config and its key mapping.
 
 Accepted: a diffusers pipeline folder (model_index.json), a hub id found in the local Hugging Face cache, or an
-original single file (SD3.5: single_file.py). `resolve(...)` returns a PipelineSources: the family, one
-ComponentSpec per model component (LLM text encoders included), tokenizers, scheduler config and folder options.
+original single file (SD3.5: single_file.py); resolve.py picks which. Each reader returns a PipelineSources: the
+family, one ComponentSpec per model component (LLM text encoders included), tokenizers, scheduler config and
+folder options.
 A spec holds no weights; `spec.build()` maps them lazily when a phase needs the model.
 """
 
@@ -216,22 +217,6 @@ def read_pipeline_folder(root: Path):
                            "supported: " + ", ".join(sorted(PIPELINE_FAMILIES)))
     components = {k: v for k, v in index.items() if not k.startswith("_")}
     return index, pipeline_class, components
-
-
-def resolve(model, *, transformer=None, text_encoders=None) -> PipelineSources:
-    """What the user named -> PipelineSources (a folder, a cached hub id, or an SD3.5 single file)."""
-    path = resolve_path(model)
-    if transformer is not None:
-        check_weight_file(transformer, "transformer file")
-    if path.is_dir():
-        index, pipeline_class, components = read_pipeline_folder(path)
-        family = PIPELINE_FAMILIES[pipeline_class]
-        read = sd3_folder if family == "sd3" else flux2_folder
-        return read(path, index, pipeline_class, components, transformer)
-    if path.suffix == ".safetensors":
-        from .single_file import sd3_single_file
-        return sd3_single_file(path, transformer=transformer, text_encoders=text_encoders)
-    raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
 
 
 def _require(root, components, names):

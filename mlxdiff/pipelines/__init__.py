@@ -2,7 +2,7 @@
 
 from ..errors import MlxdiffError
 from ..loading import quantize as quantization
-from ..loading import sources
+from ..loading.resolve import resolve
 
 
 def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None):
@@ -17,7 +17,7 @@ def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=No
     from .sd3 import SD3Pipeline
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
-    found = sources.resolve(model, transformer=transformer, text_encoders=text_encoders)
+    found = resolve(model, transformer=transformer, text_encoders=text_encoders)
     quantization.plan(found.components, quantize)
     for spec in found.components.values():
         if spec is not None and matmul is not None:

@@ -7,16 +7,9 @@
 `use_strategy(model, name)` swaps one kind of layer for the other in place; the arrays are moved, never copied,
 so it can be called again to swap back.
 
-Why the dequantize path is cut into row chunks that wait for each other (measured on the CPU, tests/
-test_gguf_models.py): MLX's scheduler sees a dequantization depend on parameters only, so in a lazily built block
-it runs every layer's dequantization first and holds them all (a 510 MB Q4_K_M FLUX.2 file: 600 MB of transient
-float weights in one forward). And mx.dequantize's own CPU transient is 2x (float32) to 5x (bfloat16) its output.
-So on the CPU each layer dequantizes whole rows a chunk at a time (CHUNK_WEIGHTS weights, at least MIN_ROWS
-rows, at least as many rows as the input has tokens), each chunk made to depend (mx.depends) on the layer's input
-or the previous chunk's output: the extra memory is a few chunks, whatever the layer size, and nothing forces an
-evaluation (the graph stays lazy). On this CPU the chunked form is as fast as one whole-layer dequantization (1536
-tokens, 4-bit, 3072 -> 27648: 117 against 104 GFLOP/s, half the transient memory), and far faster than MLX's CPU
-`quantized_matmul` at prompt-like sizes (bench/gguf_cpu.py). GPUs dequantize whole layers (see formats/quantized.chunk_rows).
+Why the dequantize path waits for each layer's input and, on the CPU, goes a chunk of rows at a time: lazily, MLX
+would dequantize every layer's weights first and hold them all, and mx.dequantize's CPU transient is 2-5x its
+output (formats/quantized.chunked_matmul; the figures behind the choice: bench/RESULTS.md, GGUF sections).
 """
 
 import mlx.core as mx
