@@ -27,7 +27,7 @@ t0 = time.perf_counter()
 import mlxdiff
 import numpy as np
 args = json.loads(sys.argv[1])
-pipe = mlxdiff.load(args["model"])
+pipe = mlxdiff.load(args["model"], quantize=args.get("quantize"))
 size, steps = args["size"], args["steps"]
 shape = (1, 16, size // 8, size // 8) if pipe.family == "sd3" else (1, 128, size // 16, size // 16)
 r = pipe.generate("a photo of a fox in the snow", width=size, height=size, steps=steps, guidance=args["guidance"],
@@ -108,15 +108,19 @@ def main():
     ap.add_argument("--size", type=int, default=512)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--skip-diffusers", action="store_true")
+    ap.add_argument("--quantize", default=None, help="mlxdiff side only, as the CLI's --quantize "
+                                                      "(e.g. text_encoder_3=8)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    args = {"model": str(Path(a.model).resolve()), "size": a.size, "steps": a.steps, "guidance": a.guidance}
+    from mlxdiff.cli import parse_quantize
+    args = {"model": str(Path(a.model).resolve()), "size": a.size, "steps": a.steps, "guidance": a.guidance,
+            "quantize": parse_quantize(a.quantize)}
     results = {"mlxdiff": run_child(MLXDIFF_CHILD, args)}
     if not a.skip_diffusers:
         results["diffusers"] = run_child(DIFFUSERS_CHILD, args, [str(ROOT)])
     import mlx.core as mx
     print(f"{Path(a.model).name}: real config, random bf16 weights, {a.size}x{a.size}, {a.steps} steps, "
-          f"guidance {a.guidance}")
+          f"guidance {a.guidance}" + (f", mlxdiff --quantize {a.quantize}" if a.quantize else ""))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, "
           f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / GB:.1f} GiB; mlx {mx.__version__} (CPU, "
           f"float32 compute, OpenBLAS); diffusers bf16 on torch CPU\n")

@@ -6,11 +6,11 @@ from .errors import MlxdiffError
 __version__ = "0.1.0"
 
 
-def load(model, *, transformer=None, dtype=None, quantize=None, matmul=None, **kwargs):
+def load(model, *, transformer=None, dtype=None, quantize=None, matmul=None, keep="none", **kwargs):
     """Resolve `model` (a diffusers folder, a single file or a cached hub id) into a pipeline that holds specs,
     not weights. See mlxdiff.pipelines.load for the details."""
     from .pipelines import load as _load
-    return _load(model, transformer=transformer, dtype=dtype, quantize=quantize, matmul=matmul, **kwargs)
+    return _load(model, transformer=transformer, dtype=dtype, quantize=quantize, matmul=matmul, keep=keep, **kwargs)
 
 
 __all__ = ["load", "MlxdiffError", "__version__"]

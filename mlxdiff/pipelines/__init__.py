@@ -5,12 +5,15 @@ from ..loading import quantize as quantization
 from ..loading.resolve import resolve
 
 
-def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None):
+def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none"):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file.
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
     bfloat16 on GPUs). `text_encoders`: for single files, {'clip_l': FILE, 'clip_g': FILE, 't5xxl': FILE}.
     `quantize`: bits for every component, or {component: bits}, applied while loading (see loading/quantize.py).
     `matmul`: "qmm" or "dequantize" for layers kept quantized (default per backend: backend.default_matmul_strategy).
+    `keep`: which components stay loaded across generate() calls: "none" (load, use and free in every phase),
+    "auto" (while they fit the budget together with the largest other component) or "all" (phases.Residency).
+    Prompts already encoded with the same settings are not encoded again (a cache of the last 16).
     """
     from .flux2 import Flux2Pipeline
     from .matmul import STRATEGIES
@@ -23,4 +26,4 @@ def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=No
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline}[found.family]
-    return family(found, dtype)
+    return family(found, dtype, keep)

@@ -18,7 +18,7 @@ from .. import schedulers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize_dev, tokenize_klein
 from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
-                     loaded, new_run)
+                     new_run)
 
 
 @dataclass
@@ -33,8 +33,8 @@ class Flux2Pipeline(Pipeline):
     family = "flux2"
     patch_size = 2      # the latents are patchified 2x2 before the transformer
 
-    def __init__(self, sources, dtype=None):
-        super().__init__(sources, dtype)
+    def __init__(self, sources, dtype=None, keep="none"):
+        super().__init__(sources, dtype, keep)
         self.is_klein = self.pipeline_class == "Flux2KleinPipeline"
         self.is_distilled = self.options.get("is_distilled", False)
         self.sample_size = self.options.get("sample_size")   # default image size in pixels (diffusers: 128 * factor)
@@ -55,7 +55,7 @@ class Flux2Pipeline(Pipeline):
         spec = self.components["text_encoder"]
         if text_encoder_out_layers is not None:
             spec = spec.with_config(taps=list(text_encoder_out_layers))
-        with loaded(spec, self.dtype) as encoder:
+        with self.use(spec) as encoder:
             embeds = encoder(mx.array(ids), mx.array(mask))
             mx.eval(embeds)
         return embeds
@@ -83,7 +83,8 @@ class Flux2Pipeline(Pipeline):
         result, phase = new_run()
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
             prompt, negative_prompt, do_classifier_free_guidance=cfg, max_sequence_length=max_sequence_length,
-            text_encoder_out_layers=text_encoder_out_layers))
+            text_encoder_out_layers=text_encoder_out_layers),
+            (repr(negative_prompt), max_sequence_length, repr(text_encoder_out_layers)), result)
         embeds = conditioning.prompt_embeds
         batch, text_len = embeds.shape[0], embeds.shape[1]
         targs = self.components["transformer"].args
@@ -103,7 +104,7 @@ class Flux2Pipeline(Pipeline):
         sigmas, timesteps = schedulers.flux2_sigmas(steps, h * w, self.scheduler_config)
         guidance_arr = mx.full((batch,), guidance, dtype=mx.float32) if targs.guidance_embeds else None
 
-        with phase("denoise"), loaded(self.components["transformer"], self.dtype, result) as transformer:
+        with phase("denoise"), self.use(self.components["transformer"], result) as transformer:
             def velocity(i, x):
                 # diffusers rounds t to the latents' dtype before dividing by 1000 (bf16 runs: about 25% of the
                 # timesteps move one bf16 step); do the same so bf16 runs match it
@@ -118,7 +119,7 @@ class Flux2Pipeline(Pipeline):
             x = denoise(velocity, x, sigmas, timesteps, callback, progress_bar)
         x = x.transpose(0, 2, 1).reshape(batch, shape[1], h, w)       # unpack (ids are a regular grid)
 
-        with phase("decode"), loaded(self.components["vae"], self.dtype, result) as vae:
+        with phase("decode"), self.use(self.components["vae"], result) as vae:
             images = decode(vae, x, self.dtype)
         return finish(result, images, x)
 

@@ -22,6 +22,7 @@ import mlx.core as mx
 from .. import schedulers
 from ..errors import MlxdiffError
 from ..loading.quantize import materialize
+from .. import memory as memory_module
 from ..memory import budget_bytes, check_fits, conv_band_bytes, fmt_gb, reset_footprint_peak, snapshot
 from .images import to_pil
 from .matmul import use_strategy
@@ -35,6 +36,8 @@ class Result:
     memory: dict = field(default_factory=dict)    # phase -> {"peak": bytes, "after": bytes, ...}
     images: list = field(default_factory=list)    # every image of the batch
     load_seconds: dict = field(default_factory=dict)  # component -> seconds to map and read its weights
+    reused: list = field(default_factory=list)    # what came from an earlier call: components kept loaded
+                                                  # (keep=), "conditioning" (the prompt cache)
 
     def summary(self) -> str:
         """Time and peak memory per phase (what the CLI prints)."""
@@ -108,22 +111,103 @@ def release():
     mx.clear_cache()
 
 
-@contextmanager
-def loaded(spec, compute_dtype, result: Result | None = None):
-    """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
+def build_model(spec, compute_dtype, result: Result | None = None):
+    """(model, resident bytes): the model a ComponentSpec describes, checked against the budget before anything is
+    read, built, given its matmul strategy and evaluated one module at a time."""
     check_fits(spec)  # refuse before loading anything that cannot fit
     start, before = time.perf_counter(), mx.get_active_memory()
     model = spec.build(compute_dtype)
     use_strategy(model, spec.matmul or backend.default_matmul_strategy())
     materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
-    _phase_floor[0] = max(_phase_floor[0], mx.get_active_memory() - before)
+    nbytes = mx.get_active_memory() - before
+    _phase_floor[0] = max(_phase_floor[0], nbytes)
     if result is not None:
         result.load_seconds[spec.name] = time.perf_counter() - start
+    return model, nbytes
+
+
+@contextmanager
+def loaded(spec, compute_dtype, result: Result | None = None):
+    """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
+    model, _ = build_model(spec, compute_dtype, result)
     try:
         yield model
     finally:
         model.clear()  # nn.Module is a dict: drop every parameter and child, even if the caller keeps `model`
         del model
+        release()
+
+
+KEEP_POLICIES = ("none", "auto", "all")
+AUTO_SHARE = 0.75   # keep="auto" without a memory limit: components stay while they fit in this share of memory
+
+
+def physical_memory() -> int:
+    """The machine's memory (Metal: the recommended working set), for keep="auto" without a memory limit."""
+    try:
+        info = mx.device_info()
+        size = info.get("max_recommended_working_set_size") or info.get("memory_size")
+        if size:
+            return int(size)
+    except Exception:  # device_info is backend specific
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Residency:
+    """Which components a pipeline keeps loaded across generate() calls (keep=):
+    - "none": load, use, free in every phase (the peak is the largest phase);
+    - "all": keep every component once loaded (repeated calls load nothing);
+    - "auto": keep a component while it, the others kept, and the largest other component together fit the
+      budget (memory_limit, else AUTO_SHARE of physical memory), so that any next phase still fits; otherwise
+      free it as "none" does. A run that does not fit behaves as "none"."""
+
+    def __init__(self, keep="none"):
+        if keep not in KEEP_POLICIES:
+            raise MlxdiffError(f"keep={keep!r}: use one of {', '.join(KEEP_POLICIES)}")
+        self.keep = keep
+        self.models = {}    # spec key -> (model, resident bytes)
+
+    @staticmethod
+    def key(spec):
+        return (spec.name, tuple(str(f) for f in spec.files), repr(sorted(spec.config.items())), repr(spec.quantize),
+                spec.matmul)
+
+    def held_bytes(self) -> int:
+        return sum(n for _, n in self.models.values())
+
+    def keeps(self, nbytes, largest_other) -> bool:
+        if self.keep != "auto":
+            return self.keep == "all"
+        budget = memory_module.memory_limit or AUTO_SHARE * physical_memory()
+        return self.held_bytes() + nbytes + largest_other <= budget
+
+    @contextmanager
+    def use(self, spec, compute_dtype, result=None, largest_other=0):
+        """The model of `spec`: kept from an earlier call, else built as `loaded` builds it; kept or emptied on
+        leaving by the policy."""
+        key = self.key(spec)
+        held = self.models.pop(key, None)
+        if held is not None:
+            model, nbytes = held
+            if result is not None:
+                result.reused.append(spec.name)
+        else:
+            model, nbytes = build_model(spec, compute_dtype, result)
+        try:
+            yield model
+        finally:
+            if self.keeps(nbytes, largest_other):
+                self.models[key] = (model, nbytes)
+            else:
+                model.clear()
+                del model
+                release()
+
+    def clear(self):
+        for model, _ in self.models.values():
+            model.clear()
+        self.models.clear()
         release()
 
 
@@ -184,14 +268,38 @@ class Pipeline:
     family = ""
     patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
 
-    def __init__(self, sources, dtype=None):
+    PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
+
+    def __init__(self, sources, dtype=None, keep="none"):
         self.pipeline_class = sources.pipeline_class
         self.components = sources.components     # name -> ComponentSpec (or None for an absent text_encoder_3)
         self.tokenizers = sources.tokenizers
         self.scheduler_config = sources.scheduler_config
         self.options = sources.options
         self.dtype = backend.compute_dtype(dtype)
+        self.residency = Residency(keep)
+        self._prompts = {}       # encode settings -> Conditioning, most recent last
+        self._sizes = {}         # spec key -> loaded bytes (for keep="auto")
         backend.warn_if_slow_blas()
+
+    def use(self, spec, result=None):
+        """A component for one phase, through the residency policy (see Residency)."""
+        others = 0
+        if self.residency.keep == "auto":
+            others = max((self._loaded_nbytes(s) for s in self.components.values()
+                          if s is not None and s.name != spec.name), default=0)
+        return self.residency.use(spec, self.dtype, result, others)
+
+    def _loaded_nbytes(self, spec):
+        key = Residency.key(spec)
+        if key not in self._sizes:
+            self._sizes[key] = spec.loaded_nbytes()
+        return self._sizes[key]
+
+    def release(self):
+        """Free every component kept loaded (keep="auto" / "all") and the prompt cache."""
+        self.residency.clear()
+        self._prompts.clear()
 
     def defaults(self) -> dict:
         """The steps and guidance a run gets when the caller gives none (the CLI's defaults too)."""
@@ -217,13 +325,24 @@ class Pipeline:
             raise MlxdiffError(f"steps must be at least 1, got {steps}")
         return width, height, steps, guidance
 
-    def encode_phase(self, phase, prompt, conditioning, cfg, encode):
-        """The encode phase: the given conditioning (checked for CFG), else `encode()`."""
+    def encode_phase(self, phase, prompt, conditioning, cfg, encode, settings=(), result=None):
+        """The encode phase: the given conditioning (checked for CFG), else the prompt cache's entry for these
+        `settings` (the prompts and every encode option), else `encode()`, which is then cached."""
         with phase("encode"):
             if conditioning is None:
                 if prompt is None:
                     raise MlxdiffError("give a prompt or a conditioning")
-                return encode()
+                key = (repr(prompt), cfg, settings, tuple(Residency.key(s) for s in self.components.values()
+                                                         if s is not None and s.name.startswith("text_encoder")))
+                if key in self._prompts:
+                    self._prompts[key] = self._prompts.pop(key)     # most recent last
+                    if result is not None:
+                        result.reused.append("conditioning")
+                    return self._prompts[key]
+                conditioning = self._prompts[key] = encode()
+                while len(self._prompts) > self.PROMPT_CACHE:
+                    self._prompts.pop(next(iter(self._prompts)))
+                return conditioning
             if cfg and conditioning.negative_prompt_embeds is None:
                 raise MlxdiffError("guidance > 1 needs a conditioning encoded with do_classifier_free_guidance=True")
             return conditioning

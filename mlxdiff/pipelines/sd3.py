@@ -14,7 +14,7 @@ from .. import schedulers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
 from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
-                     loaded, new_run)
+                     new_run)
 
 
 @dataclass
@@ -43,7 +43,7 @@ class SD3Pipeline(Pipeline):
         name, tok = ("text_encoder", "tokenizer") if index == 0 else ("text_encoder_2", "tokenizer_2")
         max_length = self.tokenizers["tokenizer"].model_max_length  # diffusers uses tokenizer 1's limit for both
         ids = tokenize(self.tokenizers[tok], prompts, max_length, truncated)
-        with loaded(self.components[name], self.dtype) as encoder:
+        with self.use(self.components[name]) as encoder:
             out = encoder(mx.array(ids))
             layer = -2 if clip_skip is None else -(clip_skip + 2)
             embeds, pooled = out.hidden_states[layer], out.text_embeds
@@ -56,7 +56,7 @@ class SD3Pipeline(Pipeline):
             joint = self.components["transformer"].args.joint_attention_dim
             return mx.zeros((len(prompts), max_sequence_length, joint), dtype=self.dtype)
         ids = tokenize(self.tokenizers["tokenizer_3"], prompts, max_sequence_length, truncated)
-        with loaded(spec, self.dtype) as encoder:
+        with self.use(spec) as encoder:
             out = encoder(mx.array(ids))
             mx.eval(out)
         return out
@@ -108,7 +108,7 @@ class SD3Pipeline(Pipeline):
         result, phase = new_run()
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
             prompt, negative_prompt, do_classifier_free_guidance=cfg, clip_skip=clip_skip,
-            max_sequence_length=max_sequence_length))
+            max_sequence_length=max_sequence_length), (repr(negative_prompt), clip_skip, max_sequence_length), result)
         cond, cond_pooled = conditioning.prompt_embeds, conditioning.pooled_prompt_embeds
         batch = cond.shape[0]
         embeds, pooled = cond, cond_pooled
@@ -121,7 +121,7 @@ class SD3Pipeline(Pipeline):
         x = initial_latents(latents, shape, seed)
         sigmas, timesteps = schedulers.sd3_sigmas(steps, self.scheduler_config)
 
-        with phase("denoise"), loaded(self.components["transformer"], self.dtype, result) as transformer:
+        with phase("denoise"), self.use(self.components["transformer"], result) as transformer:
             def velocity(i, x):
                 t = mx.full((2 * batch if cfg else batch,), timesteps[i], dtype=mx.float32)
                 v = transformer(mx.concatenate([x, x]).astype(self.dtype) if cfg else x.astype(self.dtype),
@@ -137,6 +137,6 @@ class SD3Pipeline(Pipeline):
                 return v
             x = denoise(velocity, x, sigmas, timesteps, callback, progress_bar)
 
-        with phase("decode"), loaded(self.components["vae"], self.dtype, result) as vae:
+        with phase("decode"), self.use(self.components["vae"], result) as vae:
             images = decode(vae, x, self.dtype)
         return finish(result, images, x)

@@ -1,0 +1,84 @@
+"""Repeated generation: components kept loaded across generate() calls by the keep= policy, and prompts encoded
+once (the embedded default model, 2 steps)."""
+
+import numpy as np
+import pytest
+
+import mlxdiff
+import mlx.core as mx
+from mlxdiff import default_model, memory
+from mlxdiff.loading.sources import ComponentSpec
+
+KW = dict(steps=2, seed=5, progress_bar=False)
+
+
+@pytest.fixture
+def builds(monkeypatch):
+    """Every ComponentSpec.build call, by component name."""
+    calls = []
+    original = ComponentSpec.build
+
+    def counting(self, *args, **kwargs):
+        calls.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(ComponentSpec, "build", counting)
+    return calls
+
+
+def _active():
+    mx.synchronize()
+    mx.clear_cache()
+    return mx.get_active_memory()
+
+
+def test_same_prompt_is_encoded_once_and_images_match(builds):
+    pipe = mlxdiff.load(str(default_model.folder()))
+    first = pipe.generate(default_model.PROMPT, **KW)
+    assert builds.count("text_encoder") == 1 and first.reused == []
+    second = pipe.generate(default_model.PROMPT, **KW)
+    assert builds.count("text_encoder") == 1          # the encoder is not even loaded again
+    assert second.reused == ["conditioning"]
+    assert np.array_equal(first.latents, second.latents)
+    pipe.generate("a small green triangle at the top on a black background", **KW)
+    assert builds.count("text_encoder") == 2          # a new prompt is encoded
+
+
+def test_keep_all_reuses_every_component(builds):
+    base = _active()
+    plain = mlxdiff.load(str(default_model.folder())).generate(default_model.PROMPT, **KW)
+    pipe = mlxdiff.load(str(default_model.folder()), keep="all")
+    first = pipe.generate(default_model.PROMPT, **KW)
+    held = _active() - base
+    assert held >= sum(pipe.components[n].loaded_nbytes() for n in ("transformer", "vae", "text_encoder")) * 0.9
+    second = pipe.generate("a large blue square on the left on a white background", **KW)
+    assert set(second.reused) == {"transformer", "vae"}
+    assert builds.count("transformer") == 2 and builds.count("vae") == 2     # plain run + the first kept run
+    assert builds.count("text_encoder") == 2                                  # kept: the new prompt loads nothing
+    assert np.array_equal(first.latents, plain.latents)
+    pipe.release()
+    assert _active() - base < 0.05 * held
+
+
+def test_keep_auto_frees_when_the_budget_says_so(builds):
+    base = _active()
+    old = mx.get_memory_limit()
+    pipe = mlxdiff.load(str(default_model.folder()), keep="auto")
+    try:
+        memory.set_memory_limit(0.013)     # 13 MB: each phase fits, the transformer (12.4 MB) with no other
+        pipe.generate(default_model.PROMPT, **KW)
+        assert _active() - base < 2_000_000
+        result = pipe.generate(default_model.PROMPT, **KW)
+        assert "transformer" not in result.reused and builds.count("transformer") == 2
+    finally:
+        memory.memory_limit = None
+        mx.set_memory_limit(old)
+    result = pipe.generate(default_model.PROMPT, **KW)    # no limit: 3/4 of physical memory holds all
+    result = pipe.generate(default_model.PROMPT, **KW)
+    assert {"transformer", "vae"} <= set(result.reused)
+    pipe.release()
+
+
+def test_bad_keep_policy():
+    with pytest.raises(mlxdiff.MlxdiffError, match="keep="):
+        mlxdiff.load(str(default_model.folder()), keep="sometimes")
