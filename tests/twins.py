@@ -33,12 +33,7 @@ MISTRAL_TEMPLATE = (
     "{%- endif %}{%- endfor %}{%- endif %}{{- '[/INST]' }}"
     "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}{%- endif %}"
     "{%- endfor %}")
-QWEN3_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
+from tools.train_klein_shapes.train import QWEN3_TEMPLATE  # noqa: E402  (the real Qwen3 chat template)
 
 
 def build_tokenizer(folder, specials, template, padding_side, pad, bos=None, eos=None, add_bos=False):

@@ -1,7 +1,7 @@
 """The skeleton every pipeline shares: phases that load a model, use it and free it; the denoise loop; the decode
 tail; the Result; progress; the request checks and defaults.
 
-A run is encode -> free -> denoise -> free -> decode. Each model lives only inside `loaded(...)`, so the peak is
+A run is encode -> free -> denoise -> free -> decode. Each model lives only inside `Pipeline.use(...)`, so the peak is
 the largest phase, not the sum. On leaving, the module is emptied in place (a reference the caller still holds
 becomes an empty shell) and MLX's buffer cache is returned, so the next phase starts from near zero. A family
 (sd3.py, flux2.py) supplies only what is its own: prompt encoding, its velocity and its latent packing.
@@ -124,18 +124,6 @@ def build_model(spec, compute_dtype, result: Result | None = None):
     if result is not None:
         result.load_seconds[spec.name] = time.perf_counter() - start
     return model, nbytes
-
-
-@contextmanager
-def loaded(spec, compute_dtype, result: Result | None = None):
-    """Build the model a ComponentSpec describes, evaluate its weights, and empty it on leaving."""
-    model, _ = build_model(spec, compute_dtype, result)
-    try:
-        yield model
-    finally:
-        model.clear()  # nn.Module is a dict: drop every parameter and child, even if the caller keeps `model`
-        del model
-        release()
 
 
 KEEP_POLICIES = ("none", "auto", "all")
