@@ -1,16 +1,122 @@
-"""What the command-line tools share: parsing of options that the API takes as values."""
+"""What the command-line tools share: one-line parse errors, the error and Ctrl-C wrapper, parsing of options that
+the API takes as values (then checked by arguments.py, as the API checks them), and writing files: checked before
+any work, written atomically, a failure in one line. Light on imports, so that a mistake is refused at once."""
+
+import argparse
+import os
+import sys
+import tempfile
+from pathlib import Path
 
 from .errors import MlxdiffError
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes read as every other user mistake: one `mlxdiff: error: ...` line on stderr and exit
+    code 2 (argparse's own prints a usage block first). Subparsers inherit the class."""
+
+    def error(self, message):
+        self.exit(2, f"mlxdiff: error: {message}\n")
+
+
+def run(work, interrupted="interrupted") -> int:
+    """work() -> exit code, with a user mistake as one line and 2, Ctrl-C as one line and 130. `interrupted`: the
+    line's text, or a function that says it (what was written by then)."""
+    try:
+        return work()
+    except MlxdiffError as e:
+        print("mlxdiff: error: " + " ".join(str(e).splitlines()), file=sys.stderr)   # one line, whatever it says
+        return 2
+    except KeyboardInterrupt:
+        print(f"mlxdiff: {interrupted() if callable(interrupted) else interrupted}", file=sys.stderr)
+        return 130
+
+
 def parse_quantize(text):
-    """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}."""
+    """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}; checked as the API
+    checks quantize= (a component named twice is refused, not overridden)."""
+    from .arguments import check_quantize
     if text is None:
         return None
     try:
         if "=" not in text:
-            return int(text)
-        return {k.strip(): int(v) for k, v in (item.split("=") for item in text.split(","))}
+            return check_quantize(int(text))
+        value = {}
+        for item in text.split(","):
+            name, bits = (part.strip() for part in item.split("="))
+            if not name:
+                raise ValueError
+            if name in value:
+                raise MlxdiffError(f"--quantize {text!r}: {name} is given twice; give each component once")
+            value[name] = int(bits)
     except ValueError:
         raise MlxdiffError(f"--quantize {text!r}: expected bits (e.g. 4) or component=bits pairs "
                            "(e.g. transformer=4,text_encoder_3=8)") from None
+    return check_quantize(value)
+
+
+def parse_layers(text):
+    """"7,8,9" -> [7, 8, 9] (the range is the pipeline's check)."""
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise MlxdiffError(f"--skip-guidance-layers {text!r}: expected layer indices such as 7,8,9") from None
+
+
+# -- writing ---------------------------------------------------------------------------------------------------------
+
+def write_error(path, error: OSError) -> MlxdiffError:
+    """A failed write (disk full, file-size limit, read-only place) as one line."""
+    return MlxdiffError(f"{path}: cannot write ({error.strerror or error}); nothing was written there")
+
+
+def check_writable(path, option="--output") -> Path:
+    """Fail before any work if the output cannot be written. The folder is probed by creating a file in it: its
+    permission bits do not stop root, and /proc or a read-only mount refuse only the real thing."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise MlxdiffError(f"{path}: output path is a folder; give a file name such as {path / 'out.png'}")
+    if path.exists() and not path.is_file():   # os.replace would put a regular file in place of /dev/null
+        raise MlxdiffError(f"{path}: output is not a regular file (a device, pipe or socket); give a file name")
+    if not parent.is_dir():
+        what = "is not a folder" if parent.exists() else "does not exist; create it first"
+        raise MlxdiffError(f"{path}: output folder {parent} {what}")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise MlxdiffError(f"{path}: output is not writable; choose another {option}")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mlxdiff-", suffix=".png", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise MlxdiffError(f"{path}: output is not writable ({e.strerror or e}); choose another {option}") from None
+    return path
+
+
+def save_png(image, path, parameters: dict) -> Path:
+    """Write atomically (temp file + rename), so a failure (disk full, file-size limit) never leaves a partial PNG;
+    it is one MlxdiffError line."""
+    from PIL.PngImagePlugin import PngInfo
+    path = check_writable(path)
+    info = PngInfo()
+    info.add_text("parameters", "; ".join(f"{k}: {v}" for k, v in parameters.items()))
+    for k, v in parameters.items():
+        info.add_text(f"mlxdiff:{k}", str(v))
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".mlxdiff-", suffix=".png", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            image.save(f, format="PNG", pnginfo=info)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; an image should get the usual permissions
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
+        raise
+    return path

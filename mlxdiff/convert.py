@@ -5,7 +5,8 @@ and layouts (quantized arrays included; the LLM text encoders whole, in their tr
 config.json carrying `_mlxdiff_native` and the quantization, so
 that `mlxdiff.load(DEST)` maps it lazily with no conversion step. Tokenizers, scheduler and model_index.json are
 copied. The folder is written under a temporary name and renamed at the end: a failed conversion never leaves a
-folder that looks complete. A relative DEST goes under weights/.
+folder that looks complete (a failed write or Ctrl-C removes it: one line, exit 2 or 130). A relative DEST goes under
+weights/.
 """
 
 import argparse
@@ -15,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .cli import ArgumentParser, parse_quantize, run, write_error
 from .errors import MlxdiffError
 
 
@@ -32,11 +34,15 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
     if dest.exists():
         raise MlxdiffError(f"{dest}: destination already exists; choose a new name or delete it first")
     if not dest.parent.is_dir():
-        raise MlxdiffError(f"{dest.parent}: destination's parent folder does not exist")
-    pipe = mlxdiff.load(source, transformer=transformer, quantize=quantize)
-    src_root = resolve_path(source)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+        what = "is not a folder" if dest.parent.exists() else "does not exist"
+        raise MlxdiffError(f"{dest.parent}: destination's parent folder {what}")
     try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
+    except OSError as e:
+        raise write_error(dest, e) from None
+    try:
+        pipe = mlxdiff.load(source, transformer=transformer, quantize=quantize)
+        src_root = resolve_path(source)
         index = {}
         if src_root.is_dir():
             index = json.loads((src_root / "model_index.json").read_text())
@@ -66,7 +72,11 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
             materialize(model)
             (tmp / name).mkdir()
             weights = {(stored_prefix or "") + k: v for k, v in tree_flatten(model.parameters())}
-            mx.save_safetensors(str(tmp / name / "model.safetensors"), weights, metadata={"format": "mlxdiff"})
+            try:
+                mx.save_safetensors(str(tmp / name / "model.safetensors"), weights, metadata={"format": "mlxdiff"})
+            except RuntimeError as e:   # MLX's write errors (disk full, file-size limit) are RuntimeErrors
+                raise MlxdiffError(f"{dest}: cannot write {name}/model.safetensors ({e}); nothing was written "
+                                   "there") from None
             config = {k: v for k, v in spec.config.items() if k not in ("quantization", "taps")}
             if stored_prefix is None:
                 config[NATIVE_KEY] = True
@@ -82,28 +92,28 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
         index["_mlxdiff_converted_from"] = str(source)
         (tmp / "model_index.json").write_text(json.dumps(index, indent=1))
         tmp.rename(dest)
-    except BaseException:
+    except BaseException as e:   # Ctrl-C included: the partial folder goes, so nothing can load it later
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(dest, e) from None
         raise
     return dest
 
 
 def main(argv=None) -> int:
-    from .cli import parse_quantize
-    p = argparse.ArgumentParser(prog="python -m mlxdiff.convert", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m mlxdiff.convert", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source")
     p.add_argument("dest")
     p.add_argument("--quantize", default=None)
     p.add_argument("--transformer", default=None)
     args = p.parse_args(argv)
-    try:
+
+    def work():
         dest = convert(args.source, args.dest, quantize=parse_quantize(args.quantize), transformer=args.transformer)
         print(f"mlxdiff: wrote {dest}")
         return 0
-    except MlxdiffError as e:
-        print(f"mlxdiff: error: {e}", file=sys.stderr)
-        return 2
+    return run(work, "interrupted; nothing written (the partial folder was removed)")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from . import cli
+from .cli import ArgumentParser, check_writable, write_error
 from .errors import MlxdiffError
 from .memory import GB, process_footprint
 
@@ -34,8 +36,11 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
     phase shorter than the interval needs; `MLXDIFF_GPU <phase> <allocated> <reserved>`: torch's CUDA allocator),
     its stdout and the tail of its other stderr."""
     start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, **(env or {})})
+    except OSError as e:
+        raise MlxdiffError(f"{cmd[0]}: cannot run it ({e.strerror or e})") from None
     phases, open_phases, tail, gpu, rss, stdout = [], {}, [], {}, {}, []
 
     def read_stderr():
@@ -121,6 +126,14 @@ def summarize(run: dict) -> dict:
     return out
 
 
+def write_text(path: Path, text: str):
+    """A result file; a failed write (disk full, read-only place) is one line."""
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise write_error(path, e) from None
+
+
 def timeline(runs: dict, path: Path):
     try:
         import matplotlib
@@ -132,7 +145,7 @@ def timeline(runs: dict, path: Path):
             lines.append(f"# {label}")
             lines += [f"{t:8.1f} s  {m / GB:7.2f} GB" for t, m in run["samples"][::max(1, len(run['samples']) // 60)]]
         path = path.with_suffix(".txt")
-        path.write_text("\n".join(lines) + "\n")
+        write_text(path, "\n".join(lines) + "\n")
         return path
     fig, ax = plt.subplots(figsize=(10, 5))
     for label, run in runs.items():
@@ -143,7 +156,10 @@ def timeline(runs: dict, path: Path):
     ax.set_ylabel("footprint (GB)")
     ax.legend()
     ax.set_title("process footprint over time")
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    try:
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+    except OSError as e:
+        raise write_error(path, e) from None
     return path
 
 
@@ -153,17 +169,10 @@ REFERENCES = {"sd3": "mlxdiff.reference.sd3", "flux2": "mlxdiff.reference.flux2"
 def reference_for(model) -> tuple:
     """(the reference module, the local path) for what the user named: a pipeline folder by model_index.json's
     _class_name (a cached hub id too); a single .safetensors file is SD3.5's."""
-    from .loading.sources import PIPELINE_FAMILIES, resolve_path
+    from .loading.sources import PIPELINE_FAMILIES, read_pipeline_folder, resolve_path
     path = resolve_path(model)
     if path.is_dir():
-        index = path / "model_index.json"
-        try:
-            cls = json.loads(index.read_text()).get("_class_name")
-        except (OSError, ValueError) as e:
-            raise MlxdiffError(f"{index}: cannot read the pipeline class ({e})") from None
-        if cls not in PIPELINE_FAMILIES:
-            raise MlxdiffError(f"{index}: no diffusers reference for pipeline {cls!r}; supported: "
-                               + ", ".join(sorted(PIPELINE_FAMILIES)))
+        _, cls, _ = read_pipeline_folder(path)     # the checked index: one line for anything malformed
         return REFERENCES[PIPELINE_FAMILIES[cls]], path
     if path.suffix == ".safetensors":
         return REFERENCES["sd3"], path
@@ -200,7 +209,11 @@ def _gpu_overall(gpu: dict) -> str:
 def compare(args) -> int:
     from . import backend, default_model
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise write_error(out, e) from None
+    check_writable(out / "footprint.json", "--out")   # before the runs, not after minutes of them
     model = args.model or str(default_model.folder())
     module, path = reference_for(model)
     transformer = None
@@ -269,15 +282,15 @@ def compare(args) -> int:
                     "" if g["reserved"] is None else f" / {_gb(g['reserved'])}"))
             print(f"| GPU {phase} | " + " | ".join(cells) + " |")
         print("| GPU overall peak | " + " | ".join(_gpu_overall(summaries[l]["gpu"]) for l in labels) + " |")
-    (out / "footprint.json").write_text(json.dumps({"measured": measured(runs, args.interval), "runs": runs,
-                                                    "summaries": summaries}, indent=1))
+    write_text(out / "footprint.json", json.dumps({"measured": measured(runs, args.interval), "runs": runs,
+                                                   "summaries": summaries}, indent=1))
     print(f"timeline: {timeline(runs, out / 'timeline.png')}; raw: {out / 'footprint.json'}")
     return 0
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mlxdiff.footprint", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog="python -m mlxdiff.footprint", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
     r = sub.add_parser("run")
     r.add_argument("--interval", type=float, default=0.2)
@@ -297,22 +310,25 @@ def main(argv=None) -> int:
     c.add_argument("--out", default="footprint-out")
     c.add_argument("--mlxdiff-only", action="store_true")
     args = p.parse_args(argv)
-    try:
-        if args.what == "run":
-            cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-            if not cmd:
-                raise MlxdiffError("footprint run: give a command after --")
-            run = sample(cmd, args.interval)
-            s = summarize(run)
-            print(f"peak {s['peak'] / GB:.2f} GB over {run['samples'][-1][0] if run['samples'] else 0:.1f} s; "
-                  + ", ".join(f"{k}: {v['peak'] / GB:.2f} GB" for k, v in s["phases"].items() if v["peak"]))
-            if args.json:
-                Path(args.json).write_text(json.dumps({"run": run, "summary": s}, indent=1))
-            return run["rc"]
-        return compare(args)
-    except MlxdiffError as e:
-        print(f"mlxdiff: error: {e}", file=sys.stderr)
-        return 2
+
+    def work():
+        from .arguments import check_number
+        check_number("interval", args.interval)
+        if args.what == "compare":
+            return compare(args)
+        cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
+        if not cmd:
+            raise MlxdiffError("footprint run: give a command after --")
+        if args.json:
+            check_writable(args.json, "--json")               # before the run, not after it
+        run_ = sample(cmd, args.interval)
+        s = summarize(run_)
+        print(f"peak {s['peak'] / GB:.2f} GB over {run_['samples'][-1][0] if run_['samples'] else 0:.1f} s; "
+              + ", ".join(f"{k}: {v['peak'] / GB:.2f} GB" for k, v in s["phases"].items() if v["peak"]))
+        if args.json:
+            write_text(args.json, json.dumps({"run": run_, "summary": s}, indent=1))
+        return run_["rc"]
+    return cli.run(work)
 
 
 if __name__ == "__main__":

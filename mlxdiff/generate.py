@@ -1,24 +1,40 @@
-"""python -m mlxdiff.generate --model M --prompt P [...] --output out.png"""
+"""python -m mlxdiff.generate [--model M] [--prompt P | --prompts-file F] [--seed S ...] [--num-images N] [...]
+    --output out.png
 
-import argparse
+One image goes to --output. A job of several (every prompt of --prompts-file with every seed; --num-images N with
+one seed S: seeds S..S+N-1) writes out-0.png, out-1.png, ... beside --output (the index zero-padded to the width of
+the last one; prompt-major order), each with its own metadata, under one progress bar, and keeps what is loaded
+between images (--keep auto).
+"""
+
 import sys
 import time
+from pathlib import Path
 
-from .cli import parse_quantize
+from .arguments import MAX_IMAGES, check_generate, check_number, check_text
+from .cli import ArgumentParser, check_writable, parse_layers, parse_quantize, run, save_png
 from .errors import MlxdiffError
+
+PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encoder's length
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m mlxdiff.generate", description=__doc__)
+    p = ArgumentParser(prog="python -m mlxdiff.generate", description=__doc__)
     p.add_argument("--model", help="pipeline folder, hub id in the local HF cache, or single file "
                                     "(default: the embedded default model under weights/)")
     p.add_argument("--prompt", default=None)
+    p.add_argument("--prompts-file", default=None, metavar="FILE",
+                   help="UTF-8 text, one prompt a line (blank lines skipped); each prompt is drawn with each seed")
     p.add_argument("--negative-prompt", default=None)
-    p.add_argument("--width", type=int, default=None)
-    p.add_argument("--height", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--guidance", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--width", type=int, default=None, help="pixels, up to 4096 (default: the model's)")
+    p.add_argument("--height", type=int, default=None, help="pixels, up to 4096 (default: the model's)")
+    p.add_argument("--steps", type=int, default=None, help="1 to 1000 (default: the model's)")
+    p.add_argument("--guidance", type=float, default=None, help="0 to 100 (default: the model's)")
+    p.add_argument("--seed", type=int, nargs="+", default=[0], help="one or more seeds, 0 to 2^64-1 (default 0)")
+    p.add_argument("--num-images", type=int, default=None, metavar="N",
+                   help="N images from one --seed S: seeds S..S+N-1")
+    p.add_argument("--keep", choices=("none", "auto", "all"), default=None,
+                   help="components kept loaded between images (default: auto for several images, none for one)")
     p.add_argument("--transformer", help="a file that replaces the denoiser (safetensors or GGUF)")
     p.add_argument("--skip-guidance-layers", default=None, help="SD3.5: comma-separated layer indices, e.g. 7,8,9")
     p.add_argument("--quantize", default=None,
@@ -30,57 +46,135 @@ def parse_args(argv=None):
                    help="cap MLX memory; a phase whose weights cannot fit stops before loading")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
-    p.add_argument("--output", default="out.png")
+    p.add_argument("--output", default="out.png", help="the PNG; several images: out-0.png, out-1.png, ...")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
 
+def read_prompts(path) -> list:
+    """The prompts of a --prompts-file: UTF-8 (a BOM is dropped), one a line, blank lines skipped; read with a bound,
+    so that /dev/zero is refused rather than read forever."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(PROMPTS_FILE_BYTES + 1)
+    except OSError as e:
+        raise MlxdiffError(f"--prompts-file {path}: cannot read it ({e.strerror or e})") from None
+    if len(data) > PROMPTS_FILE_BYTES:
+        raise MlxdiffError(f"--prompts-file {path}: larger than {PROMPTS_FILE_BYTES >> 20} MB; split it")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise MlxdiffError(f"--prompts-file {path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset "
+                           f"{e.start})") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise MlxdiffError(f"--prompts-file {path}: has no prompts; write one prompt a line")
+    return prompts
+
+
+def job_seeds(seeds, num_images) -> list:
+    if num_images is not None:
+        num_images = check_number("num_images", num_images)
+        if len(seeds) == 1:
+            check_number("seed", seeds[0])
+            seeds = [seeds[0] + i for i in range(num_images)]
+        elif num_images != len(seeds):
+            raise MlxdiffError(f"--num-images {num_images} with {len(seeds)} seeds: give one seed (N images from "
+                               "it) or N seeds")
+    return [check_number("seed", s) for s in seeds]
+
+
+def output_names(output, count) -> list:
+    """out.png for one image; out-0.png ... out-{count-1}.png for several."""
+    path = Path(output)
+    if count == 1:
+        return [path]
+    width = len(str(count - 1))
+    return [path.with_name(f"{path.stem}-{i:0{width}d}{path.suffix}") for i in range(count)]
+
+
+def job_bar(total, enabled):
+    """One progress bar over every denoise step of the job (the pipeline's own bars are off)."""
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="generate", unit="step")
+
+
+def generate(args, written) -> int:
+    # everything that can be checked without the model is checked before anything is read
+    prompts = [check_text("prompt", args.prompt, lists=False)] if args.prompt is not None else None
+    if args.prompts_file is not None:
+        if prompts is not None:
+            raise MlxdiffError("--prompt and --prompts-file: give one of them")
+        prompts = [check_text("prompt", p, lists=False) for p in read_prompts(args.prompts_file)]
+    check_text("negative_prompt", args.negative_prompt, lists=False)
+    check_generate(width=args.width, height=args.height, steps=args.steps, guidance=args.guidance)
+    seeds = job_seeds(args.seed, args.num_images)
+    count = len(prompts or [None]) * len(seeds)
+    if count > MAX_IMAGES:
+        raise MlxdiffError(f"{count} images (prompts x seeds): at most {MAX_IMAGES} in one command")
+    outputs = [check_writable(o) for o in output_names(args.output, count)]
+    quantize, layers = parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers)
+    if args.memory_limit is not None:
+        from .memory import set_memory_limit
+        set_memory_limit(args.memory_limit)
+
+    import mlxdiff
+    model = args.model
+    if model is None:
+        from . import default_model
+        model = default_model.folder()
+        print(f"mlxdiff: using the embedded default model {model}")
+        print(f"mlxdiff: {default_model.NOTICE}")
+        if prompts is None:
+            prompts = [default_model.PROMPT]
+            print(f"mlxdiff: prompt: {default_model.PROMPT}")
+    prompts = prompts or ["a red circle on a blue background"]
+    t0 = time.perf_counter()
+    pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
+                        matmul=args.matmul, keep=args.keep or ("auto" if count > 1 else "none"))
+    width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
+    options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
+    if layers is not None:
+        options["skip_guidance_layers"] = layers
+    base = {"negative_prompt": args.negative_prompt or "", "model": str(model), "transformer": args.transformer or "",
+            "steps": steps, "guidance": guidance, "dtype": str(pipe.dtype).replace("mlx.core.", ""),
+            "generator": "mlxdiff"}
+    job = [(prompt, seed) for prompt in prompts for seed in seeds]
+    bar = job_bar(count * steps, not args.no_progress)
+    callback = None if bar is None else lambda i, t, x: bar.update(1)
+    try:
+        for k, ((prompt, seed), output) in enumerate(zip(job, outputs)):
+            if bar is not None and count > 1:
+                bar.set_description(f"image {k + 1}/{count}")
+            start = time.perf_counter()
+            result = pipe.generate(prompt, seed=seed, callback=callback, progress_bar=False, **options)
+            save_png(result.image, output, {"prompt": prompt, **base, "width": result.image.width,
+                                            "height": result.image.height, "seed": seed})
+            written.append(output)
+            if count == 1:
+                print(result.memory_report() if args.report_memory else result.summary())
+            else:
+                say = print if bar is None else bar.write      # a line above the bar, not through it
+                say(f"mlxdiff: image {k + 1}/{count} (seed {seed}) in {time.perf_counter() - start:.1f} s: {output}")
+                if args.report_memory:
+                    say(result.memory_report())
+    finally:
+        if bar is not None:
+            bar.close()
+        pipe.release()
+    what = (f"image written to {outputs[0].resolve()}" if count == 1 else
+            f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")
+    print(f"mlxdiff: total {time.perf_counter() - t0:.1f} s; {what}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        from .pipelines.images import check_writable, save_png
-        output = check_writable(args.output)
-        import mlxdiff
-        if args.memory_limit is not None:
-            from .memory import set_memory_limit
-            set_memory_limit(args.memory_limit)
-        model, prompt = args.model, args.prompt
-        if model is None:
-            from . import default_model
-            model = default_model.folder()
-            prompt = default_model.PROMPT if prompt is None else prompt
-            print(f"mlxdiff: using the embedded default model {model}")
-            print(f"mlxdiff: {default_model.NOTICE}")
-            print(f"mlxdiff: prompt: {prompt}")
-        prompt = prompt if prompt is not None else "a red circle on a blue background"
-        t0 = time.perf_counter()
-        pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype,
-                            quantize=parse_quantize(args.quantize), matmul=args.matmul)
-        kwargs = dict(negative_prompt=args.negative_prompt, width=args.width, height=args.height, seed=args.seed,
-                      progress_bar=not args.no_progress)
-        defaults = pipe.defaults()
-        kwargs["steps"] = args.steps or defaults["steps"]
-        kwargs["guidance"] = args.guidance if args.guidance is not None else defaults["guidance"]
-        if args.skip_guidance_layers:
-            try:
-                kwargs["skip_guidance_layers"] = [int(x) for x in args.skip_guidance_layers.split(",")]
-            except ValueError:
-                raise MlxdiffError(f"--skip-guidance-layers {args.skip_guidance_layers!r}: expected e.g. 7,8,9") from None
-        result = pipe.generate(prompt, **kwargs)
-        params = {"prompt": prompt, "negative_prompt": args.negative_prompt or "", "model": str(model),
-                  "transformer": args.transformer or "", "width": result.image.width, "height": result.image.height,
-                  "steps": kwargs["steps"], "guidance": kwargs["guidance"], "seed": args.seed,
-                  "dtype": str(pipe.dtype).replace("mlx.core.", ""), "generator": "mlxdiff"}
-        save_png(result.image, output, params)
-        print(result.memory_report() if args.report_memory else result.summary())
-        print(f"mlxdiff: total {time.perf_counter() - t0:.1f} s; image written to {output.resolve()}")
-        return 0
-    except MlxdiffError as e:
-        print(f"mlxdiff: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("mlxdiff: interrupted; no image written", file=sys.stderr)
-        return 130
+    written = []
+    return run(lambda: generate(args, written), lambda: "interrupted; " + (
+        f"{len(written)} images written" if written else "no image written"))
 
 
 if __name__ == "__main__":

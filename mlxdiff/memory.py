@@ -8,7 +8,7 @@
 import ctypes
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import backend  # noqa: F401
 import mlx.core as mx
@@ -83,11 +83,12 @@ memory_limit = None  # bytes, set by set_memory_limit (--memory-limit); None: on
 
 def set_memory_limit(gb: float):
     """Cap MLX's memory and cache, and make every phase check that its weights fit before loading them."""
+    from .arguments import check_number
     from .errors import MlxdiffError
     global memory_limit
-    if gb <= 0:
-        raise MlxdiffError(f"--memory-limit {gb}: must be a positive number of GB")
-    memory_limit = int(gb * GB)
+    if gb is None:
+        raise MlxdiffError("memory_limit=None: give a number of GB")
+    memory_limit = int(check_number("memory_limit", gb) * GB)   # finite, positive, at most 2 x physical memory
     mx.set_memory_limit(memory_limit)
     mx.set_cache_limit(min(memory_limit, mx.get_cache_memory() + memory_limit // 4))
 
@@ -130,20 +131,31 @@ def conv_band_bytes():
     return memory_limit // 16 if memory_limit else None
 
 
-def check_fits(spec):
-    """Before a component loads: refuse, with a line saying what would fit, if its weights exceed the limit."""
+def check_fits(spec, compute_dtype=None):
+    """Before a component loads: the spec to load, or a refusal, with a line saying what would fit, if its weights
+    exceed the budget (the memory limit, else the free memory). A GGUF component whose default layout does not
+    fit but whose raw blocks do (formats/gguf.py: the file's own size, decoded a layer at a time) gets the raw
+    layout, unless MLXDIFF_GGUF_LAYOUT or the spec fixes one."""
     from .errors import MlxdiffError
     budget = [b for b in (memory_limit, available_bytes()) if b]
     if not budget:
-        return
-    need, budget = spec.loaded_nbytes(), min(budget)
+        return spec
+    need, budget = spec.loaded_nbytes(compute_dtype=compute_dtype), min(budget)
     if need <= budget:
-        return
-    hint = "no quantization makes it fit; use a machine with more memory"
-    for bits in (8, 4):
-        estimate = spec.loaded_nbytes(quantize=bits)
-        if estimate <= budget:
-            hint = f"quantize it: --quantize {spec.name}={bits} (about {fmt_gb(estimate)})"
-            break
+        return spec
+    gguf = any(str(f).endswith(".gguf") for f in spec.files)
+    if gguf:
+        hint = "use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K) or a machine with more memory"
+        if spec.gguf_layout is None and not os.environ.get("MLXDIFF_GGUF_LAYOUT"):
+            raw = replace(spec, gguf_layout="raw")
+            if raw.loaded_nbytes(compute_dtype=compute_dtype) <= budget:
+                return raw
+    else:
+        hint = "no quantization makes it fit; use a machine with more memory"
+        for bits in (8, 4):
+            estimate = spec.loaded_nbytes(quantize=bits)
+            if estimate <= budget:
+                hint = f"quantize it: --quantize {spec.name}={bits} (about {fmt_gb(estimate)})"
+                break
     limit = "the memory limit" if memory_limit and budget == memory_limit else "the free memory"
     raise MlxdiffError(f"{spec.name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")

@@ -10,19 +10,80 @@ import numpy as np
 from .errors import MlxdiffError
 
 ASSETS = Path(__file__).parent / "assets" / "tokenizers"
+MAX_TOKENIZER_BYTES = 256 << 20   # the largest real tokenizer.json (Gemma's) is 34 MB
+
+
+def _object(value) -> bool:
+    return isinstance(value, dict)
+
+
+def _tokenizer_json(value) -> str | None:
+    """What is wrong with a tokenizers `tokenizer.json` (None: the shape transformers reads)."""
+    if not isinstance(value, dict):
+        return "expected a JSON object with \"model\" and \"added_tokens\""
+    if not isinstance(value.get("model"), dict) or "vocab" not in value["model"]:
+        return "\"model\" must be an object with a \"vocab\""
+    tokens = value.get("added_tokens", [])
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, dict) and isinstance(t.get("id"), int) and not isinstance(t.get("id"), bool)
+            and isinstance(t.get("content"), str) for t in tokens):
+        return "\"added_tokens\" must be a list of {\"id\": integer, \"content\": string, ...}"
+    return None
+
+
+# JSON files of a tokenizer folder -> what is wrong with a parsed one (None: fine); checked before transformers reads
+# them, since transformers fails on a wrong shape with whatever error it meets first
+TOKENIZER_FILES = {
+    "tokenizer.json": _tokenizer_json,
+    "tokenizer_config.json": lambda v: None if _object(v) else "expected a JSON object of settings",
+    "special_tokens_map.json": lambda v: None if _object(v) else "expected a JSON object of tokens",
+    "added_tokens.json": lambda v: None if _object(v) else "expected a JSON object {token: id}",
+    "vocab.json": lambda v: None if _object(v) else "expected a JSON object {token: id}",
+}
+
+
+def check_tokenizer_files(folder) -> None:
+    for name, problem in TOKENIZER_FILES.items():
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            size = path.stat().st_size
+            if size > MAX_TOKENIZER_BYTES:
+                raise MlxdiffError(f"{path}: {size} bytes; a tokenizer file is at most {MAX_TOKENIZER_BYTES}")
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except RecursionError:
+            raise MlxdiffError(f"{path}: cannot read the tokenizer file (nested too deeply)") from None
+        except (OSError, ValueError) as e:
+            raise MlxdiffError(f"{path}: cannot read the tokenizer file ({str(e).splitlines()[0][:200]})") from None
+        what = problem(value)
+        if what:
+            raise MlxdiffError(f"{path}: not a valid {name}: {what}")
+
+
+def tokenizer_class(class_name):
+    """The transformers class model_index.json names when it is a tokenizer class; else AutoTokenizer (the folder's
+    tokenizer_config.json decides), as before for names transformers lacks: a model class named there is no
+    tokenizer."""
+    import transformers
+    if not class_name or "Tokenizer" not in class_name:   # e.g. PixtralProcessor: looking it up would import torch
+        return transformers.AutoTokenizer
+    cls = getattr(transformers, class_name, None)
+    good = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)
+    return cls if good else transformers.AutoTokenizer
 
 
 def load_tokenizer(folder, class_name=None):
     """A transformers tokenizer from a pipeline's `tokenizer*/` folder (class from model_index.json)."""
-    import transformers
     folder = Path(folder)
     if not folder.is_dir():
         raise MlxdiffError(f"{folder}: tokenizer folder is missing; the model folder is incomplete")
-    cls = getattr(transformers, class_name or "AutoTokenizer", None) or transformers.AutoTokenizer
+    check_tokenizer_files(folder)
     try:
-        return cls.from_pretrained(str(folder))
-    except (OSError, ValueError) as e:
-        raise MlxdiffError(f"{folder}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+        return tokenizer_class(class_name).from_pretrained(str(folder))
+    except Exception as e:  # the user's files: transformers raises whatever it meets (KeyError, TypeError, ...)
+        detail = (str(e).splitlines() or [""])[0][:200]
+        raise MlxdiffError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {detail})") from None
 
 
 def bundled_clip_tokenizer(pad_token):

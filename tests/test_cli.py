@@ -1,11 +1,17 @@
-"""The CLI: a successful run writes a PNG with metadata; each user mistake is one line, exit code 2, no PNG."""
+"""The CLI: a successful run writes a PNG with metadata; several images in one command (prompts file x seeds) are
+each the image its single run draws; each user mistake is one line, exit code 2, no PNG."""
 
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
+import pytest
 from PIL import Image
+
+import mlxdiff
+from mlxdiff.generate import main
 
 
 def run_cli(*args, cwd=None):
@@ -109,3 +115,73 @@ def test_default_model_draws_its_default_prompt(tmp_path):
     assert image.size == (64, 64)
     assert "red circle on the left" in default_model.PROMPT and "blue square on the right" in default_model.PROMPT
     assert dataset.colour_in_region(image, "red", "left") and dataset.colour_in_region(image, "blue", "right")
+
+
+# -- SD3.5-only arguments (beside the tiny SD3 folder this module builds anyway) -------------------------------------
+
+def _refused_in_process(capsys, argv, needle, out):
+    """mlxdiff.generate's main in this process (no interpreter start-up): exit 2, one line naming `needle`."""
+    assert main(["--no-progress", *argv, "--output", str(out)]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("mlxdiff: error: ") and needle in lines[0], lines
+    assert not out.exists()
+
+
+def test_sd3_skip_layers_bounded(sd3_tiny, tmp_path, capsys):
+    folder = str(sd3_tiny[0])
+    pipe = mlxdiff.load(folder)
+    kw = dict(width=24, height=40, steps=1, progress_bar=False)
+    for layers, needle in (([3], "from 0 to 2"), ([1, 1], "distinct"), ([], "layer indices"), ([True], "True")):
+        with pytest.raises(mlxdiff.MlxdiffError, match=needle):
+            pipe.generate("a cat", skip_guidance_layers=layers, **kw)
+    with pytest.raises(mlxdiff.MlxdiffError, match="FLUX.2 models only"):
+        pipe.generate("a cat", text_encoder_out_layers=[1], **kw)
+    with pytest.raises(mlxdiff.MlxdiffError, match="max_sequence_length=513"):
+        pipe.generate("a cat", max_sequence_length=513, **kw)
+    _refused_in_process(capsys, ["--model", folder, "--skip-guidance-layers", "0,3", "--steps", "1"], "from 0 to 2",
+                        tmp_path / "o.png")
+
+
+# -- several images in one command (issue 12, point 4) --------------------------------------------------------------
+
+def _pixels(path):
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+def test_several_images_match_single_runs(tmp_path, capsys):
+    """A prompts file of 2 x --seed 7 8: four PNGs named from --output (prompt-major), each with its own metadata and
+    pixel-identical to the single-image run of its prompt and seed, under one progress bar (no per-phase bars);
+    --num-images 2 from --seed 7 draws the first prompt's two again."""
+    prompts = ["a small green triangle at the top on a black background",
+               "a large blue square on the left on a white background"]
+    (tmp_path / "prompts.txt").write_text(f"{prompts[0]}\n\n{prompts[1]}\n", encoding="utf-8")
+    assert main(["--prompts-file", str(tmp_path / "prompts.txt"), "--seed", "7", "8", "--steps", "2",
+                 "--output", str(tmp_path / "job.png")]) == 0
+    err = capsys.readouterr().err
+    assert "image 4/4" in err and "denoise" not in err
+    names = [tmp_path / f"job-{i}.png" for i in range(4)]
+    assert sorted(p.name for p in tmp_path.glob("job*.png")) == [p.name for p in names]
+    for k, (path, (prompt, seed)) in enumerate(zip(names, [(p, s) for p in prompts for s in (7, 8)])):
+        image = Image.open(path)
+        assert image.text["mlxdiff:prompt"] == prompt and image.text["mlxdiff:seed"] == str(seed)
+        single = tmp_path / f"single-{k}.png"
+        assert main(["--prompt", prompt, "--seed", str(seed), "--steps", "2", "--no-progress",
+                     "--output", str(single)]) == 0
+        assert np.array_equal(_pixels(path), _pixels(single)), path
+    assert main(["--prompt", prompts[0], "--seed", "7", "--num-images", "2", "--steps", "2", "--no-progress",
+                 "--keep", "all", "--output", str(tmp_path / "n.png")]) == 0
+    assert [Image.open(tmp_path / f"n-{i}.png").text["mlxdiff:seed"] for i in range(2)] == ["7", "8"]
+    for i in range(2):
+        assert np.array_equal(_pixels(tmp_path / f"n-{i}.png"), _pixels(names[i]))
+    assert not (tmp_path / "job.png").exists() and not (tmp_path / "n.png").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_bad_prompts_file(tmp_path, capsys):
+    (tmp_path / "blank.txt").write_text("\n  \n\n")
+    (tmp_path / "latin1.txt").write_bytes("a caf\xe9 on a white background\n".encode("latin-1"))
+    # tmp_path / "/dev/zero" is /dev/zero: endless bytes, refused after a bounded read
+    for name, needle in (("missing.txt", "cannot read"), ("blank.txt", "no prompts"), ("latin1.txt", "UTF-8"),
+                         (".", "cannot read"), ("/dev/zero", "larger than")):
+        _refused_in_process(capsys, ["--prompts-file", str(tmp_path / name)], needle, tmp_path / "o.png")
+        assert not list(tmp_path.glob("o-*.png"))

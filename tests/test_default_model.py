@@ -86,14 +86,17 @@ def test_random_transformer_fails(tmp_path):
     torch.manual_seed(0)
     shutil.rmtree(folder / "transformer")
     Flux2Transformer2DModel(**config).to(torch.bfloat16).save_pretrained(str(folder / "transformer"))
-    rate, _ = pass_rate(generate(folder, [p for p, _, _ in PROMPTS]).images)
+    # 8 steps: a random transformer's images are noise at any step count, and the check is on every prompt
+    rate, _ = pass_rate(generate(folder, [p for p, _, _ in PROMPTS], steps=8).images)
     print(f"\nrandom transformer: semantic pass rate {rate:.1%}")
     assert rate <= 0.35
 
 
 def test_matches_diffusers():
     from diffusers import Flux2KleinPipeline
-    prompts = [p for p, _, _ in PROMPTS]      # the semantic test's prompts and step count
+    # six of the semantic test's prompts (every colour, shape, position and background), at its step count:
+    # parity is per image, so more prompts add time, not proof
+    prompts = [PROMPTS[4 * k + k % 4][0] for k in range(6)]
     steps = STEPS
     noise = np.random.default_rng(5).standard_normal((len(prompts), 32, SIDE // 8, SIDE // 8)).astype(np.float32)
     ref_pipe = Flux2KleinPipeline.from_pretrained(str(FOLDER), torch_dtype=torch.float32)

@@ -10,6 +10,7 @@ get Q5_K; everything else Q4_K (rows must be a multiple of 256, else F16 fallbac
 is a multiple of 256: D = 256 (4 heads of 64).
 """
 
+import dataclasses
 import json
 import sys
 
@@ -504,9 +505,12 @@ def test_resident_bytes_at_the_file_size(tmp_path, monkeypatch, qtype, dtype):
     gc.collect()
     mx.clear_cache()
     base = mx.get_active_memory()
-    model = sources.transformer_from_file(path, flux2).build(getattr(mx, dtype))
+    spec = sources.transformer_from_file(path, flux2)
+    model = spec.build(getattr(mx, dtype))
     materialize(model)
     resident = mx.get_active_memory() - base
+    estimate = spec.loaded_nbytes(compute_dtype=getattr(mx, dtype))     # from the header alone (memory checks)
+    assert abs(estimate - resident) <= 0.01 * resident, (estimate, resident)
     affine = dtype == "bfloat16" and qtype == T.Q4_K
     print(f"{qtype.name} {dtype}: file tensors {file_bytes / 1e6:.1f} MB, resident {resident / 1e6:.1f} MB "
           f"({resident / file_bytes:.3f}x)")
@@ -517,3 +521,36 @@ def test_resident_bytes_at_the_file_size(tmp_path, monkeypatch, qtype, dtype):
                   np.float32), timestep=np.array([0.5], np.float32), img_ids=np.zeros((1, 2, 4), np.int32),
                   txt_ids=np.zeros((1, 1, 4), np.int32))
     assert np.isfinite(mlx_forward(model, inputs)).all()
+
+
+def test_memory_budget_picks_the_raw_layout(tmp_path, monkeypatch):
+    """Under bf16 compute a Q4_K GGUF loads in its affine form (the fast path, 1.11x the file); when the budget
+    holds the file's own size but not that, the raw blocks are chosen (and said), and below the file's size the
+    load is refused before reading, with a hint."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    from mlxdiff import memory
+    from mlxdiff.errors import MlxdiffError
+    from mlxdiff.pipelines.phases import Result, build_model
+    with torch.device("meta"):
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
+    path = tmp_path / "flux2-Q4_K.gguf"
+    monkeypatch.setattr(sys.modules[__name__], "city96_type",
+                        lambda name, shape, family: T.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024
+                        else (T.Q4_K if len(shape) == 2 and shape[1] % 256 == 0 else T.BF16))
+    write_city96_gguf(path, shapes, "flux2", "flux", random=True)
+    monkeypatch.delenv("MLXDIFF_GGUF_LAYOUT", raising=False)
+    spec = sources.transformer_from_file(path, flux2)
+    affine = spec.loaded_nbytes(compute_dtype=mx.bfloat16)
+    raw = dataclasses.replace(spec, gguf_layout="raw").loaded_nbytes(compute_dtype=mx.bfloat16)
+    assert raw < affine
+    monkeypatch.setattr(memory, "memory_limit", (raw + affine) // 2)
+    result = Result(image=None, latents=None)
+    model, resident = build_model(spec, mx.bfloat16, result)
+    assert {type(m).__name__ for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, RawLinear))} \
+        == {"RawLinear"}
+    assert resident <= 1.01 * raw
+    assert result.notes and "raw blocks" in result.notes[0]
+    monkeypatch.setattr(memory, "memory_limit", raw // 2)
+    with pytest.raises(MlxdiffError, match="smaller quantization type"):
+        build_model(spec, mx.bfloat16)

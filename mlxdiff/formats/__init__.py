@@ -20,6 +20,8 @@ def is_gguf(path) -> bool:
 def check_weight_file(path, what="weights file") -> Path:
     """A path that names an existing .safetensors or .gguf file, or one line saying what is wrong."""
     path = Path(path)
+    if path.is_dir():
+        raise MlxdiffError(f"{path}: is a folder; expected a .safetensors or .gguf {what}")
     if not path.is_file():
         raise MlxdiffError(f"{path}: {what} not found")
     if path.suffix not in WEIGHT_SUFFIXES:
@@ -27,13 +29,22 @@ def check_weight_file(path, what="weights file") -> Path:
     return path
 
 
-def open_weights(path, compute_dtype=None) -> dict:
-    """{name: mx.array} from a safetensors file, or {name: mx.array | QuantizedTensor} from a GGUF file; lazy
-    where the format allows (safetensors are mapped, not read). Every header is checked first."""
+def open_weights(path, compute_dtype=None, gguf_layout=None) -> dict:
+    """{name: mx.array} from a safetensors file, or {name: mx.array | QuantizedTensor | RawBlocks} from a GGUF file
+    (in `gguf_layout`, formats/gguf.py); lazy where the format allows (safetensors are mapped, not read). Every
+    header is checked first."""
     if is_gguf(path):
         from .gguf import load_gguf
-        return load_gguf(path, compute_dtype)
+        return load_gguf(path, compute_dtype, gguf_layout)
     return safetensors.load_safetensors(path)
+
+
+def loaded_nbytes(path, compute_dtype=None, gguf_layout=None) -> int:
+    """Bytes a weight file's tensors take once opened: a GGUF file's in its layout, a safetensors file's as stored."""
+    if is_gguf(path):
+        from .gguf import loaded_nbytes as gguf_loaded_nbytes
+        return gguf_loaded_nbytes(path, compute_dtype, gguf_layout)
+    return sum(tensor_nbytes(path).values())
 
 
 class TensorShape:

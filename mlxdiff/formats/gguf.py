@@ -550,6 +550,38 @@ def use_raw_layers(model, layers: dict, compute_dtype=None) -> None:
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
 
 
+def _forms(layout, compute_dtype):
+    """(scale dtype, the GGUF types kept as raw blocks) for a layout (None: MLXDIFF_GGUF_LAYOUT, else "auto")."""
+    layout = layout or os.environ.get("MLXDIFF_GGUF_LAYOUT", "auto")
+    if layout not in LAYOUTS:
+        raise MlxdiffError(f"GGUF layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    sdtype = scale_dtype(backend.compute_dtype(compute_dtype))
+    if layout == "auto":   # float32 scales (float32 compute, the CPU default) would cost 1.5 bits per weight
+        layout = "raw" if sdtype == mx.float32 else "auto"
+    raw_types = () if layout == "affine" else (tuple(AFFINE) + tuple(REQUANTIZED) if layout == "raw"
+                                               else RAW_BY_DEFAULT)
+    return sdtype, raw_types
+
+
+def loaded_nbytes(path, compute_dtype=None, layout=None) -> int:
+    """Bytes the tensors of a GGUF file take once `load_gguf` has read them with `layout`, from the header alone:
+    plain tensors and raw blocks as stored, affine triplets as packed codes plus 16- or 32-bit scales and biases,
+    quantized vectors dequantized to the scale dtype."""
+    sdtype, raw_types = _forms(layout, compute_dtype)
+    total = 0
+    for info in check_gguf(path).tensors:
+        n = math.prod(info.shape)
+        if info.type_name in PLAIN or (info.type_name in raw_types and len(info.shape) >= 2):
+            total += info.nbytes
+        elif info.type_name in SUPPORTED:
+            if len(info.shape) == 1:
+                total += n * sdtype.size
+            else:
+                bits, group = (AFFINE.get(info.type_name) or REQUANTIZED[info.type_name])[1:]
+                total += n * bits // 8 + 2 * (n // group) * sdtype.size
+    return total
+
+
 def load_gguf(path, compute_dtype=None, layout=None) -> dict:
     """Check `path` (check_gguf), then read every tensor: {GGUF name: mx.array | QuantizedTensor}.
 
@@ -566,14 +598,7 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
         more = f" (and {len(unsupported) - 1} more tensors)" if len(unsupported) > 1 else ""
         raise MlxdiffError(f"{path}: tensor {t.name!r} has GGUF type {t.type_name}{more}, which mlxdiff does not "
                            f"support; supported types: {', '.join(SUPPORTED)}. Use a file quantized with one of them")
-    layout = layout or os.environ.get("MLXDIFF_GGUF_LAYOUT", "auto")
-    if layout not in LAYOUTS:
-        raise MlxdiffError(f"GGUF layout {layout!r}: use one of {', '.join(LAYOUTS)}")
-    sdtype = scale_dtype(backend.compute_dtype(compute_dtype))
-    if layout == "auto":   # float32 scales (float32 compute, the CPU default) would cost 1.5 bits per weight
-        layout = "raw" if sdtype == mx.float32 else "auto"
-    raw_types = () if layout == "affine" else (tuple(AFFINE) + tuple(REQUANTIZED) if layout == "raw"
-                                               else RAW_BY_DEFAULT)
+    sdtype, raw_types = _forms(layout, compute_dtype)
     try:
         filemap = np.memmap(path, mode="r") if header.tensors else None
     except (OSError, ValueError) as e:

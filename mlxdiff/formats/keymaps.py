@@ -67,10 +67,17 @@ def under_prefix_if_present(weights: dict, prefix: str) -> dict:
     return weights
 
 
-def required_shape(weights: dict, key: str, what: str) -> tuple:
-    """The shape of `weights[key]` for reading a config off an original checkpoint; a missing key means the file is
-    incomplete."""
+def required_shape(weights: dict, key: str, what: str, ndim: int | None = None) -> tuple:
+    """The shape of `weights[key]` for reading a config off an original checkpoint: present (else the file is
+    incomplete), with `ndim` dimensions when given and no empty one, so that no config is read off an impossible
+    tensor (a 1-D embedder, a zero-length norm)."""
     from ..errors import MlxdiffError
     if key not in weights:
         raise MlxdiffError(f"not a complete {what} original checkpoint: {key!r} is missing; re-download the file")
-    return tuple(weights[key].shape)
+    shape = tuple(weights[key].shape)
+    if (ndim is not None and len(shape) != ndim) or not all(shape):
+        expected = (f"{ndim} non-zero dimension{'s' if ndim > 1 else ''}" if ndim is not None
+                    else "no zero dimension")
+        raise MlxdiffError(f"not a valid {what} checkpoint: tensor {key!r} has shape {list(shape)}; expected "
+                           f"{expected}")
+    return shape

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+
 import mlx.core as mx
 
 from ..errors import MlxdiffError
+from ..pacing import pace
 
 @dataclass
 class QuantizedTensor:
@@ -162,10 +164,15 @@ def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
     """x @ W.T where W's rows come from `weight_rows(start, stop, after)` (a float weight slice, made to depend on
     `after` so that MLX decodes it only once the input, or the previous chunk's product, exists; lazily it would
     decode every layer's weights first and hold them all). On the CPU in chunks of whole rows: CHUNK_WEIGHTS'
-    worth, at least MIN_ROWS and at least as many rows as the input has tokens, so the transient is a few chunks."""
-    step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if chunk_rows() else rows
+    worth, at least MIN_ROWS and at least as many rows as the input has tokens, so the transient is a few chunks.
+    On a GPU whole layers, each paced (mlxdiff/pacing.py): at most IN_FLIGHT decoded weights are alive."""
+    on_cpu = chunk_rows()
+    step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if on_cpu else rows
     parts, after = [], x
     for r in range(0, rows, step):
         after = mx.matmul(x, weight_rows(r, min(r + step, rows), after).astype(dtype).T)
         parts.append(after)
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+    if not on_cpu:
+        pace(y)
+    return y

@@ -4,14 +4,15 @@ local cache, or an SD3.5 single file (single_file.py)."""
 from ..errors import MlxdiffError
 from ..formats import check_weight_file
 from .single_file import sd3_single_file
-from .sources import PIPELINE_FAMILIES, PipelineSources, flux2_folder, read_pipeline_folder, resolve_path, sd3_folder
+from .sources import (PIPELINE_FAMILIES, PipelineSources, flux2_folder, not_a_folder, read_pipeline_folder,
+                      resolve_path, sd3_folder)
 
 
 def resolve(model, *, transformer=None, text_encoders=None) -> PipelineSources:
     """What the user named -> PipelineSources (a folder, a cached hub id, or an SD3.5 single file)."""
     path = resolve_path(model)
     if transformer is not None:
-        check_weight_file(transformer, "transformer file")
+        check_weight_file(not_a_folder(transformer, "transformer file"), "transformer file")
     if path.is_dir():
         index, pipeline_class, components = read_pipeline_folder(path)
         family = PIPELINE_FAMILIES[pipeline_class]

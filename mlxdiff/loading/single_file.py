@@ -11,7 +11,7 @@ from ..formats import open_weights, tensor_shapes
 from ..formats.keymaps import remap, strip_prefix
 from ..models import clip, mmdit, t5, vae
 from ..tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
-from .sources import ComponentSpec, PipelineSources, transformer_from_file
+from .sources import ComponentSpec, PipelineSources, not_a_folder, transformer_from_file
 
 SD3_SCHEDULER_DEFAULT = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
@@ -27,6 +27,16 @@ def _lazy(path, prefix):
     return strip_prefix(open_weights(path), prefix)
 
 
+def _config(arch, infer, weights, path) -> dict:
+    """A config read off a file's tensor shapes, then checked like a config.json (the file named either way)."""
+    try:
+        config = infer(weights)
+    except MlxdiffError as e:   # the inference knows tensors, not files
+        raise MlxdiffError(f"{path}: {e}") from None
+    arch.ModelArgs.from_dict(config, f"{path} (config read from its tensor shapes)")
+    return config
+
+
 def sd3_single_file(path: Path, transformer=None, text_encoders=None) -> PipelineSources:
     names = list(tensor_shapes(path))
     if not any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
@@ -37,8 +47,8 @@ def sd3_single_file(path: Path, transformer=None, text_encoders=None) -> Pipelin
         raise MlxdiffError(f"{path}: has no VAE (first_stage_model.*); use the full sd3.5 checkpoint")
     vae_weights = _lazy(path, "first_stage_model.")
     vae_keymap = vae.ldm_keymap(vae.ldm_num_blocks(vae_weights))
-    specs["vae"] = ComponentSpec("vae", vae, vae.config_from_ldm(vae_weights), [path], "first_stage_model.",
-                                 lambda w: remap(w, vae_keymap))
+    specs["vae"] = ComponentSpec("vae", vae, _config(vae, vae.config_from_ldm, vae_weights, path), [path],
+                                 "first_stage_model.", lambda w: remap(w, vae_keymap))
     text_encoders = dict(text_encoders or {})
     search = [path.parent / "text_encoders", path.parent]
     for short, (component, prefix, pattern) in TEXT_ENCODER_FILES.items():
@@ -53,9 +63,9 @@ def sd3_single_file(path: Path, transformer=None, text_encoders=None) -> Pipelin
                 raise MlxdiffError(f"{path}: no {short} text encoder found (looked in {search[0]} and {search[1]}); "
                                    f"pass it with text_encoders={{'{short}': FILE}}")
             file, pre = found[0], ""
-        if not file.is_file():
+        if not not_a_folder(file, f"{short} text encoder file").is_file():
             raise MlxdiffError(f"{file}: {short} text encoder file not found")
-        config = arch.config_from_weights(_lazy(file, pre))
+        config = _config(arch, arch.config_from_weights, _lazy(file, pre), file)
         spec = ComponentSpec(component, arch, config, [file], pre)
         if short == "clip_l":
             spec.extra = clip.sd3_clip_l_extras(config)

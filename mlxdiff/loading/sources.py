@@ -8,12 +8,16 @@ A spec holds no weights; `spec.build()` maps them lazily when a phase needs the 
 """
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from ..config_checks import (MAX_IMAGE_SIZE, MAX_LAYERS, MAX_POSITIONS, MAX_PROMPT_TOKENS, CheckedArgs, Limit, Rule,
+                             between, json_type, one_of, positive, show)
 from ..errors import MlxdiffError
-from ..formats import check_weight_file, is_gguf, open_weights, safetensors as st, tensor_nbytes, tensor_shapes
+from ..formats import (check_weight_file, is_gguf, loaded_nbytes, open_weights, safetensors as st, tensor_nbytes,
+                       tensor_shapes)
 from ..formats.keymaps import strip_prefix
 from ..models import clip, flux2, mmdit, t5, text_llm, vae, vae_flux2
 from .build import build
@@ -40,6 +44,36 @@ PIPELINE_FAMILIES = {
     "Flux2Pipeline": "flux2",
     "Flux2KleinPipeline": "flux2",
 }
+# model_index.json per family: component -> the classes its ["library", "class"] entry may name (None: any class;
+# the folder's own files decide, as for tokenizers). OPTIONAL components may be [null, null].
+CLIP = ("CLIPTextModelWithProjection",)
+SCHEDULER = ("FlowMatchEulerDiscreteScheduler",)
+COMPONENTS = {
+    "sd3": {"transformer": ("SD3Transformer2DModel",), "vae": ("AutoencoderKL",), "text_encoder": CLIP,
+            "text_encoder_2": CLIP, "text_encoder_3": ("T5EncoderModel",), "tokenizer": None, "tokenizer_2": None,
+            "tokenizer_3": None, "scheduler": SCHEDULER},
+    "flux2": {"transformer": ("Flux2Transformer2DModel",), "vae": ("AutoencoderKLFlux2",),
+              "text_encoder": tuple(text_llm.ARCHITECTURES.values()), "tokenizer": None, "scheduler": SCHEDULER},
+}
+OPTIONAL = {"text_encoder_3", "tokenizer_3"}   # SD3.5 without T5 (diffusers then uses zeros for its part)
+MAX_CONFIG_BYTES = 16 << 20   # config.json, model_index.json, scheduler_config.json: real ones are a few KB
+
+
+@dataclass
+class Flux2FolderOptions(CheckedArgs):
+    """model_index.json keys mlxdiff reads beside the components (diffusers ignores them): a small model's defaults
+    (klein-shapes: 64x64 images, 64-token prompts, its own taps)."""
+    is_distilled: bool = False
+    sample_size: int | None = None                      # default image size in pixels
+    max_sequence_length: int = 512
+    text_encoder_out_layers: tuple[int, ...] | None = None
+
+    WHAT = "model_index.json"
+    LIMITS = {
+        "sample_size": between(1, MAX_IMAGE_SIZE),
+        "max_sequence_length": between(1, MAX_PROMPT_TOKENS),
+        "text_encoder_out_layers": between(0, MAX_LAYERS, items=(1, 16)),
+    }
 
 
 def model_module(class_name, where):
@@ -69,6 +103,8 @@ class ComponentSpec:
     extra: dict = field(default_factory=dict)   # tensors to add after mapping (e.g. SD3's identity CLIP-L projection)
     quantize: dict | None = None      # {"bits", "group_size"}: quantize while loading
     matmul: str | None = None         # "qmm" | "dequantize" for quantized layers (None: backend default)
+    gguf_layout: str | None = None    # "raw" | "affine" for GGUF files (None: "auto", formats/gguf.py); the memory
+                                      # budget may pick "raw" (memory.check_fits)
 
     @property
     def source(self):
@@ -85,7 +121,7 @@ class ComponentSpec:
     def weights(self, compute_dtype=None) -> dict:
         weights = {}
         for f in self.files:
-            weights.update(open_weights(f, compute_dtype))
+            weights.update(open_weights(f, compute_dtype, self.gguf_layout))
         if self.prefix:
             weights = strip_prefix(weights, self.prefix)
         if self.keymap:
@@ -105,12 +141,15 @@ class ComponentSpec:
                     total += n
         return total
 
-    def loaded_nbytes(self, quantize=None) -> int:
+    def loaded_nbytes(self, quantize=None, compute_dtype=None) -> int:
         """Bytes in memory once loaded: as stored, or, when quantizing while loading (`self.quantize`, or the
         `quantize` bits or setting to estimate), the exact size of the model built lazily: safetensors are mapped,
-        not read, so nothing is read. GGUF weights are already quantized: their stored size."""
+        not read, so nothing is read. GGUF weights are already quantized: their size in the layout they load in
+        (from the header)."""
+        if any(is_gguf(f) for f in self.files):
+            return sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
         quantize = self.quantize if quantize is None else setting(quantize)
-        if not quantize or any(is_gguf(f) for f in self.files):
+        if not quantize:
             return self.nbytes()
         model = replace(self, quantize=quantize).build()
         try:
@@ -137,56 +176,120 @@ class PipelineSources:
     options: dict = field(default_factory=dict)   # folder defaults: is_distilled, sample_size, max_sequence_length
 
 
-def transformer_from_file(path, arch, base_config=None) -> ComponentSpec:
+def transformer_from_file(path, arch, base_config=None, base_where=None) -> ComponentSpec:
     """A denoiser given as one file (safetensors or GGUF) with original (SAI / BFL) names, with or without the
     `model.diffusion_model.` prefix, or with diffusers names. The config comes from the file's shapes
     (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
-    folder's transformer config; diffusers-named files need that folder config."""
-    path = check_weight_file(path, "transformer file")
+    folder's transformer config (`base_where` names it); diffusers-named files need that folder config."""
+    path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
     shapes = tensor_shapes(path)
     prefix = arch.ORIGINAL_PREFIX if any(n.startswith(arch.ORIGINAL_PREFIX) for n in shapes) else ""
     if arch.is_original(list(shapes)):
-        config = arch.config_from_original({k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)})
-        for key in arch.FROM_BASE_CONFIG:
-            if base_config and key in base_config:
-                config[key] = base_config[key]
-        return ComponentSpec("transformer", arch, config, [path], prefix, arch.original_to_diffusers)
+        try:
+            config = arch.config_from_original({k[len(prefix):]: v for k, v in shapes.items()
+                                                if k.startswith(prefix)})
+        except MlxdiffError as e:   # the inference knows tensors, not files
+            raise MlxdiffError(f"{path}: {e}") from None
+        arch.ModelArgs.from_dict(config, f"{path} (config read from its tensor shapes)")
+        base = {key: base_config[key] for key in arch.FROM_BASE_CONFIG if base_config and key in base_config}
+        if base:
+            try:
+                arch.ModelArgs.from_dict({**config, **base}, base_where or "the pipeline folder's config")
+            except MlxdiffError as e:
+                raise MlxdiffError(f"{path}: this file does not fit the model folder's transformer ({e})") from None
+        return ComponentSpec("transformer", arch, {**config, **base}, [path], prefix, arch.original_to_diffusers)
     if base_config is None:
         raise MlxdiffError(f"{path}: a diffusers-named transformer file needs its config.json; load the pipeline "
                            "folder and pass this file as transformer=")
     return ComponentSpec("transformer", arch, dict(base_config), [path], prefix)
 
 
-def read_json(path, what):
+def not_a_folder(path, what) -> Path:
+    """A path given as a file must not be a folder (check_weight_file would only say "not found")."""
+    path = Path(path)
+    if path.is_dir():
+        raise MlxdiffError(f"{path}: is a folder; the {what} must be one .safetensors or .gguf file")
+    return path
+
+
+def read_json(path, what, root=None) -> dict:
+    """A JSON object from `path` (inside the model folder `root`, when given)."""
+    if root is not None:
+        inside(root, path, what)
     try:
-        return json.loads(Path(path).read_text())
+        size = Path(path).stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise MlxdiffError(f"{path}: {what} is {size} bytes; a config is a few KB (at most {MAX_CONFIG_BYTES})")
+        value = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise MlxdiffError(f"{path}: {what} is missing; the model folder is incomplete") from None
+    except IsADirectoryError:
+        raise MlxdiffError(f"{path}: {what} is a folder, not a file; the model folder is broken") from None
+    except RecursionError:
+        raise MlxdiffError(f"{path}: cannot read {what} (nested too deeply)") from None
     except (OSError, ValueError) as e:
-        raise MlxdiffError(f"{path}: cannot read {what} ({e})") from None
+        raise MlxdiffError(f"{path}: cannot read {what} ({str(e).splitlines()[0][:200]})") from None
+    if not isinstance(value, dict):
+        raise MlxdiffError(f"{path}: {what} is {json_type(value)}; expected a JSON object ({{\"key\": value, ...}})")
+    return value
+
+
+def model_base(root) -> Path:
+    """Where the paths of a model folder may lead: the folder itself, resolved; for a snapshot in the Hugging Face
+    cache, its repo folder (the snapshot's files are links into ../../blobs)."""
+    root = Path(root).resolve()
+    if root.parent.name == "snapshots" and (root.parent.parent / "blobs").is_dir():
+        return root.parent.parent
+    return root
+
+
+def inside(root, path, what) -> Path:
+    """`path`, which the model folder `root` names, resolved (symlinks included) must stay inside it; checked
+    before anything is opened. Returns `path` as given."""
+    base, resolved = model_base(root), Path(path).resolve()
+    if resolved != base and base not in resolved.parents:
+        raise MlxdiffError(f"{path}: {what} leads outside the model folder (to {resolved}); every file of a model "
+                           f"must be inside {base}")
+    return Path(path)
+
+
+def files_inside(root, files, what) -> list:
+    return [inside(root, f, what) for f in files]
 
 
 def folder_component(root: Path, name: str, class_name: str) -> ComponentSpec:
-    """A component sub-folder: config.json + safetensors, sharded or not."""
-    folder = root / name
+    """A component sub-folder: config.json (checked against the model's ModelArgs) + safetensors, sharded or not."""
+    folder = inside(root, root / name, f"component folder {name!r}")
     if not folder.is_dir():
         raise MlxdiffError(f"{folder}: component folder {name!r} named in model_index.json is missing")
     arch = model_module(class_name, folder)
-    return ComponentSpec(name, arch, read_json(folder / "config.json", f"the {name} config"),
-                         st.safetensors_files(folder))
+    config_path = folder / "config.json"
+    config = read_json(config_path, f"the {name} config", root)
+    arch.ModelArgs.from_dict(config, config_path)
+    return ComponentSpec(name, arch, config, files_inside(root, st.safetensors_files(folder), f"a {name} weight file"))
 
 
-def text_encoder_spec(folder, taps) -> ComponentSpec:
+def text_encoder_spec(folder, taps, root=None) -> ComponentSpec:
     """A FLUX.2 LLM text encoder folder (diffusers' `text_encoder/` or an mlx-lm converted one; the config says
-    Mistral3 or Qwen3), read up to the deepest of `taps`."""
+    Mistral3 or Qwen3), read up to the deepest of `taps`; inside the model folder `root` when given."""
     folder = Path(folder)
+    root = folder if root is None else root
+    inside(root, folder, "the text encoder folder")
     if not folder.is_dir():
         raise MlxdiffError(f"{folder}: text encoder folder is missing")
-    config = {**read_json(folder / "config.json", "the text encoder config"), "taps": list(taps)}
-    text_llm.check_config(config, folder, taps=False)
-    return ComponentSpec(folder.name, text_llm, config, st.safetensors_files(folder))
+    config_path = folder / "config.json"
+    config = {**read_json(config_path, "the text encoder config", root), "taps": list(taps)}
+    text_llm.check_config(config, config_path, taps=False)
+    return ComponentSpec(folder.name, text_llm, config,
+                         files_inside(root, st.safetensors_files(folder), "a text encoder weight file"))
 
 
+def tokenizer_folder(root, name) -> Path:
+    """A tokenizer folder of the model and every file in it, inside the model folder (transformers opens them)."""
+    folder = inside(root, root / name, f"tokenizer folder {name!r}")
+    if folder.is_dir():
+        files_inside(root, sorted(folder.iterdir()), f"a file of tokenizer folder {name!r}")
+    return folder
 
 
 def find_in_hf_cache(repo_id: str) -> Path:
@@ -208,56 +311,150 @@ def resolve_path(model) -> Path:
     raise MlxdiffError(f"{model}: no such file or folder")
 
 
+def _entry_class(where, name, entry, optional):
+    """A component entry ["library", "class"] -> the class name; None for an optional component set to null."""
+    if optional and (entry is None or entry == [None, None]):
+        return None
+    if entry is None or entry == [None, None]:
+        raise MlxdiffError(f"{where}: component {name!r} is missing (null); this pipeline needs it")
+    if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(x, str) for x in entry)):
+        raise MlxdiffError(f"{where}: component {name!r} is {show(entry)}; expected [\"library\", \"ClassName\"], "
+                           'e.g. ["diffusers", "AutoencoderKL"]')
+    return entry[1]
+
+
 def read_pipeline_folder(root: Path):
-    """model_index.json -> (the whole index, pipeline class name, {component: (library, class)})."""
-    index = read_json(root / "model_index.json", "model_index.json")
+    """model_index.json, checked -> (the whole index, pipeline class name, {component: class name or None}): the
+    pipeline class is one we run, and each component the family needs is a ["library", "class"] entry naming a
+    class that component may be."""
+    where = root / "model_index.json"
+    index = read_json(where, "model_index.json", root)
     pipeline_class = index.get("_class_name")
-    if pipeline_class not in PIPELINE_FAMILIES:
-        raise MlxdiffError(f"{root / 'model_index.json'}: unsupported pipeline {pipeline_class!r}; "
-                           "supported: " + ", ".join(sorted(PIPELINE_FAMILIES)))
-    components = {k: v for k, v in index.items() if not k.startswith("_")}
+    if not isinstance(pipeline_class, str) or pipeline_class not in PIPELINE_FAMILIES:
+        raise MlxdiffError(f"{where}: _class_name is {show(pipeline_class)}; expected one of "
+                           + ", ".join(sorted(PIPELINE_FAMILIES)))
+    components = {}
+    for name, allowed in COMPONENTS[PIPELINE_FAMILIES[pipeline_class]].items():
+        if name not in index and name not in OPTIONAL:
+            raise MlxdiffError(f"{where}: component {name!r} is missing; a {pipeline_class} needs "
+                               + ", ".join(COMPONENTS[PIPELINE_FAMILIES[pipeline_class]]))
+        cls = _entry_class(where, name, index.get(name), name in OPTIONAL)
+        if cls is not None and allowed is not None and cls not in allowed:
+            raise MlxdiffError(f"{where}: component {name!r} names class {cls!r}; a {pipeline_class}'s {name} is "
+                               + " or ".join(allowed))
+        components[name] = cls
     return index, pipeline_class, components
 
 
-def _require(root, components, names):
-    for name in names:
-        entry = components.get(name)
-        if not entry or entry[1] is None:
-            raise MlxdiffError(f"{root / 'model_index.json'}: component {name!r} is missing")
+@dataclass
+class SchedulerArgs(CheckedArgs):
+    """scheduler_config.json: the FlowMatchEulerDiscreteScheduler keys mlxdiff's sampler reads (schedulers.py, which
+    refuses the options it does not implement), typed as diffusers' __init__ has them."""
+    num_train_timesteps: int = 1000
+    shift: float = 1.0
+    use_dynamic_shifting: bool = False
+    base_shift: float | None = 0.5
+    max_shift: float | None = 1.15
+    base_image_seq_len: int | None = 256
+    max_image_seq_len: int | None = 4096
+    invert_sigmas: bool = False
+    shift_terminal: float | None = None
+    use_karras_sigmas: bool = False
+    use_exponential_sigmas: bool = False
+    use_beta_sigmas: bool = False
+    time_shift_type: str = "exponential"
+    stochastic_sampling: bool = False
+
+    WHAT = "scheduler_config.json"
+    LIMITS = {
+        "num_train_timesteps": between(1, 100000),
+        "shift": positive(1e4),
+        "base_shift": between(-1e4, 1e4),
+        "max_shift": between(-1e4, 1e4),
+        "base_image_seq_len": between(1, MAX_POSITIONS),
+        "max_image_seq_len": between(1, MAX_POSITIONS),
+        "shift_terminal": Limit(gt=0, hi=0.999),        # sigmas are divided by 1 - shift_terminal
+        "time_shift_type": one_of("exponential", "linear"),
+    }
+    RULES = (
+        Rule("max_image_seq_len", lambda a: not a.use_dynamic_shifting or None not in (
+             a.base_shift, a.max_shift, a.base_image_seq_len) and (a.max_image_seq_len or 0) > a.base_image_seq_len,
+             lambda a: "with use_dynamic_shifting: base_shift, max_shift and base_image_seq_len given, and "
+                       "max_image_seq_len above base_image_seq_len"),
+    )
+
+
+def read_scheduler_config(root) -> dict:
+    where = inside(root, root / "scheduler", "the scheduler folder") / "scheduler_config.json"
+    config = read_json(where, "the scheduler config", root)
+    SchedulerArgs.from_dict(config, where)
+    return config
 
 
 def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     from ..tokenizers import load_tokenizer
-    _require(root, components, ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer",
-                                "tokenizer_2"))
-    specs = {name: folder_component(root, name, components[name][1])
+    specs = {name: folder_component(root, name, components[name])
              for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
-    has_t5 = bool(components.get("text_encoder_3")) and components["text_encoder_3"][1] is not None
-    specs["text_encoder_3"] = folder_component(root, "text_encoder_3", components["text_encoder_3"][1]) \
+    has_t5 = components["text_encoder_3"] is not None
+    specs["text_encoder_3"] = folder_component(root, "text_encoder_3", components["text_encoder_3"]) \
         if has_t5 else None   # diffusers then uses zeros for the T5 part
-    if has_t5:
-        _require(root, components, ("tokenizer_3",))
-    tokenizers = {name: load_tokenizer(root / name, components[name][1])
-                  for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name != "tokenizer_3" or has_t5}
+    if has_t5 and components["tokenizer_3"] is None:
+        raise MlxdiffError(f"{root / 'model_index.json'}: component 'tokenizer_3' is missing; text_encoder_3 "
+                           "needs its tokenizer")
     if transformer is not None:
-        specs["transformer"] = transformer_from_file(transformer, mmdit, specs["transformer"].config)
-    scheduler = read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
-    return PipelineSources("sd3", pipeline_class, specs, tokenizers, scheduler)
+        specs["transformer"] = transformer_from_file(transformer, mmdit, specs["transformer"].config,
+                                                     root / "transformer" / "config.json")
+    check_together(root, "sd3", specs)
+    tokenizers = {name: load_tokenizer(tokenizer_folder(root, name), components[name])
+                  for name in ("tokenizer", "tokenizer_2", "tokenizer_3") if name != "tokenizer_3" or has_t5}
+    return PipelineSources("sd3", pipeline_class, specs, tokenizers, read_scheduler_config(root))
 
 
 def flux2_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     from ..tokenizers import load_chat_tokenizer
-    _require(root, components, ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"))
-    specs = {name: folder_component(root, name, components[name][1]) for name in ("transformer", "vae")}
+    where = root / "model_index.json"
+    options = Flux2FolderOptions.from_dict(index, where)
+    specs = {name: folder_component(root, name, components[name]) for name in ("transformer", "vae")}
     # a folder may name its own taps (a small encoder has fewer layers); diffusers ignores this key and takes
     # text_encoder_out_layers per call instead
-    taps = index.get("text_encoder_out_layers") or FLUX2_TAPS[pipeline_class]
-    specs["text_encoder"] = text_encoder_spec(root / "text_encoder", taps)
-    tokenizers = {"tokenizer": load_chat_tokenizer(root / "tokenizer")}
+    taps = options.text_encoder_out_layers or FLUX2_TAPS[pipeline_class]
+    specs["text_encoder"] = text_encoder_spec(root / "text_encoder", taps, root)
+    encoder = specs["text_encoder"].args
+    if text_llm.ARCHITECTURES[encoder.model_type] != components["text_encoder"]:
+        raise MlxdiffError(f"{where}: component 'text_encoder' names class {components['text_encoder']!r} but "
+                           f"{root / 'text_encoder' / 'config.json'} is a {text_llm.ARCHITECTURES[encoder.model_type]}")
+    if options.text_encoder_out_layers and encoder.depth > encoder.num_layers:
+        raise MlxdiffError(f"{where}: text_encoder_out_layers is {show(options.text_encoder_out_layers)}; expected "
+                           f"layer indices 0 to {encoder.num_layers} (the text encoder's num_hidden_layers)")
+    positions = encoder.text_config.get("max_position_embeddings")
+    if "max_sequence_length" in index and positions is not None and options.max_sequence_length > positions:
+        raise MlxdiffError(f"{where}: max_sequence_length is {options.max_sequence_length}; expected at most the "
+                           f"text encoder's max_position_embeddings {positions}")
     if transformer is not None:
-        specs["transformer"] = transformer_from_file(transformer, flux2, specs["transformer"].config)
-    scheduler = read_json(root / "scheduler" / "scheduler_config.json", "the scheduler config")
+        specs["transformer"] = transformer_from_file(transformer, flux2, specs["transformer"].config,
+                                                     root / "transformer" / "config.json")
+    check_together(root, "flux2", specs, options.sample_size)
+    tokenizers = {"tokenizer": load_chat_tokenizer(tokenizer_folder(root, "tokenizer"))}
     # optional folder defaults (diffusers ignores these keys): image size and prompt length of a small model
-    options = {"is_distilled": bool(index.get("is_distilled", False)), "sample_size": index.get("sample_size"),
-               "max_sequence_length": index.get("max_sequence_length", 512)}
-    return PipelineSources("flux2", pipeline_class, specs, tokenizers, scheduler, options)
+    return PipelineSources("flux2", pipeline_class, specs, tokenizers, read_scheduler_config(root),
+                           {"is_distilled": options.is_distilled, "sample_size": options.sample_size,
+                            "max_sequence_length": options.max_sequence_length})
+
+
+def check_together(root, family, specs, sample_size=None) -> None:
+    """What one component's config must agree on with another's, checked when the folder is read, not when a run
+    reaches the mismatch: the VAE's latents are the transformer's input (FLUX.2: patchified 2x2 first), and the
+    folder's default image size is a multiple of what the VAE and the patches divide it by."""
+    transformer, autoencoder = specs["transformer"].args, specs["vae"].args
+    patch = math.prod(autoencoder.patch_size) if family == "flux2" else 1
+    if autoencoder.latent_channels * patch != transformer.in_channels:
+        given = specs["transformer"].files[0]   # a --transformer file, or the folder's
+        where = root / "transformer" / "config.json" if Path(given).parent == root / "transformer" else given
+        raise MlxdiffError(f"{where}: the transformer takes in_channels "
+                           f"{transformer.in_channels} but {root / 'vae' / 'config.json'} gives latent_channels "
+                           f"{autoencoder.latent_channels}" + (f" x {patch} (2x2 patches)" if patch > 1 else "")
+                           + "; the components do not belong together")
+    factor = 2 ** (len(autoencoder.block_out_channels) - 1) * (2 if family == "flux2" else transformer.patch_size)
+    if sample_size is not None and sample_size % factor:
+        raise MlxdiffError(f"{root / 'model_index.json'}: sample_size is {sample_size}; expected a multiple of "
+                           f"{factor} (the VAE's factor x the transformer's patches) up to {MAX_IMAGE_SIZE}")

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
 
+from ..config_checks import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, CheckedArgs, Rule, between,
+                             positive)
 from ..errors import MlxdiffError
 from ..formats.keymaps import remap
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(CheckedArgs):
     """CLIPTextConfig fields, read from the flat config.json transformers writes for CLIPTextModelWithProjection
     (defaults: openai/clip-vit-large-patch14's text model, SD3's CLIP-L, with its legacy token ids)."""
     vocab_size: int = 49408
@@ -34,18 +35,34 @@ class ModelArgs(BaseModelArgs):
     max_position_embeddings: int = 77
     hidden_act: str = "quick_gelu"
     layer_norm_eps: float = 1e-5
-    eos_token_id: int = 2
-    bos_token_id: int = 0
-    pad_token_id: int = 1
+    eos_token_id: int | tuple[int, ...] = 2     # transformers allows a list; pooling uses the first
+    bos_token_id: int | None = 0                # not used
+    pad_token_id: int | None = 1                # not used
+
+    WHAT = "CLIP text encoder config"
+    LIMITS = {
+        "vocab_size": between(1, MAX_VOCAB),
+        "hidden_size": between(1, MAX_WIDTH),
+        "intermediate_size": between(1, MAX_WIDTH),
+        "projection_dim": between(1, MAX_WIDTH),
+        "num_hidden_layers": between(1, MAX_LAYERS),
+        "num_attention_heads": between(1, MAX_HEADS),
+        "max_position_embeddings": between(1, MAX_POSITIONS),
+        "layer_norm_eps": positive(1),
+        "eos_token_id": between(0, MAX_VOCAB, items=(1, 16)),
+    }
+    RULES = (
+        # ACTIVATIONS (below the class) is looked up when the rule runs
+        Rule("hidden_act", lambda a: a.hidden_act in ACTIVATIONS,
+             lambda a: "expected one of " + ", ".join(sorted(ACTIVATIONS))),
+        Rule("hidden_size", lambda a: a.hidden_size % a.num_attention_heads == 0,
+             lambda a: f"must be a multiple of num_attention_heads {a.num_attention_heads}"),
+        Rule("eos_token_id", lambda a: a.eos_token_id < a.vocab_size,
+             lambda a: f"must be a token id below vocab_size {a.vocab_size}"),
+    )
 
     def __post_init__(self):
-        if self.hidden_act not in ACTIVATIONS:
-            raise MlxdiffError(f"CLIP config: hidden_act {self.hidden_act!r} is not supported; "
-                               f"supported: {', '.join(sorted(ACTIVATIONS))}")
-        if self.hidden_size % self.num_attention_heads:
-            raise MlxdiffError(f"CLIP config: hidden_size {self.hidden_size} is not a multiple of "
-                               f"num_attention_heads {self.num_attention_heads}")
-        if isinstance(self.eos_token_id, (list, tuple)):  # transformers allows a list; pooling uses one id
+        if isinstance(self.eos_token_id, (list, tuple)):  # pooling uses one id
             self.eos_token_id = self.eos_token_id[0]
 
 
@@ -213,7 +230,11 @@ def config_from_weights(weights: dict) -> dict:
         if key not in weights:
             raise MlxdiffError(f"CLIP weights: key {key!r} is missing; this is not a CLIP text encoder file "
                                "(expected transformers' text_model.* names)")
-        return tuple(weights[key].shape)
+        found = tuple(weights[key].shape)
+        if len(found) != 2 or not all(found):   # every tensor read here is a matrix
+            raise MlxdiffError(f"CLIP weights: tensor {key!r} has shape {list(found)}; expected 2 non-zero "
+                               "dimensions")
+        return found
 
     vocab, hidden = shape("text_model.embeddings.token_embedding.weight")
     positions = shape("text_model.embeddings.position_embedding.weight")[0]

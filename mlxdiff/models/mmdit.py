@@ -11,15 +11,18 @@ from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
 
+from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_IMAGE_SIZE, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule,
+                             between, one_of)
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
+from ..pacing import pace
 from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
+from .fused import gated_residual, scale_shift
 
 
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(CheckedArgs):
     # defaults: SD3.5 Medium (stabilityai/stable-diffusion-3.5-medium transformer/config.json)
     sample_size: int = 128
     patch_size: int = 2
@@ -32,21 +35,44 @@ class ModelArgs(BaseModelArgs):
     pooled_projection_dim: int = 2048
     out_channels: int | None = 16
     pos_embed_max_size: int = 384
-    dual_attention_layers: tuple = tuple(range(13))
+    dual_attention_layers: tuple[int, ...] | None = tuple(range(13))
     qk_norm: str | None = "rms_norm"
+
+    WHAT = "SD3 transformer config"
+    LIMITS = {
+        "sample_size": between(1, MAX_IMAGE_SIZE),
+        "patch_size": between(1, 16),
+        "in_channels": between(1, MAX_WIDTH),
+        "num_layers": between(1, MAX_LAYERS),
+        "attention_head_dim": between(1, MAX_HEAD_DIM),
+        "num_attention_heads": between(1, MAX_HEADS),
+        "joint_attention_dim": between(1, MAX_WIDTH),
+        "caption_projection_dim": between(1, MAX_WIDTH),
+        "pooled_projection_dim": between(1, MAX_WIDTH),
+        "out_channels": between(1, MAX_WIDTH),
+        "pos_embed_max_size": between(1, 1024),     # a G x G position table (SD3.5: 384)
+        "dual_attention_layers": between(0, MAX_LAYERS - 1),
+        "qk_norm": one_of("rms_norm"),              # or null
+    }
+    RULES = (
+        Rule("caption_projection_dim",
+             lambda a: a.caption_projection_dim == a.num_attention_heads * a.attention_head_dim,
+             lambda a: f"must equal num_attention_heads * attention_head_dim = "
+                       f"{a.num_attention_heads * a.attention_head_dim}"),
+        Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim <= MAX_WIDTH,
+             lambda a: f"num_attention_heads * attention_head_dim (the width) must be at most {MAX_WIDTH}"),
+        Rule("attention_head_dim", lambda a: (a.num_attention_heads * a.attention_head_dim) % 4 == 0,
+             lambda a: "num_attention_heads * attention_head_dim must be a multiple of 4 (the 2-D sin-cos table)"),
+        Rule("sample_size", lambda a: a.sample_size >= a.patch_size,
+             lambda a: f"must be at least patch_size {a.patch_size}"),
+        Rule("dual_attention_layers", lambda a: all(i < a.num_layers for i in a.dual_attention_layers),
+             lambda a: f"expected block indices below num_layers {a.num_layers}"),
+    )
 
     def __post_init__(self):
         if self.out_channels is None:
             self.out_channels = self.in_channels
         self.dual_attention_layers = tuple(self.dual_attention_layers or ())
-        if self.qk_norm not in (None, "rms_norm"):
-            raise MlxdiffError(f"SD3 transformer config: qk_norm {self.qk_norm!r} is not supported; "
-                               "SD3/SD3.5 use 'rms_norm' or null")
-        if self.caption_projection_dim != self.num_attention_heads * self.attention_head_dim:
-            raise MlxdiffError(f"SD3 transformer config: caption_projection_dim {self.caption_projection_dim} must "
-                               f"equal num_attention_heads * attention_head_dim = "
-                               f"{self.num_attention_heads * self.attention_head_dim}; fix config.json")
-
 
 def layer_norm(x, eps=1e-6):
     """LayerNorm without affine parameters, as every norm in this model."""
@@ -54,7 +80,7 @@ def layer_norm(x, eps=1e-6):
 
 
 def modulate(x, scale, shift):
-    return x * (1 + scale[:, None]) + shift[:, None]
+    return scale_shift(x, scale[:, None], shift[:, None])
 
 
 class Modulation(NamedTuple):
@@ -200,17 +226,21 @@ class JointTransformerBlock(nn.Module):
             txt = self.norm1_context(context, temb)
             c_mod = txt.x_mod
 
+        # each attention and feed-forward result is paced (mlxdiff/pacing.py): its transients are freed before
+        # the next one is built
         attn_out, context_attn_out = self.attn(img.x_mod, c_mod)
-        x = x + img.msa.gate[:, None] * attn_out
+        x = pace(gated_residual(x, img.msa.gate[:, None], attn_out))
         if self.use_dual_attention:
-            x = x + img.msa2.gate[:, None] * self.attn2(modulate(img.x_norm, img.msa2.scale, img.msa2.shift))
-        x = x + img.mlp.gate[:, None] * self.ff(modulate(layer_norm(x), img.mlp.scale, img.mlp.shift))
+            x = pace(gated_residual(x, img.msa2.gate[:, None],
+                                    self.attn2(modulate(img.x_norm, img.msa2.scale, img.msa2.shift))))
+        x = pace(gated_residual(x, img.mlp.gate[:, None],
+                                self.ff(modulate(layer_norm(x), img.mlp.scale, img.mlp.shift))))
 
         if self.context_pre_only:
             return None, x
-        context = context + txt.msa.gate[:, None] * context_attn_out
-        context = context + txt.mlp.gate[:, None] * self.ff_context(modulate(layer_norm(context), txt.mlp.scale,
-                                                                             txt.mlp.shift))
+        context = gated_residual(context, txt.msa.gate[:, None], context_attn_out)
+        context = pace(gated_residual(context, txt.mlp.gate[:, None],
+                                      self.ff_context(modulate(layer_norm(context), txt.mlp.scale, txt.mlp.shift))))
         return context, x
 
 
@@ -371,8 +401,8 @@ def original_to_diffusers(weights: dict) -> dict:
     return remap(weights, rules)
 
 
-def _shape(weights, key):
-    return required_shape(weights, key, "SD3")
+def _shape(weights, key, ndim=2):
+    return required_shape(weights, key, "SD3", ndim)
 
 
 def config_from_original(weights: dict) -> dict:
@@ -392,13 +422,13 @@ def config_from_original(weights: dict) -> dict:
     blocks = _block_indices(weights)
     if not blocks:
         raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys")
-    dim, in_channels, patch, _ = _shape(weights, "x_embedder.proj.weight")
+    dim, in_channels, patch, _ = _shape(weights, "x_embedder.proj.weight", 4)
     caption_dim, joint_dim = _shape(weights, "context_embedder.weight")
     ln_q = f"joint_blocks.{blocks[0]}.x_block.attn.ln_q.weight"
-    head_dim = _shape(weights, ln_q)[0] if ln_q in weights else 64
+    head_dim = _shape(weights, ln_q, 1)[0] if ln_q in weights else 64
     if dim % head_dim:
         raise MlxdiffError(f"SD3 original checkpoint: hidden size {dim} is not a multiple of the head size {head_dim}")
-    rows = _shape(weights, "pos_embed")[1]
+    rows = _shape(weights, "pos_embed", 3)[1]
     grid = round(rows ** 0.5)
     if grid * grid != rows:
         raise MlxdiffError(f"SD3 original checkpoint: pos_embed has {rows} rows, not a square grid")

@@ -18,8 +18,9 @@ import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
 
+from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, CheckedArgs,
+                             Rule, between, positive)
 from ..errors import MlxdiffError
 from ..formats.keymaps import remap
 
@@ -34,8 +35,18 @@ ACTIVATIONS = {
 }
 
 
+def _ff_parts(feed_forward_proj) -> list:
+    """'ACT' or 'gated-ACT' -> its parts, as T5Config splits it."""
+    return feed_forward_proj.split("-")
+
+
+def _ff_valid(feed_forward_proj) -> bool:
+    parts = _ff_parts(feed_forward_proj)
+    return len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")
+
+
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(CheckedArgs):
     """T5Config fields (defaults: google/t5-v1_1-xxl, the SD3 text_encoder_3)."""
     vocab_size: int = 32128
     d_model: int = 4096
@@ -51,18 +62,34 @@ class ModelArgs(BaseModelArgs):
     dense_act_fn: str | None = None
     is_gated_act: bool | None = None
 
+    WHAT = "T5 text encoder config"
+    LIMITS = {
+        "vocab_size": between(1, MAX_VOCAB),
+        "d_model": between(1, MAX_WIDTH),
+        "d_kv": between(1, MAX_HEAD_DIM),
+        "d_ff": between(1, MAX_WIDTH),
+        "num_layers": between(1, MAX_LAYERS),
+        "num_heads": between(1, MAX_HEADS),
+        "relative_attention_num_buckets": between(2, 1024),
+        "relative_attention_max_distance": between(1, MAX_POSITIONS),
+        "layer_norm_epsilon": positive(1),
+    }
+    RULES = (
+        Rule("feed_forward_proj", lambda a: _ff_valid(a.feed_forward_proj),
+             lambda a: "expected 'ACT' or 'gated-ACT'"),
+        Rule("dense_act_fn", lambda a: a.dense_act_fn in ACTIVATIONS,
+             lambda a: "expected one of " + ", ".join(sorted(ACTIVATIONS))
+                       + " (it comes from feed_forward_proj unless given)"),
+        Rule("num_heads", lambda a: a.num_heads * a.d_kv <= MAX_WIDTH,
+             lambda a: f"num_heads * d_kv (the attention width) must be at most {MAX_WIDTH}"),
+    )
+
     def __post_init__(self):
-        parts = self.feed_forward_proj.split("-")
-        if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
-            raise MlxdiffError(f"T5 config: feed_forward_proj {self.feed_forward_proj!r} is not 'ACT' or "
-                               "'gated-ACT'")
+        parts = _ff_parts(self.feed_forward_proj)
         if self.dense_act_fn is None:
             self.dense_act_fn = "gelu_new" if self.feed_forward_proj == "gated-gelu" else parts[-1]
         if self.is_gated_act is None:
             self.is_gated_act = parts[0] == "gated"
-        if self.dense_act_fn not in ACTIVATIONS:
-            raise MlxdiffError(f"T5 config: activation {self.dense_act_fn!r} is not supported; "
-                               f"supported: {', '.join(sorted(ACTIVATIONS))}")
 
 
 # Keys a T5 file may carry that the encoder does not use. transformers' T5EncoderModel ignores `decoder.*`
@@ -247,7 +274,10 @@ def config_from_weights(weights: dict) -> dict:
         if key not in weights:
             raise MlxdiffError(f"T5 weights: key {key!r} is missing; this is not a T5 encoder file "
                                "(expected shared.weight and encoder.block.N.* names)")
-        return tuple(weights[key].shape)
+        found = tuple(weights[key].shape)
+        if len(found) != 2 or not all(found):   # every tensor read here is a matrix
+            raise MlxdiffError(f"T5 weights: tensor {key!r} has shape {list(found)}; expected 2 non-zero dimensions")
+        return found
 
     embed = "shared.weight" if "shared.weight" in weights else "encoder.embed_tokens.weight"
     vocab, d_model = shape(embed)

@@ -23,6 +23,7 @@ Accepted folders: a diffusers `text_encoder/` (transformers names: `model.langua
 "quantization"; layers are quantized exactly where the file has `.scales`, with mlx-lm's per-layer settings).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,8 +32,9 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen3
-from mlx_lm.models.base import BaseModelArgs
 
+from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, CheckedArgs,
+                             Rule, between, check_rules, check_values, field_types, one_of, positive, require_object)
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap
 
@@ -53,22 +55,65 @@ KEYMAP = compile_rules([
 ])
 
 
+# The language model's config (text_config for Mistral3, the flat config for Qwen3) is checked against the mlx-lm
+# ModelArgs it becomes (types from its annotations), plus the keys attention_windows reads, with these limits.
+TEXT_TYPES = {"sliding_window": int | None, "use_sliding_window": bool, "max_window_layers": int,
+              "layer_types": list[str] | None}
+TEXT_LIMITS = {
+    "hidden_size": between(1, MAX_WIDTH),
+    "num_hidden_layers": between(1, MAX_LAYERS),
+    "intermediate_size": between(1, MAX_WIDTH),
+    "num_attention_heads": between(1, MAX_HEADS),
+    "num_key_value_heads": between(1, MAX_HEADS),
+    "head_dim": between(1, MAX_HEAD_DIM),
+    "vocab_size": between(1, MAX_VOCAB),
+    "max_position_embeddings": between(1, MAX_POSITIONS),
+    "rms_norm_eps": positive(1),
+    "rope_theta": positive(),
+    "sliding_window": between(1, MAX_POSITIONS),
+    "max_window_layers": between(0, MAX_LAYERS),
+    "layer_types": one_of("full_attention", "sliding_attention"),
+}
+
+
+def _heads(t) -> int:
+    return t["num_attention_heads"]
+
+
+TEXT_RULES = (
+    Rule("num_key_value_heads", lambda t: _heads(t) % (t.get("num_key_value_heads") or _heads(t)) == 0,
+         lambda t: f"must divide num_attention_heads {_heads(t)}"),
+    Rule("hidden_size", lambda t: t.get("head_dim") is not None or t["hidden_size"] % _heads(t) == 0,
+         lambda t: f"must be a multiple of num_attention_heads {_heads(t)} (no head_dim given)"),
+    Rule("num_attention_heads", lambda t: _heads(t) * (t.get("head_dim") or t["hidden_size"] // _heads(t))
+         <= MAX_WIDTH, lambda t: f"num_attention_heads * head_dim must be at most {MAX_WIDTH}"),
+    Rule("layer_types", lambda t: t.get("layer_types") is None or len(t["layer_types"]) == t["num_hidden_layers"],
+         lambda t: f"expected one entry per layer (num_hidden_layers {t['num_hidden_layers']})"),
+)
+
+
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(CheckedArgs):
     """config.json of the text encoder. For Qwen3 (a flat config) text_config is the config itself."""
     model_type: str = "mistral3"
     text_config: dict = field(default_factory=dict)
-    taps: tuple | None = None                 # hidden_states indices; None: diffusers' default for the model type
+    taps: tuple[int, ...] | None = None       # hidden_states indices; None: diffusers' default for the model type
     quantization: dict | None = None          # mlx-lm converted folders
     quantization_config: dict | None = None   # transformers-quantized (bitsandbytes, ...): not supported
-    architectures: list | None = None
+    architectures: list[str] | None = None
+
+    WHAT = "FLUX.2 text encoder config"
+    LIMITS = {"taps": between(0, MAX_LAYERS, items=(1, 16))}
 
     @classmethod
-    def from_dict(cls, params):
-        params = dict(params)
+    def from_dict(cls, params, where=None):
+        where = where or cls.WHAT
+        params = dict(require_object(params, where))
         if "text_config" not in params:
             params["text_config"] = {k: v for k, v in params.items() if k not in ("taps", "quantization")}
-        return super().from_dict(params)
+        args = super().from_dict(params, where)
+        check_language_model(args, where)
+        return args
 
     def __post_init__(self):
         self.taps = tuple(TAPS.get(self.model_type, ()) if self.taps is None else self.taps)
@@ -87,6 +132,35 @@ class ModelArgs(BaseModelArgs):
     def tapped_final_norm(self) -> bool:
         """hidden_states[num_layers] is the final-normed output, so that tap needs the final norm."""
         return self.depth == self.num_layers
+
+
+def language_model_class(args: ModelArgs):
+    """The mlx-lm ModelArgs class the language model config becomes (None: a model type check_args refuses)."""
+    if args.model_type == "qwen3":
+        return qwen3.ModelArgs
+    if args.model_type == "mistral3":
+        arch = MISTRAL3_TEXT_MODELS.get(args.text_config.get("model_type"))
+        return arch.ModelArgs if arch else None
+    return None
+
+
+def check_language_model(args: ModelArgs, where) -> None:
+    """The language model's config: the keys mlx-lm requires present, every value typed and in range, and mlx-lm
+    able to read it."""
+    cls = language_model_class(args)
+    if cls is None:
+        return
+    text = require_object(args.text_config, where, "text_config")
+    prefix = "text_config." if args.model_type == "mistral3" else ""
+    hints = {**field_types(cls), **TEXT_TYPES}
+    required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING and f.name != "rope_theta"]  # or in rope_parameters
+    check_values(text, hints, TEXT_LIMITS, where, prefix, required)
+    check_rules(text, TEXT_RULES, where, prefix)
+    try:
+        cls.from_dict(language_model_config(args))
+    except (TypeError, ValueError, KeyError) as e:   # mlx-lm's own checks (rope_scaling, ...)
+        raise MlxdiffError(f"{where}: mlx-lm cannot read the language model config ({e})") from None
 
 
 def check_args(args: ModelArgs, source, taps=True) -> None:
@@ -231,7 +305,7 @@ class Model(nn.Module):
 def check_config(config: dict, where, taps=True) -> None:
     """The check mlxdiff.loading runs on a text encoder's config (taps=False when the folder is read, with the taps
     when it is built)."""
-    check_args(ModelArgs.from_dict(config), where, taps)
+    check_args(ModelArgs.from_dict(config, where), where, taps)
 
 
 # python -m mlxdiff.convert writes the encoder whole (every layer and the final norm) under transformers' Qwen3 /

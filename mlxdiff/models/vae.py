@@ -11,8 +11,9 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import BaseModelArgs
 
+from ..config_checks import (MAX_IMAGE_SIZE, MAX_LEVELS, MAX_WIDTH, CheckedArgs, Limit, Rule, between, one_of,
+                             positive)
 from ..errors import MlxdiffError
 from ..formats.keymaps import remap
 
@@ -28,26 +29,64 @@ SD3_CONFIG = {
 }
 
 
+def _levels(a) -> int:
+    return len(a.block_out_channels)
+
+
+def _smallest_side(a) -> int:
+    return min(a.sample_size) if isinstance(a.sample_size, (list, tuple)) else a.sample_size
+
+
+def _grouped(channels, groups) -> bool:
+    return all(c % groups == 0 for c in channels or ())
+
+
 @dataclass
-class ModelArgs(BaseModelArgs):
+class ModelArgs(CheckedArgs):
     in_channels: int = 3
     out_channels: int = 3
-    down_block_types: tuple = ("DownEncoderBlock2D",) * 4
-    up_block_types: tuple = ("UpDecoderBlock2D",) * 4
-    block_out_channels: tuple = (128, 256, 512, 512)
+    down_block_types: tuple[str, ...] = ("DownEncoderBlock2D",) * 4
+    up_block_types: tuple[str, ...] = ("UpDecoderBlock2D",) * 4
+    block_out_channels: tuple[int, ...] = (128, 256, 512, 512)
     layers_per_block: int = 2
     act_fn: str = "silu"
     latent_channels: int = 16
     norm_num_groups: int = 32
-    sample_size: int = 1024
+    sample_size: int | tuple[int, ...] = 1024
     scaling_factor: float = 1.5305
     shift_factor: Optional[float] = 0.0609
-    latents_mean: Optional[tuple] = None
-    latents_std: Optional[tuple] = None
+    latents_mean: Optional[tuple[float, ...]] = None
+    latents_std: Optional[tuple[float, ...]] = None
     force_upcast: bool = True
     use_quant_conv: bool = False
     use_post_quant_conv: bool = False
     mid_block_add_attention: bool = True
+
+    WHAT = "VAE config"
+    LIMITS = {
+        "in_channels": between(1, MAX_WIDTH),
+        "out_channels": between(1, MAX_WIDTH),
+        # diffusers' AutoencoderKL has only these block kinds
+        "down_block_types": Limit(choices=("DownEncoderBlock2D",), items=(1, MAX_LEVELS)),
+        "up_block_types": Limit(choices=("UpDecoderBlock2D",), items=(1, MAX_LEVELS)),
+        "block_out_channels": between(1, MAX_WIDTH, items=(1, MAX_LEVELS)),
+        "layers_per_block": between(1, 16),
+        "act_fn": one_of(*ACTIVATIONS),
+        "latent_channels": between(1, 1024),
+        "norm_num_groups": between(1, MAX_WIDTH),
+        "sample_size": between(1, MAX_IMAGE_SIZE, items=(1, 2)),
+        "scaling_factor": positive(),
+    }
+    RULES = (
+        Rule("block_out_channels", lambda a: _grouped(a.block_out_channels, a.norm_num_groups),
+             lambda a: f"each must be a multiple of norm_num_groups {a.norm_num_groups} (group norms)"),
+        Rule("down_block_types", lambda a: len(a.down_block_types) == _levels(a),
+             lambda a: f"expected one per block_out_channels entry ({_levels(a)})"),
+        Rule("up_block_types", lambda a: len(a.up_block_types) == _levels(a),
+             lambda a: f"expected one per block_out_channels entry ({_levels(a)})"),
+        Rule("sample_size", lambda a: _smallest_side(a) >= 2 ** (_levels(a) - 1),
+             lambda a: f"the tile size must be at least the VAE's factor {2 ** (_levels(a) - 1)}"),
+    )
 
 
 def activation(name):
@@ -598,7 +637,11 @@ def config_from_ldm(weights: dict, defaults: dict = None) -> dict:
         if key not in weights:
             raise MlxdiffError(f"VAE weights: {key!r} is missing; this is not an ldm-named VAE (expected "
                                "encoder.down.*, decoder.up.*, mid.attn_1.*)")
-        return weights[key].shape
+        found = tuple(weights[key].shape)
+        if len(found) != 4 or not all(found):   # every tensor read here is a convolution kernel
+            raise MlxdiffError(f"VAE weights: tensor {key!r} has shape {list(found)}; expected 4 non-zero "
+                               "dimensions")
+        return found
 
     if levels == 0:
         shape("encoder.down.0.block.0.conv1.weight")  # raises with the message above

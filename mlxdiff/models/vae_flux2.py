@@ -13,6 +13,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..config_checks import MAX_LEVELS, MAX_WIDTH, Rule, between, positive
 from . import vae
 
 
@@ -25,10 +26,26 @@ class ModelArgs(vae.ModelArgs):
     shift_factor: Optional[float] = None
     use_quant_conv: bool = True
     use_post_quant_conv: bool = True
-    decoder_block_out_channels: Optional[tuple] = None
+    decoder_block_out_channels: Optional[tuple[int, ...]] = None
     batch_norm_eps: float = 1e-4
     batch_norm_momentum: float = 0.1
-    patch_size: tuple = (2, 2)
+    patch_size: tuple[int, ...] = (2, 2)
+
+    WHAT = "FLUX.2 VAE config"
+    LIMITS = {
+        **vae.ModelArgs.LIMITS,
+        "decoder_block_out_channels": between(1, MAX_WIDTH, items=(1, MAX_LEVELS)),
+        "batch_norm_eps": positive(1),
+        "batch_norm_momentum": between(0, 1),
+        "patch_size": between(1, 16, items=(2, 2)),
+    }
+    RULES = vae.ModelArgs.RULES + (
+        Rule("decoder_block_out_channels", lambda a: a.decoder_block_out_channels is None
+             or (len(a.decoder_block_out_channels) == len(a.block_out_channels)
+                 and vae._grouped(a.decoder_block_out_channels, a.norm_num_groups)),
+             lambda a: f"expected null or {len(a.block_out_channels)} multiples of norm_num_groups "
+                       f"{a.norm_num_groups}, one per block_out_channels entry"),
+    )
 
 
 # the class defaults above are the FLUX.2-dev / klein vae/config.json; used for original single files

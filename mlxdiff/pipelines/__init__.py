@@ -15,9 +15,11 @@ def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=No
     "auto" (while they fit the budget together with the largest other component) or "all" (phases.Residency).
     Prompts already encoded with the same settings are not encoded again (a cache of the last 16).
     """
+    from ..arguments import check_load
     from .flux2 import Flux2Pipeline
     from .matmul import STRATEGIES
     from .sd3 import SD3Pipeline
+    check_load(model, transformer, text_encoders, quantize)   # also when called as mlxdiff.pipelines.load
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
     found = resolve(model, transformer=transformer, text_encoders=text_encoders)

@@ -15,6 +15,7 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import schedulers
+from ..arguments import check_generate
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize_dev, tokenize_klein
 from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
@@ -64,6 +65,7 @@ class Flux2Pipeline(Pipeline):
                       max_sequence_length=None, text_encoder_out_layers=None) -> Conditioning:
         """prompt_embeds (and, for klein base with CFG, negative_prompt_embeds of ""); max_sequence_length defaults
         to the folder's (512, diffusers' default, unless model_index.json says otherwise)."""
+        check_generate(prompt=prompt, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length)
         max_sequence_length = max_sequence_length or self.max_sequence_length
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if do_classifier_free_guidance is None:
@@ -77,8 +79,10 @@ class Flux2Pipeline(Pipeline):
 
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
                  guidance=None, seed=0, latents=None, max_sequence_length=None, text_encoder_out_layers=None,
-                 callback=None, progress_bar=True) -> Result:
-        width, height, steps, guidance = self.request(width, height, steps, guidance)
+                 callback=None, progress_bar=True, **options) -> Result:
+        width, height, steps, guidance = self.request(
+            width, height, steps, guidance, options, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
+            latents=latents, max_sequence_length=max_sequence_length)
         cfg = self.is_klein and not self.is_distilled and guidance > 1
         result, phase = new_run()
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(

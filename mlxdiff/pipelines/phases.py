@@ -20,8 +20,10 @@ from .. import backend
 import mlx.core as mx
 
 from .. import schedulers
+from ..arguments import check_generate, check_options
 from ..errors import MlxdiffError
 from ..loading.quantize import materialize
+from ..pacing import pace, settle
 from .. import memory as memory_module
 from ..memory import budget_bytes, check_fits, conv_band_bytes, fmt_gb, reset_footprint_peak, snapshot
 from .images import to_pil
@@ -38,6 +40,7 @@ class Result:
     load_seconds: dict = field(default_factory=dict)  # component -> seconds to map and read its weights
     reused: list = field(default_factory=list)    # what came from an earlier call: components kept loaded
                                                   # (keep=), "conditioning" (the prompt cache)
+    notes: list = field(default_factory=list)     # choices the memory budget made (e.g. a GGUF layout)
 
     def summary(self) -> str:
         """Time and peak memory per phase (what the CLI prints)."""
@@ -45,7 +48,7 @@ class Result:
         for name, seconds in self.timings.items():
             m = self.memory.get(name, {})
             rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('footprint_peak')):>13}")
-        return "\n".join(rows)
+        return "\n".join(rows + [f"note: {n}" for n in self.notes])
 
     def memory_report(self) -> str:
         """The per-phase memory table (--report-memory): the phase's weights (its floor: the largest model it
@@ -61,7 +64,7 @@ class Result:
             rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} {fmt_gb(floor):>10} "
                         f"{fmt_gb(peak):>10} {fmt_gb(overhead):>10} {fmt_gb(m.get('after')):>10} "
                         f"{fmt_gb(m.get('footprint_peak')):>13} {fmt_gb(m.get('footprint')):>14}")
-        return "\n".join(rows)
+        return "\n".join(rows + [f"note: {n}" for n in self.notes])
 
 
 def new_run():
@@ -89,7 +92,8 @@ class PhaseLog:
             mx.synchronize()
             peak = mx.get_peak_memory()
             footprint_peak = snapshot().footprint_peak
-            release()
+            mx.clear_cache()   # a freed model was collected where it was freed (Residency.use); gc.collect here
+                               # cost ~66 ms per phase on this CPU and found nothing
             snap = snapshot()
             self.result.timings[name] = time.perf_counter() - start
             self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
@@ -114,7 +118,11 @@ def release():
 def build_model(spec, compute_dtype, result: Result | None = None):
     """(model, resident bytes): the model a ComponentSpec describes, checked against the budget before anything is
     read, built, given its matmul strategy and evaluated one module at a time."""
-    check_fits(spec)  # refuse before loading anything that cannot fit
+    fitted = check_fits(spec, compute_dtype)  # refuse before loading anything that cannot fit
+    if fitted.gguf_layout != spec.gguf_layout and result is not None:
+        result.notes.append(f"{spec.name}: GGUF weights kept as the file's {fitted.gguf_layout} blocks "
+                            f"({fmt_gb(fitted.loaded_nbytes(compute_dtype=compute_dtype))}) to fit the memory budget")
+    spec = fitted
     start, before = time.perf_counter(), mx.get_active_memory()
     model = spec.build(compute_dtype)
     use_strategy(model, spec.matmul or backend.default_matmul_strategy())
@@ -218,9 +226,10 @@ def initial_latents(latents, shape, seed, layout=""):
 
 
 def evaluate_each_block(*outputs):
-    """The memory policy the pipelines pass to a transformer: evaluate each block's outputs before the next block
-    is built, so transient buffers are freed block by block instead of piling up over the whole stack."""
-    mx.eval([o for o in outputs if o is not None])
+    """The memory policy the pipelines pass to a transformer: each block's outputs are paced (mlxdiff/pacing.py),
+    so transient buffers are freed block by block instead of piling up over the whole stack, without the device
+    waiting for Python between blocks."""
+    pace(*[o for o in outputs if o is not None])
 
 
 def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
@@ -230,6 +239,7 @@ def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
     for i in progress(range(steps), steps, "denoise", progress_bar):
         x = schedulers.euler_step(x, velocity(i, x).astype(mx.float32), sigmas[i], sigmas[i + 1])
         mx.eval(x)
+        settle()
         if callback is not None:
             callback(i, float(timesteps[i]), x)
     return x
@@ -299,18 +309,21 @@ class Pipeline:
     def vae_scale_factor(self) -> int:
         return 2 ** (len(self.components["vae"].args.block_out_channels) - 1)
 
-    def request(self, width, height, steps, guidance) -> tuple:
-        """The run's (width, height, steps, guidance): defaults filled in, then checked."""
+    def request(self, width, height, steps, guidance, options=None, **given) -> tuple:
+        """The run's (width, height, steps, guidance): these and every other argument in `given` (seed, prompts,
+        latents, ...) checked against arguments.RULES (the CLI checks with the same table), sizes against the
+        family's multiple, then None filled in with the defaults. `options`: keywords this family does not take."""
+        check_options(self.family, options or {})
+        checked = check_generate(width=width, height=height, steps=steps, guidance=guidance, **given)
         defaults = self.defaults()
-        steps = defaults["steps"] if steps is None else steps
-        guidance = defaults["guidance"] if guidance is None else guidance
-        width, height = width or self.default_size(), height or self.default_size()
+        steps = defaults["steps"] if checked["steps"] is None else checked["steps"]
+        guidance = defaults["guidance"] if checked["guidance"] is None else checked["guidance"]
+        width = self.default_size() if checked["width"] is None else checked["width"]
+        height = self.default_size() if checked["height"] is None else checked["height"]
         factor = self.vae_scale_factor() * self.patch_size
-        if width % factor or height % factor or width <= 0 or height <= 0:
+        if width % factor or height % factor:
             raise MlxdiffError(f"width and height must be positive multiples of {factor}, got {width}x{height}; "
                                f"try {max(factor, width - width % factor)}x{max(factor, height - height % factor)}")
-        if steps < 1:
-            raise MlxdiffError(f"steps must be at least 1, got {steps}")
         return width, height, steps, guidance
 
     def encode_phase(self, phase, prompt, conditioning, cfg, encode, settings=(), result=None):

@@ -11,6 +11,7 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import schedulers
+from ..arguments import check_generate, check_layers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
 from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
@@ -65,8 +66,8 @@ class SD3Pipeline(Pipeline):
                       negative_prompt_3=None, do_classifier_free_guidance=True, clip_skip=None,
                       max_sequence_length=256) -> Conditioning:
         """CLIP-L, CLIP-G and T5, each loaded, run on the positive and negative prompts together, and freed."""
-        if max_sequence_length > 512:
-            raise MlxdiffError(f"max_sequence_length {max_sequence_length} is over T5's limit of 512")
+        check_generate(prompt=prompt, negative_prompt=negative_prompt, prompt_2=prompt_2, prompt_3=prompt_3,
+                       max_sequence_length=max_sequence_length, clip_skip=clip_skip)   # T5's limit: 512
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         batch = len(prompts)
         as_list = lambda p, default: default if p is None else ([p] * batch if isinstance(p, str) else list(p))
@@ -102,8 +103,14 @@ class SD3Pipeline(Pipeline):
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
                  guidance=None, seed=0, latents=None, skip_guidance_layers=None, skip_layer_guidance_scale=2.8,
                  skip_layer_guidance_start=0.01, skip_layer_guidance_stop=0.2, clip_skip=None,
-                 max_sequence_length=256, callback=None, progress_bar=True) -> Result:
-        width, height, steps, guidance = self.request(width, height, steps, guidance)
+                 max_sequence_length=256, callback=None, progress_bar=True, **options) -> Result:
+        width, height, steps, guidance = self.request(
+            width, height, steps, guidance, options, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
+            latents=latents, max_sequence_length=max_sequence_length, clip_skip=clip_skip,
+            skip_layer_guidance_scale=skip_layer_guidance_scale, skip_layer_guidance_start=skip_layer_guidance_start,
+            skip_layer_guidance_stop=skip_layer_guidance_stop)
+        skip_guidance_layers = check_layers("skip_guidance_layers", skip_guidance_layers,
+                                            self.components["transformer"].args.num_layers)
         cfg = guidance > 1
         result, phase = new_run()
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(

@@ -1,0 +1,225 @@
+"""The bounds of every argument a user gives, in one table, checked up front by the CLI and the API alike.
+
+`Pipeline.request()` (every generate call), `mlxdiff.load`, `memory.set_memory_limit` and the command-line tools
+call these checks, so a mistake is the same MlxdiffError, with the same one-line message, wherever it was made:
+`name=value: what is allowed`. None always means "the default"; zero is a value like any other (and mostly out of
+range), never a default in disguise.
+"""
+
+import math
+import numbers
+import os
+
+from .errors import MlxdiffError
+
+MAX_SIZE = 4096          # pixels a side: FLUX.2 goes up to 4 MP (2048x2048), 4096 leaves room for wide formats;
+                         # SD3.5's position table stops at 3072 anyway
+MAX_STEPS = 1000         # the flow-match schedulers' num_train_timesteps: more steps only repeat timesteps
+MAX_GUIDANCE = 100.0     # CFG scales past ~20 already saturate; the cap keeps guidance * (v_cond - v_uncond) finite
+MAX_SEED = 2 ** 64 - 1   # mx.random.key takes the whole uint64 range
+MAX_IMAGES = 10000       # images in one command (prompts x seeds)
+MAX_SEQUENCE = 512       # T5's and the FLUX.2 encoders' prompt length limit
+MEMORY_FACTOR = 2        # a memory limit may exceed physical memory (swap), but not by more than this
+
+DEFAULT = "; leave it out for the model's default"
+
+# name: (integer?, low, high, low is excluded?, what None means)
+RULES = {
+    "width": (True, 1, MAX_SIZE, False, DEFAULT),
+    "height": (True, 1, MAX_SIZE, False, DEFAULT),
+    "steps": (True, 1, MAX_STEPS, False, DEFAULT),
+    "guidance": (False, 0.0, MAX_GUIDANCE, False, DEFAULT),
+    "seed": (True, 0, MAX_SEED, False, ""),
+    "num_images": (True, 1, MAX_IMAGES, False, ""),
+    "max_sequence_length": (True, 1, MAX_SEQUENCE, False, DEFAULT),
+    "clip_skip": (True, 0, 64, False, ""),
+    "skip_layer_guidance_scale": (False, 0.0, MAX_GUIDANCE, False, ""),
+    "skip_layer_guidance_start": (False, 0.0, 1.0, False, ""),
+    "skip_layer_guidance_stop": (False, 0.0, 1.0, False, ""),
+    "memory_limit": (False, 0.0, None, True, ""),      # GB; high: MEMORY_FACTOR x physical memory (memory_cap_gb)
+    "interval": (False, 0.0, 60.0, True, ""),          # footprint's sampling, seconds
+}
+
+# generate() options that only one family has
+FAMILY_OPTIONS = {"skip_guidance_layers": "sd3", "skip_layer_guidance_scale": "sd3",
+                  "skip_layer_guidance_start": "sd3", "skip_layer_guidance_stop": "sd3", "clip_skip": "sd3",
+                  "text_encoder_out_layers": "flux2"}
+FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2"}
+
+TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
+
+
+def physical_memory_gb() -> float:
+    try:
+        import mlx.core as mx
+        size = mx.device_info().get("memory_size")
+        if size:
+            return int(size) / 2 ** 30
+    except Exception:  # device_info is backend specific
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+
+
+def memory_cap_gb() -> float:
+    return MEMORY_FACTOR * physical_memory_gb()
+
+
+def _fmt(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def check_number(name, value):
+    """`value` against RULES[name]; None passes (the default). Returns the value (ints as int)."""
+    if value is None:
+        return None
+    integer, low, high, open_low, none = RULES[name]
+    if name == "memory_limit":
+        high = memory_cap_gb()
+        problem = (f"{name}={value!r}: must be a positive, finite number of GB, at most {high:.1f} "
+                   f"({MEMORY_FACTOR} x this machine's memory)")
+    else:
+        bounds = f"above {_fmt(low)} and at most" if open_low else f"from {_fmt(low)} to"
+        problem = f"{name}={value!r}: must be {'an integer' if integer else 'a finite number'} {bounds} " \
+                  f"{_fmt(high)}{none}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise MlxdiffError(problem)
+    if integer:
+        if not isinstance(value, numbers.Integral):
+            raise MlxdiffError(problem)
+        value = int(value)
+    else:
+        value = float(value)
+        if not math.isfinite(value):
+            raise MlxdiffError(problem)
+    if value < low or (open_low and value == low) or value > high:
+        raise MlxdiffError(problem)
+    return value
+
+
+def check_text(name, value, lists=True):
+    """A prompt: a str (or a non-empty list of str); text that came from bytes that are not UTF-8 (Python keeps them
+    as lone surrogates in sys.argv) is refused, since no tokenizer can read it."""
+    if value is None:
+        return None
+    items = value if lists and isinstance(value, (list, tuple)) else [value]
+    if lists and isinstance(value, (list, tuple)) and not value:
+        raise MlxdiffError(f"{name}=[]: give at least one prompt")
+    for text in items:
+        if not isinstance(text, str):
+            raise MlxdiffError(f"{name}={text!r}: must be text (a str{' or a list of str' if lists else ''})")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = text[e.start]
+            byte = f"byte 0x{ord(bad) - 0xDC00:02x}" if 0xDC80 <= ord(bad) <= 0xDCFF else f"{bad!r}"
+            raise MlxdiffError(f"{name}: not valid UTF-8 text ({byte} at character {e.start}); "
+                               "give the prompt in UTF-8") from None
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_latents(latents):
+    """Injected noise: a finite real array (its shape is checked against the size by phases.initial_latents)."""
+    if latents is None:
+        return None
+    import numpy as np
+    try:
+        array = np.asarray(latents)
+    except Exception:  # an object numpy cannot read is a user mistake here
+        array = None
+    if array is None or not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+        raise MlxdiffError(f"latents: expected a numpy array of real numbers, got {type(latents).__name__}")
+    if not np.isfinite(array).all():
+        raise MlxdiffError(f"latents: {int((~np.isfinite(array)).sum())} of {array.size} values are NaN or "
+                           "infinite; give finite noise")
+    return array
+
+
+def check_layers(name, value, count):
+    """Transformer block indices: distinct integers in [0, count)."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    if (not items or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < count
+                         for i in items) or len(set(items)) != len(items)):
+        raise MlxdiffError(f"{name}={value!r}: expected distinct layer indices from 0 to {count - 1}, e.g. [7, 8, 9]")
+    return [int(i) for i in items]
+
+
+def check_options(family, options: dict):
+    """generate() keywords the family does not have: a family-only option of the other family, or unknown."""
+    for name in options:
+        owner = FAMILY_OPTIONS.get(name)
+        if owner is not None:
+            raise MlxdiffError(f"{name}: an option of {FAMILY_NAMES[owner]} models only; this is a "
+                               f"{FAMILY_NAMES[family]} model")
+        raise MlxdiffError(f"{name}=: not an argument of generate() for {FAMILY_NAMES[family]} models")
+
+
+def check_generate(**values) -> dict:
+    """Every generate() argument that has a rule; the others pass unchanged."""
+    out = dict(values)
+    for name, value in values.items():
+        if name in RULES:
+            out[name] = check_number(name, value)
+        elif name in ("prompt", "negative_prompt", "prompt_2", "prompt_3"):
+            out[name] = check_text(name, value)
+        elif name == "latents":
+            out[name] = check_latents(value)
+    return out
+
+
+def _bits(where, value):
+    from .loading.quantize import GROUP_SIZES, SUPPORTED_BITS
+    bits_only = not isinstance(value, dict)
+    setting = {"bits": value} if bits_only else value
+    allowed = ", ".join(map(str, SUPPORTED_BITS))
+    if set(setting) - {"bits", "group_size"} or "bits" not in setting or any(
+            isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in setting.values()):
+        raise MlxdiffError(f"{where}={value!r}: expected bits as an integer ({allowed}) or "
+                           '{"bits": B, "group_size": G}')
+    if setting["bits"] not in SUPPORTED_BITS:
+        raise MlxdiffError(f"{where}={value!r}: {setting['bits']}-bit quantization is not supported; use one of "
+                           f"{allowed}")
+    if setting.get("group_size", GROUP_SIZES[1]) not in GROUP_SIZES:
+        raise MlxdiffError(f"{where}={value!r}: group size {setting['group_size']} is not supported; use one of "
+                           + ", ".join(map(str, GROUP_SIZES)))
+
+
+def check_quantize(quantize):
+    """Bits for every component, or {component: bits | {"bits", "group_size"}}; the component names are checked
+    against the pipeline by loading.quantize.plan."""
+    if quantize is None:
+        return None
+    if isinstance(quantize, dict):
+        if not quantize:
+            raise MlxdiffError("quantize={}: name at least one component, e.g. {'transformer': 4}")
+        for name, value in quantize.items():
+            if not isinstance(name, str):
+                raise MlxdiffError(f"quantize: component names are str, got {name!r}")
+            _bits(f"quantize[{name!r}]", value)
+    else:
+        _bits("quantize", quantize)
+    return quantize
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, (str, os.PathLike)) and str(value) != ""
+
+
+def check_load(model, transformer=None, text_encoders=None, quantize=None):
+    """mlxdiff.load's arguments, before anything is read."""
+    if not _is_path(model):
+        raise MlxdiffError(f"model={model!r}: give a pipeline folder, a hub id in the local Hugging Face cache or "
+                           "a single file, as a str or path")
+    if transformer is not None and not _is_path(transformer):
+        raise MlxdiffError(f"transformer={transformer!r}: give the file that replaces the denoiser, as a str or path")
+    check_quantize(quantize)
+    if text_encoders is not None:
+        if not isinstance(text_encoders, dict) or set(text_encoders) - set(TEXT_ENCODER_NAMES) or not all(
+                _is_path(v) for v in text_encoders.values()):
+            raise MlxdiffError(f"text_encoders={text_encoders!r}: expected {{name: file}} with names from "
+                               + ", ".join(TEXT_ENCODER_NAMES))
+        from .loading.sources import resolve_path
+        if resolve_path(model).is_dir():
+            raise MlxdiffError(f"text_encoders=: applies to SD3.5 single-file models for now; {model} is a folder, "
+                               "which brings its own text encoders")

@@ -1,0 +1,31 @@
+"""Seeded mutants of a safetensors and a GGUF file (issue 13): each read in a forked child under a 4 GiB memory
+cap and an alarm, and each refused in one MlxdiffError line or read exactly as the reference reads the same bytes
+(safetensors' Rust parser; gguf-py). bench/fuzz_readers.py holds the operators and the outcome classes, and runs
+the 10,000-mutant version."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FUZZER = Path(__file__).resolve().parents[1] / "bench" / "fuzz_readers.py"
+N = 300
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_mutants_are_refused_or_read_as_the_reference(tmp_path, fmt):
+    # a process of its own: the fuzzer forks a child per mutant, safe only in a process that has run no MLX work
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(FUZZER), "--format", fmt, "--n", str(N), "--seed", "13",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert out.exists(), f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(out.read_text())
+    assert result["n"] == N
+    assert result["unacceptable"] == 0, proc.stdout[-6000:]
+    counts = result["counts"]
+    # the mutants reach both paths: most are refused, some load (and match the reference)
+    assert sum(c for k, c in counts.items() if k.startswith("refused")) > N // 2, counts
+    assert counts.get("loaded = reference", 0) > N // 20, counts
+    assert result["slowest_s"] < 2.0, result
