@@ -5,8 +5,9 @@ transformer block (FLUX.2-dev single block, H200: 1.35 GB above its inputs for a
 decoded weight in it, stayed alive until the block was done. `pace(y)` first waits until fewer than IN_FLIGHT
 earlier paced results are still queued, then schedules y (`mx.async_eval`), so at most IN_FLIGHT pieces of work
 hold their buffers at a time. IN_FLIGHT = 1 (the default) is the memory floor; 2 keeps the next piece queued while
-the device runs the current one: FLUX.2-dev Q4_K_M at 1024x1024 on the H200 peaks 21.46 GiB at 0.63 s per step with
-1, 21.84 GiB at 0.57 s with 2 (MLXDIFF_IN_FLIGHT=2). Figures: bench/RESULTS.md, "Memory floor".
+the device runs the current one, faster at some memory (H200, 1024x1024: FLUX.2-dev Q4_K_M 21.46 GiB at 0.63 s per
+step with 1, 21.84 GiB at 0.57 s with 2; a bf16 klein-4B forward 0.102 s / +0.94 GiB with 1, 0.074 s / +0.70-1.36
+GiB with 2, torch 0.086 s / +0.60 GiB). MLXDIFF_IN_FLIGHT=2 chooses speed. Figures: bench/RESULTS.md, "Memory floor".
 
 This module imports only mlxdiff.errors, so every floor (formats, models, pipelines) can use it.
 """
@@ -19,15 +20,14 @@ import mlx.core as mx
 from .errors import MlxdiffError
 
 
-
-def _in_flight_setting() -> int:
-    value = os.environ.get("MLXDIFF_IN_FLIGHT", "1")
+def _setting(name, default) -> int:
+    value = os.environ.get(name, str(default))
     if not value.isdigit() or not 1 <= int(value) <= 64:
-        raise MlxdiffError(f"MLXDIFF_IN_FLIGHT={value!r}: expected a whole number from 1 to 64 (default 1)")
+        raise MlxdiffError(f"{name}={value!r}: expected a whole number from 1 to 64 (default {default})")
     return int(value)
 
 
-IN_FLIGHT = _in_flight_setting()
+IN_FLIGHT = _setting("MLXDIFF_IN_FLIGHT", 1)
 _queued = deque()
 
 

@@ -17,7 +17,7 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from ..errors import MlxdiffError
-from ..pacing import pace
+from .. import pacing
 
 @dataclass
 class QuantizedTensor:
@@ -165,7 +165,7 @@ def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
     `after` so that MLX decodes it only once the input, or the previous chunk's product, exists; lazily it would
     decode every layer's weights first and hold them all). On the CPU in chunks of whole rows: CHUNK_WEIGHTS'
     worth, at least MIN_ROWS and at least as many rows as the input has tokens, so the transient is a few chunks.
-    On a GPU whole layers, each paced (mlxdiff/pacing.py): at most IN_FLIGHT decoded weights are alive."""
+    On a GPU whole layers, each paced (mlxdiff/pacing.py): at most IN_FLIGHT decoded weights alive."""
     on_cpu = chunk_rows()
     step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if on_cpu else rows
     parts, after = [], x
@@ -174,5 +174,5 @@ def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
         parts.append(after)
     y = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
     if not on_cpu:
-        pace(y)
+        pacing.pace(y)
     return y

@@ -1,0 +1,111 @@
+"""One transformer forward at a real config, mlxdiff beside diffusers, random bf16 weights built in memory (no file).
+
+    python bench/forward_gpu.py mlxdiff [--model klein-4b|dev] [--size 1024]      # MLXDIFF_IN_FLIGHT / _FUSE apply
+    python bench/forward_gpu.py diffusers [--model klein-4b]
+
+Prints one RESULT json line: seconds per forward (median of 5 after 2 warm-up calls, which include MLX's kernel
+compilation on CUDA) and the peak above the weights. Used for bench/RESULTS.md (issue 12 rows).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+GB = 1024 ** 3
+CONFIGS = {
+    "klein-4b": dict(patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+                     num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+                     axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False),
+}
+
+
+def inputs(size, cfg, text_len=512):
+    rng = np.random.default_rng(0)
+    h = w = size // 16
+    img = rng.standard_normal((1, h * w, cfg["in_channels"])).astype(np.float32)
+    txt = (rng.standard_normal((1, text_len, cfg["joint_attention_dim"])) * 0.5).astype(np.float32)
+    img_ids = np.stack(np.meshgrid(np.zeros(1), np.arange(h), np.arange(w), np.zeros(1), indexing="ij"), -1)
+    txt_ids = np.zeros((1, text_len, 4))
+    txt_ids[..., 3] = np.arange(text_len)
+    return img, txt, img_ids.reshape(1, -1, 4).astype(np.int32), txt_ids.astype(np.int32)
+
+
+def timed(fn, sync):
+    for _ in range(2):
+        fn()
+        sync()
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run_mlxdiff(cfg, size):
+    import mlxdiff  # noqa: F401
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlxdiff.models import flux2
+    from mlxdiff.pipelines.phases import evaluate_each_block
+    from mlxdiff.pacing import settle
+    model = flux2.Model(flux2.ModelArgs(**cfg))
+    model.compute_dtype = mx.bfloat16
+    model.update(nn.utils.tree_map(lambda a: (a * 0.02).astype(mx.bfloat16) if a.ndim > 1 else
+                                   a.astype(mx.bfloat16), model.parameters()))
+    mx.eval(model.parameters())
+    img, txt, img_ids, txt_ids = inputs(size, cfg)
+    img, txt = mx.array(img).astype(mx.bfloat16), mx.array(txt).astype(mx.bfloat16)
+    mx.eval(img, txt)
+    weights = mx.get_active_memory()
+
+    def forward():
+        y = model(img, txt, mx.array([0.5]), img_ids, txt_ids, after_block=evaluate_each_block)
+        mx.eval(y)
+        settle()
+
+    forward()
+    mx.reset_peak_memory()
+    seconds = timed(forward, mx.synchronize)
+    return {"side": "mlxdiff", "backend": f"mlx {mx.__version__} {mx.default_device()}",
+            "in_flight": os.environ.get("MLXDIFF_IN_FLIGHT", "1"), "fuse": os.environ.get("MLXDIFF_FUSE", "1"),
+            "seconds": seconds, "peak_above_weights_gb": (mx.get_peak_memory() - weights) / GB,
+            "weights_gb": weights / GB}
+
+
+def run_diffusers(cfg, size):
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    model = Flux2Transformer2DModel(**cfg).to("cuda", torch.bfloat16).eval()
+    img, txt, img_ids, txt_ids = (torch.from_numpy(a).cuda() for a in inputs(size, cfg))
+    img, txt = img.bfloat16(), txt.bfloat16()
+    weights = torch.cuda.memory_allocated()
+
+    @torch.no_grad()
+    def forward():
+        model(hidden_states=img, encoder_hidden_states=txt, timestep=torch.tensor([0.5], device="cuda"),
+              img_ids=img_ids[0], txt_ids=txt_ids[0], guidance=None, return_dict=False)
+
+    forward()
+    torch.cuda.reset_peak_memory_stats()
+    seconds = timed(forward, torch.cuda.synchronize)
+    return {"side": "diffusers", "backend": f"torch {torch.__version__} cuda", "seconds": seconds,
+            "peak_above_weights_gb": (torch.cuda.max_memory_allocated() - weights) / GB, "weights_gb": weights / GB}
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("side", choices=("mlxdiff", "diffusers"))
+    p.add_argument("--model", default="klein-4b", choices=tuple(CONFIGS))
+    p.add_argument("--size", type=int, default=1024)
+    a = p.parse_args()
+    run = run_mlxdiff if a.side == "mlxdiff" else run_diffusers
+    print("RESULT" + json.dumps({"model": a.model, "size": a.size, **run(CONFIGS[a.model], a.size)}), flush=True)
