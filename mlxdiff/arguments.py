@@ -206,20 +206,20 @@ def _is_path(value) -> bool:
     return isinstance(value, (str, os.PathLike)) and str(value) != ""
 
 
-def check_load(model, transformer=None, text_encoders=None, quantize=None):
-    """mlxdiff.load's arguments, before anything is read."""
+def check_load(model, transformer=None, text_encoders=None, quantize=None, text_encoder=None):
+    """mlxdiff.load's arguments, before anything is read (which family takes which encoder argument is checked once
+    the model is read: loading/resolve.py)."""
     if not _is_path(model):
         raise MlxdiffError(f"model={model!r}: give a pipeline folder, a hub id in the local Hugging Face cache or "
                            "a single file, as a str or path")
     if transformer is not None and not _is_path(transformer):
         raise MlxdiffError(f"transformer={transformer!r}: give the file that replaces the denoiser, as a str or path")
+    if text_encoder is not None and not _is_path(text_encoder):
+        raise MlxdiffError(f"text_encoder={text_encoder!r}: give the FLUX.2 text encoder file (safetensors or GGUF), "
+                           "as a str or path")
     check_quantize(quantize)
     if text_encoders is not None:
         if not isinstance(text_encoders, dict) or set(text_encoders) - set(TEXT_ENCODER_NAMES) or not all(
                 _is_path(v) for v in text_encoders.values()):
             raise MlxdiffError(f"text_encoders={text_encoders!r}: expected {{name: file}} with names from "
                                + ", ".join(TEXT_ENCODER_NAMES))
-        from .loading.sources import resolve_path
-        if resolve_path(model).is_dir():
-            raise MlxdiffError(f"text_encoders=: applies to SD3.5 single-file models for now; {model} is a folder, "
-                               "which brings its own text encoders")

@@ -169,10 +169,14 @@ REFERENCES = {"sd3": "mlxdiff.reference.sd3", "flux2": "mlxdiff.reference.flux2"
 def reference_for(model) -> tuple:
     """(the reference module, the local path) for what the user named: a pipeline folder by model_index.json's
     _class_name (a cached hub id too); a single .safetensors file is SD3.5's."""
-    from .loading.sources import PIPELINE_FAMILIES, read_pipeline_folder, resolve_path
+    from .loading.sources import PIPELINE_FAMILIES, read_json, resolve_path
     path = resolve_path(model)
     if path.is_dir():
-        _, cls, _ = read_pipeline_folder(path)     # the checked index: one line for anything malformed
+        index = path / "model_index.json"
+        cls = read_json(index, "model_index.json", path).get("_class_name")   # checked: a JSON object
+        if not isinstance(cls, str) or cls not in PIPELINE_FAMILIES:
+            raise MlxdiffError(f"{index}: no diffusers reference for pipeline {cls!r:.80}; supported: "
+                               + ", ".join(sorted(PIPELINE_FAMILIES)))
         return REFERENCES[PIPELINE_FAMILIES[cls]], path
     if path.suffix == ".safetensors":
         return REFERENCES["sd3"], path

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .arguments import MAX_IMAGES, check_generate, check_number, check_text
-from .cli import ArgumentParser, check_writable, parse_layers, parse_quantize, run, save_png
+from .cli import ArgumentParser, check_writable, parse_layers, parse_quantize, parse_text_encoders, run, save_png
 from .errors import MlxdiffError
 
 PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encoder's length
@@ -36,6 +36,9 @@ def parse_args(argv=None):
     p.add_argument("--keep", choices=("none", "auto", "all"), default=None,
                    help="components kept loaded between images (default: auto for several images, none for one)")
     p.add_argument("--transformer", help="a file that replaces the denoiser (safetensors or GGUF)")
+    p.add_argument("--text-encoder", action="append", default=None, metavar="FILE | NAME=FILE",
+                   help="FLUX.2: one text encoder file (safetensors or GGUF) that replaces the folder's; SD3.5: "
+                        "clip_l=FILE, clip_g=FILE, t5xxl=FILE (repeat the option)")
     p.add_argument("--skip-guidance-layers", default=None, help="SD3.5: comma-separated layer indices, e.g. 7,8,9")
     p.add_argument("--quantize", default=None,
                    help="quantize while loading: bits for all (e.g. 4) or per component "
@@ -116,6 +119,7 @@ def generate(args, written) -> int:
         raise MlxdiffError(f"{count} images (prompts x seeds): at most {MAX_IMAGES} in one command")
     outputs = [check_writable(o) for o in output_names(args.output, count)]
     quantize, layers = parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers)
+    text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
     if args.memory_limit is not None:
         from .memory import set_memory_limit
         set_memory_limit(args.memory_limit)
@@ -133,12 +137,14 @@ def generate(args, written) -> int:
     prompts = prompts or ["a red circle on a blue background"]
     t0 = time.perf_counter()
     pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
+                        text_encoder=text_encoder, text_encoders=text_encoders,
                         matmul=args.matmul, keep=args.keep or ("auto" if count > 1 else "none"))
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if layers is not None:
         options["skip_guidance_layers"] = layers
     base = {"negative_prompt": args.negative_prompt or "", "model": str(model), "transformer": args.transformer or "",
+            "text_encoder": " ".join(args.text_encoder or []),
             "steps": steps, "guidance": guidance, "dtype": str(pipe.dtype).replace("mlx.core.", ""),
             "generator": "mlxdiff"}
     job = [(prompt, seed) for prompt in prompts for seed in seeds]

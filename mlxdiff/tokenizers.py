@@ -175,7 +175,10 @@ def tokenize_dev(tokenizer, prompts, max_sequence_length=512, system_message=SYS
     padding="max_length", truncation=True, max_length=...). The processor renders the template and tokenizes the text
     with add_special_tokens unless the text already starts with the BOS token (processing_utils), padding on the
     tokenizer's padding_side (left for Mistral's LlamaTokenizer). `tokenizer` may be that processor or its tokenizer;
-    either way this does what the processor does."""
+    either way this does what the processor does. Checked against mistral-common's own encoding of the same request
+    on the real tekken vocabulary (tests/test_real_tokenizers.py); they agree except on control tokens typed in a
+    prompt ("[INST]", "<s>", ...), which transformers, and so diffusers and this, read as control tokens while
+    mistral-common keeps them as text."""
     require_chat_template(tokenizer)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     texts = tokenizer.apply_chat_template(dev_messages(prompts, system_message), add_generation_prompt=False,

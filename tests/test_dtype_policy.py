@@ -57,9 +57,17 @@ def _forward(weights):
     return out, dtypes, peak, model
 
 
+def _measured(weights):
+    """A forward after a warm-up one (the first call of a process also holds the fused pieces' compilation), and
+    the lower of two peaks: blocks are paced asynchronously (mlxdiff/pacing.py), so a peak varies by a few %."""
+    _forward(weights)
+    first, second = _forward(weights), _forward(weights)
+    return (first[0], first[1], min(first[2], second[2]), first[3])
+
+
 def test_float32_norm_scales_keep_bf16_activations_and_memory():
-    bf16_out, bf16_dtypes, bf16_peak, _ = _forward(_weights(mx.bfloat16))
-    out, dtypes, peak, model = _forward(_weights(mx.float32))
+    bf16_out, bf16_dtypes, bf16_peak, _ = _measured(_weights(mx.bfloat16))
+    out, dtypes, peak, model = _measured(_weights(mx.float32))
     assert out.dtype == mx.bfloat16
     assert set(dtypes) == {mx.bfloat16} and set(bf16_dtypes) == {mx.bfloat16}
     # the float32 scales were cast at load: the model holds bf16 only, and the forward needs what the bf16 one does

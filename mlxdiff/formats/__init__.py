@@ -1,14 +1,15 @@
 """File formats, below the models: every weight file is opened here, and nothing here imports a model.
 
 `open_weights(path)` decides by file type once: a safetensors file through the gate (safetensors.py), a GGUF file
-through its own checked reader (gguf.py), whose quantized tensors stay quantized (quantized.py). Key-map tables
-(keymaps.py) rename what the readers return.
+through its own checked reader (gguf.py), whose quantized tensors stay quantized (quantized.py); a safetensors file
+with float8 weights or ComfyUI's fp8 markers through fp8.py (its fp8 weights stay at 8 bits, scales folded in).
+Key-map tables (keymaps.py) rename what the readers return.
 """
 
 from pathlib import Path
 
 from ..errors import MlxdiffError
-from . import safetensors
+from . import fp8, safetensors
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
 
@@ -30,21 +31,28 @@ def check_weight_file(path, what="weights file") -> Path:
 
 
 def open_weights(path, compute_dtype=None, gguf_layout=None) -> dict:
-    """{name: mx.array} from a safetensors file, or {name: mx.array | QuantizedTensor | RawBlocks} from a GGUF file
-    (in `gguf_layout`, formats/gguf.py); lazy where the format allows (safetensors are mapped, not read). Every
-    header is checked first."""
+    """{name: mx.array} from a safetensors file (mx.array | Float8Weight for float8 ones, formats/fp8.py), or
+    {name: mx.array | QuantizedTensor | RawBlocks} from a GGUF file (in `gguf_layout`, formats/gguf.py); lazy where
+    the format allows (safetensors are mapped, not read). Every header is checked first."""
     if is_gguf(path):
         from .gguf import load_gguf
         return load_gguf(path, compute_dtype, gguf_layout)
-    return safetensors.load_safetensors(path)
+    info, meta = safetensors.check_safetensors(path, with_metadata=True)
+    if fp8.applies(info, meta):
+        return fp8.load(path, info, meta, compute_dtype)
+    return safetensors.load_safetensors(path, info=info)
 
 
 def loaded_nbytes(path, compute_dtype=None, gguf_layout=None) -> int:
-    """Bytes a weight file's tensors take once opened: a GGUF file's in its layout, a safetensors file's as stored."""
+    """Bytes a weight file's tensors take once opened: a GGUF file's in its layout, a float8 safetensors file's in
+    fp8.py's form, another safetensors file's as stored."""
     if is_gguf(path):
         from .gguf import loaded_nbytes as gguf_loaded_nbytes
         return gguf_loaded_nbytes(path, compute_dtype, gguf_layout)
-    return sum(tensor_nbytes(path).values())
+    info, meta = safetensors.check_safetensors(path, with_metadata=True)
+    if fp8.applies(info, meta):
+        return fp8.loaded_nbytes(info, meta, compute_dtype)
+    return sum(safetensors.nbytes(dtype, shape) for dtype, shape in info.values())
 
 
 class TensorShape:

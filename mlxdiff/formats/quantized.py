@@ -1,8 +1,10 @@
-"""Weights kept quantized below the models, in two forms, and how a layer multiplies through them:
+"""Weights kept quantized below the models, in three forms, and how a layer multiplies through them:
 
 - QuantizedTensor: an MLX affine triplet (weight codes, scales, biases), the arrays of an nn.QuantizedLinear;
 - RawBlocks: a file's own blocks (GGUF's Q2_K, Q3_K, Q6_K, which have no exact affine form at their size), held at
-  the file's size and decoded to float one layer at a time just before its matmul (formats/gguf.py RawLinear).
+  the file's size and decoded to float one layer at a time just before its matmul (formats/gguf.py RawLinear);
+- Float8Weight: a safetensors file's float8 e4m3fn weight (ComfyUI's scaled fp8 and comfy_quant layouts, or plain
+  fp8) with its scale, held at 8 bits and decoded the same way (formats/fp8.py Fp8Linear).
 
 Key maps split and join both along their rows (a fused qkv into q, k, v) without decoding. `flatten_quantized`
 turns them into layer arrays and says which layers to make quantized before strict loading; `chunked_matmul` is
@@ -74,12 +76,49 @@ class RawBlocks:
         return w.astype(dtype) if dtype is not None else w
 
 
+@dataclass
+class Float8Weight:
+    """A float8 e4m3fn weight: `codes` uint8 [rows, cols] (the file's bytes), `scale` float32 [rows] (one per row:
+    ComfyUI's per-tensor scale repeated, or a per-channel one); w = float32(code) * scale (formats/fp8.decode)."""
+    codes: mx.array
+    scale: mx.array
+
+    @property
+    def shape(self):
+        return tuple(self.codes.shape)
+
+    @property
+    def ndim(self):
+        return self.codes.ndim
+
+    @property
+    def dtype(self):
+        """bfloat16, which holds every float8 e4m3fn value exactly: for code that only asks an array's float type
+        (e.g. clip.identity_projection, an identity matrix in the token embedding's dtype)."""
+        return mx.bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype=None) -> mx.array:
+        w = mx.from_fp8(self.codes, dtype=mx.float32) * self.scale[:, None]
+        return w.astype(dtype) if dtype is not None else w
+
+
+FORMS = (QuantizedTensor, RawBlocks, Float8Weight)
+
+
 def split_rows(tensor, n: int) -> list:
     """Split a weight into `n` equal parts along its rows (axis 0), e.g. a fused qkv into q, k, v.
 
     Quantized forms are split while still quantized (rows of weight, scales and biases, or of blocks); an array
     with mx.split.
     """
+    if isinstance(tensor, Float8Weight):
+        if tensor.shape[0] % n:
+            raise MlxdiffError(f"cannot split a float8 weight of shape {tensor.shape} into {n} equal row blocks")
+        return [Float8Weight(c, s) for c, s in zip(mx.split(tensor.codes, n), mx.split(tensor.scale, n))]
     if isinstance(tensor, RawBlocks):
         rows = tensor.shape[0]
         if rows % n:
@@ -97,11 +136,13 @@ def split_rows(tensor, n: int) -> list:
 
 def concat_rows(parts: list):
     """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share their form and settings."""
+    if all(isinstance(p, Float8Weight) for p in parts):
+        return Float8Weight(mx.concatenate([p.codes for p in parts]), mx.concatenate([p.scale for p in parts]))
     if all(isinstance(p, RawBlocks) for p in parts) and len({p.type_name for p in parts}) == 1:
         return RawBlocks(mx.concatenate([p.blocks for p in parts]), parts[0].type_name,
                          (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].decode)
     if not all(isinstance(p, QuantizedTensor) for p in parts):
-        return mx.concatenate([p.dequantize() if isinstance(p, (QuantizedTensor, RawBlocks)) else p for p in parts],
+        return mx.concatenate([p.dequantize() if isinstance(p, FORMS) else p for p in parts],
                               axis=0)
     settings = {(p.bits, p.group_size) for p in parts}
     if len(settings) != 1:
@@ -112,22 +153,27 @@ def concat_rows(parts: list):
 
 
 def flatten_quantized(weights: dict):
-    """{name: array | QuantizedTensor | RawBlocks} -> (flat {name: array}, {layer path: setting}).
+    """{name: array | QuantizedTensor | RawBlocks | Float8Weight} -> (flat {name: array}, {layer path: setting}).
 
     A quantized "<layer>.weight" becomes "<layer>.weight" / ".scales" / ".biases" with setting {"bits",
     "group_size"} (use `nn.quantize(model, class_predicate=quantized_predicate(layers))` before `load_weights`),
-    or, for RawBlocks, "<layer>.weight" = the blocks with setting {"raw": GGUF type} (formats/gguf.use_raw_layers).
+    or, for RawBlocks, "<layer>.weight" = the blocks with setting {"raw": GGUF type} (formats/gguf.use_raw_layers),
+    or, for Float8Weight, "<layer>.weight" = the codes and "<layer>.weight_scale" = the row scales with setting
+    {"fp8": "float8_e4m3fn"} (formats/fp8.use_fp8_layers).
     """
     flat, layers = {}, {}
     for name, value in weights.items():
-        if not isinstance(value, (QuantizedTensor, RawBlocks)):
+        if not isinstance(value, FORMS):
             flat[name] = value
             continue
         if not name.endswith(".weight"):
             raise MlxdiffError(f"quantized tensor {name!r} is not a layer weight (no '.weight' suffix); only "
                                "Linear and Embedding weights can stay quantized")
         prefix = name[: -len(".weight")]
-        if isinstance(value, RawBlocks):
+        if isinstance(value, Float8Weight):
+            flat[name], flat[f"{prefix}.weight_scale"] = value.codes, value.scale
+            layers[prefix] = {"fp8": "float8_e4m3fn"}
+        elif isinstance(value, RawBlocks):
             flat[name] = value.blocks
             layers[prefix] = {"raw": value.type_name}
         else:
@@ -140,7 +186,7 @@ def quantized_predicate(layers: dict):
     """class_predicate for nn.quantize: per-layer {"bits", "group_size"} for the layers stored in affine form."""
     def predicate(path, module):
         setting = layers.get(path, False)
-        if not hasattr(module, "to_quantized") or not setting or "raw" in setting:
+        if not hasattr(module, "to_quantized") or not setting or "raw" in setting or "fp8" in setting:
             return False
         return setting
     return predicate

@@ -143,13 +143,25 @@ def _tensor(path, name, entry):
     return dtype, tuple(shape), tuple(offsets)
 
 
-def check_safetensors(path) -> dict:
-    """Validate the header and layout of a safetensors file; return {name: (dtype, shape)}. Raises MlxdiffError."""
+def check_safetensors(path, with_metadata=False):
+    """Validate the header and layout of a safetensors file; return {name: (dtype, shape)} (and, `with_metadata`,
+    the header's `__metadata__` {str: str}, {} when absent). Raises MlxdiffError."""
     path = Path(path)
     header, data_len = _read_header(path)
     meta = header.pop("__metadata__", None)
     if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
         raise _bad(path, "__metadata__ must map strings to strings")
+    info = _check_tensors(path, header, data_len)
+    return (info, meta or {}) if with_metadata else info
+
+
+def parse_json(text, bad):
+    """json.loads with bounded work, duplicate keys refused, every failure `bad(what)` (for JSON a file carries:
+    a header's metadata value, a tensor of JSON bytes)."""
+    return _parse_json(text, bad, strict_numbers=False)
+
+
+def _check_tensors(path, header, data_len) -> dict:
     if len(header) > MAX_TENSORS:
         raise _bad(path, f"{len(header)} tensors, more than the {MAX_TENSORS} mlxdiff reads from one file")
     spans, info = [], {}
@@ -184,9 +196,11 @@ def _from_e8m0(codes):
 DECODE = {"F8_E4M3": lambda a: mx.from_fp8(a, dtype=mx.bfloat16), "F8_E8M0": _from_e8m0}
 
 
-def load_safetensors(path) -> dict:
-    """Check, then lazily map one file: {name: mx.array}. Nothing is read until an array is evaluated."""
-    info = check_safetensors(path)
+def load_safetensors(path, decode_fp8=True, info=None) -> dict:
+    """Check, then lazily map one file: {name: mx.array}. Nothing is read until an array is evaluated.
+    With `decode_fp8` False, F8_E4M3 tensors stay the file's bytes (uint8; formats/fp8.py keeps them at 8 bits).
+    `info`: what check_safetensors returned for it, when the caller has just checked it."""
+    info = check_safetensors(path) if info is None else info
     if not info:
         return {}
     try:
@@ -203,7 +217,7 @@ def load_safetensors(path) -> dict:
         if a.shape != shape or a.dtype != DTYPES[dtype][1]:
             raise MlxdiffError(f"{path}: MLX read tensor {_short(name)} as {a.dtype} {a.shape}, the header says "
                                f"{dtype} {shape}; re-convert the file")
-        if dtype in DECODE:
+        if dtype in DECODE and (decode_fp8 or dtype != "F8_E4M3"):
             arrays[name] = DECODE[dtype](a)
     return arrays
 

@@ -47,14 +47,19 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     rename = None if native else model.sanitize
     if not native:
         weights = model.sanitize(weights)
+    else:  # float8 layers saved as they are held (mlxdiff.convert of an fp8 file): codes and row scales again
+        from ..formats.fp8 import saved_fp8
+        weights = saved_fp8(weights)
     if config.get("quantization"):  # saved quantized (mlxdiff.convert, mlx-lm's convert)
         prepare_quantized(model, weights, config["quantization"], rename)
     weights, gguf_layers = flatten_quantized(weights)
     if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear (per their own
-        import mlx.nn as nn  # bits) or RawLinear (the file's blocks)
+        import mlx.nn as nn  # bits) or RawLinear (the file's blocks); float8 ones Fp8Linear (formats/fp8.py)
+        from ..formats.fp8 import use_fp8_layers
         from ..formats.gguf import use_raw_layers
         nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
         use_raw_layers(model, gguf_layers, model.compute_dtype)
+        use_fp8_layers(model, gguf_layers, weights, model.compute_dtype)
     load_into(model, weights, source)
     keep_activations_in(model, model.compute_dtype)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
@@ -67,12 +72,14 @@ def keep_activations_in(model, compute_dtype) -> None:
     (float32 norm scales, which GGUF and ComfyUI files keep, under bfloat16 compute; bfloat16 under float16) is cast
     to the compute dtype, lazily. Weights that the compute dtype absorbs (bfloat16 under float32) stay as stored."""
     import mlx.core as mx
-    from mlx.utils import tree_map
+    from mlx.utils import tree_map_with_path
 
-    def cast(w):
+    def cast(path, w):
         if not isinstance(w, mx.array) or w.dtype == compute_dtype or not mx.issubdtype(w.dtype, mx.floating):
+            return w
+        if path.endswith(".weight_scale"):   # a float8 layer's float32 scales: only the decoded weight is cast
             return w
         promoted = (mx.zeros((), w.dtype) + mx.zeros((), compute_dtype)).dtype
         return w if promoted == compute_dtype else w.astype(compute_dtype)
 
-    model.update(tree_map(cast, model.parameters()))
+    model.update(tree_map_with_path(cast, model.parameters()))

@@ -1,23 +1,46 @@
 """What the user named -> PipelineSources: a pipeline folder (sources.sd3_folder / flux2_folder), a hub id in the
-local cache, or an SD3.5 single file (single_file.py)."""
+local cache, or an SD3.5 single file (single_file.py); a given text encoder file replaces that component."""
 
 from ..errors import MlxdiffError
 from ..formats import check_weight_file
-from .single_file import sd3_single_file
+from .single_file import TEXT_ENCODER_FILES, sd3_single_file, text_encoder_file
 from .sources import (PIPELINE_FAMILIES, PipelineSources, flux2_folder, not_a_folder, read_pipeline_folder,
                       resolve_path, sd3_folder)
 
 
-def resolve(model, *, transformer=None, text_encoders=None) -> PipelineSources:
-    """What the user named -> PipelineSources (a folder, a cached hub id, or an SD3.5 single file)."""
+def resolve(model, *, transformer=None, text_encoders=None, text_encoder=None) -> PipelineSources:
+    """What the user named -> PipelineSources (a folder, a cached hub id, or an SD3.5 single file).
+    `text_encoders` (SD3.5: {"clip_l" | "clip_g" | "t5xxl": file}) and `text_encoder` (FLUX.2: one file) replace the
+    model's own encoders."""
     path = resolve_path(model)
     if transformer is not None:
         check_weight_file(not_a_folder(transformer, "transformer file"), "transformer file")
     if path.is_dir():
         index, pipeline_class, components = read_pipeline_folder(path)
         family = PIPELINE_FAMILIES[pipeline_class]
-        read = sd3_folder if family == "sd3" else flux2_folder
-        return read(path, index, pipeline_class, components, transformer)
+        check_family(family, path, text_encoders, text_encoder)
+        if family == "flux2":
+            return flux2_folder(path, index, pipeline_class, components, transformer, text_encoder)
+        found = sd3_folder(path, index, pipeline_class, components, transformer)
+        for short, file in (text_encoders or {}).items():
+            if short == "t5xxl" and found.components.get("text_encoder_3") is None:
+                raise MlxdiffError(f"{path}: this SD3.5 folder has no T5 (text_encoder_3 is null, and so is its "
+                                   "tokenizer_3); t5xxl= cannot be given to it")
+            component = TEXT_ENCODER_FILES[short][0]
+            found.components[component] = text_encoder_file(short, file,
+                                                             base_config=found.components[component].config)
+        return found
     if path.suffix == ".safetensors":
+        check_family("sd3", path, text_encoders, text_encoder)
         return sd3_single_file(path, transformer=transformer, text_encoders=text_encoders)
     raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
+
+
+def check_family(family, path, text_encoders, text_encoder) -> None:
+    if family == "flux2" and text_encoders:
+        raise MlxdiffError(f"text_encoders=: takes SD3.5's clip_l / clip_g / t5xxl files (for an SD3.5 folder or "
+                           f"single-file model), but {path} is a FLUX.2 model; give its one encoder file as "
+                           "text_encoder=FILE")
+    if family == "sd3" and text_encoder is not None:
+        raise MlxdiffError(f"text_encoder=: is FLUX.2's one encoder file, but {path} is an SD3.5 model; give "
+                           "text_encoders={'clip_l': F, 'clip_g': F, 't5xxl': F} (any of them)")

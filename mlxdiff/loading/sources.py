@@ -1,7 +1,8 @@
 """What a user names -> component specs: where each component's bytes are, its config and its key mapping.
 
 Accepted: a diffusers pipeline folder (model_index.json), a hub id found in the local Hugging Face cache, or an
-original single file (SD3.5: single_file.py); resolve.py picks which. Each reader returns a PipelineSources: the
+original single file (SD3.5: single_file.py); resolve.py picks which. A FLUX.2 text encoder may be one file
+(text_encoder_from_file) in place of the folder's text_encoder/. Each reader returns a PipelineSources: the
 family, one ComponentSpec per model component (LLM text encoders included), tokenizers, scheduler config and
 folder options.
 A spec holds no weights; `spec.build()` maps them lazily when a phase needs the model.
@@ -10,6 +11,7 @@ A spec holds no weights; `spec.build()` maps them lazily when a phase needs the 
 import json
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -147,7 +149,12 @@ class ComponentSpec:
         not read, so nothing is read. GGUF weights are already quantized: their size in the layout they load in
         (from the header)."""
         if any(is_gguf(f) for f in self.files):
-            return sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
+            total = sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
+            if getattr(self.arch, "reads_stored", None) is None:
+                return total
+            # an LLM encoder reads only the tapped layers: the loaded size in proportion to the bytes it reads
+            stored = sum(sum(tensor_nbytes(f).values()) for f in self.files)
+            return round(total * self.nbytes() / stored) if stored else total
         quantize = self.quantize if quantize is None else setting(quantize)
         if not quantize:
             return self.nbytes()
@@ -159,8 +166,10 @@ class ComponentSpec:
 
     def build(self, compute_dtype=None):
         check = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization, once final
-        if check:
-            check(self.config, Path(self.files[0]).parent if self.files else self.name)
+        if check:   # a folder's encoder is named by its folder, a text_encoder=FILE by the file
+            single = self.config.get("file_layers") is not None
+            check(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
+                  else self.name)
         return build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
 
@@ -202,6 +211,39 @@ def transformer_from_file(path, arch, base_config=None, base_where=None) -> Comp
         raise MlxdiffError(f"{path}: a diffusers-named transformer file needs its config.json; load the pipeline "
                            "folder and pass this file as transformer=")
     return ComponentSpec("transformer", arch, dict(base_config), [path], prefix)
+
+
+def text_encoder_from_file(path, taps, base_config=None, base_where=None, explicit_taps=False,
+                          expected=None) -> ComponentSpec:
+    """A FLUX.2 text encoder given as one file (text_encoder=FILE): safetensors in transformers or ComfyUI names
+    (pruned or whole), or a llama.cpp GGUF (kept quantized; llama-arch q/k rows put back in order). The config comes
+    from the file's shapes (text_llm.config_from_file), with what shapes cannot give from the GGUF metadata, the
+    folder's text_encoder/config.json (`base_config`, read from `base_where`) or the known models' values; checked
+    against `taps` here, before anything is read."""
+    path = check_weight_file(not_a_folder(path, "text encoder file"), "text encoder file")
+    shapes = tensor_shapes(path)
+    metadata = {}
+    if is_gguf(path):
+        from ..formats.gguf import check_gguf
+        metadata = check_gguf(path).metadata
+    try:
+        config = text_llm.config_from_file(shapes, metadata, base_config, expected)
+    except MlxdiffError as e:   # the inference knows tensors, not files
+        raise MlxdiffError(f"{path}: {e}") from None
+    config["taps"] = list(taps)
+    where = f"{path} (config read from its tensor shapes" + (f" and {base_where})" if base_config else ")")
+    text_llm.check_config(config, where, taps=False)
+    args = text_llm.ModelArgs.from_dict(config, where)
+    # the taps are checked now when they are the folder's own or fit the model; a small model tapped per call
+    # (text_encoder_out_layers=) is checked with those taps when it is built, as a folder's encoder is
+    if explicit_taps or args.depth <= args.num_layers:
+        text_llm.check_args(args, path)
+    keymap = None
+    if is_gguf(path) and text_llm.gguf_is_permuted(metadata, config):
+        text = text_llm.ModelArgs.from_dict(config).text_config
+        keymap = partial(text_llm.gguf_unpermute, heads=text["num_attention_heads"],
+                         kv_heads=text["num_key_value_heads"])
+    return ComponentSpec("text_encoder", text_llm, config, [path], keymap=keymap)
 
 
 def not_a_folder(path, what) -> Path:
@@ -410,7 +452,8 @@ def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) 
     return PipelineSources("sd3", pipeline_class, specs, tokenizers, read_scheduler_config(root))
 
 
-def flux2_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
+def flux2_folder(root: Path, index, pipeline_class, components, transformer=None,
+                 text_encoder=None) -> PipelineSources:
     from ..tokenizers import load_chat_tokenizer
     where = root / "model_index.json"
     options = Flux2FolderOptions.from_dict(index, where)
@@ -418,11 +461,19 @@ def flux2_folder(root: Path, index, pipeline_class, components, transformer=None
     # a folder may name its own taps (a small encoder has fewer layers); diffusers ignores this key and takes
     # text_encoder_out_layers per call instead
     taps = options.text_encoder_out_layers or FLUX2_TAPS[pipeline_class]
-    specs["text_encoder"] = text_encoder_spec(root / "text_encoder", taps, root)
+    folder_config = root / "text_encoder" / "config.json"
+    if text_encoder is None:
+        specs["text_encoder"] = text_encoder_spec(root / "text_encoder", taps, root)
+    else:   # the file replaces the folder's encoder; the folder's config (if any) gives what shapes cannot
+        base = read_json(folder_config, "the text encoder config", root) if folder_config.is_file() else None
+        specs["text_encoder"] = text_encoder_from_file(text_encoder, taps, base, folder_config,
+                                                        bool(options.text_encoder_out_layers),
+                                                        components["text_encoder"])
     encoder = specs["text_encoder"].args
+    source = folder_config if text_encoder is None else text_encoder
     if text_llm.ARCHITECTURES[encoder.model_type] != components["text_encoder"]:
         raise MlxdiffError(f"{where}: component 'text_encoder' names class {components['text_encoder']!r} but "
-                           f"{root / 'text_encoder' / 'config.json'} is a {text_llm.ARCHITECTURES[encoder.model_type]}")
+                           f"{source} is a {text_llm.ARCHITECTURES[encoder.model_type]}")
     if options.text_encoder_out_layers and encoder.depth > encoder.num_layers:
         raise MlxdiffError(f"{where}: text_encoder_out_layers is {show(options.text_encoder_out_layers)}; expected "
                            f"layer indices 0 to {encoder.num_layers} (the text encoder's num_hidden_layers)")
@@ -434,7 +485,12 @@ def flux2_folder(root: Path, index, pipeline_class, components, transformer=None
         specs["transformer"] = transformer_from_file(transformer, flux2, specs["transformer"].config,
                                                      root / "transformer" / "config.json")
     check_together(root, "flux2", specs, options.sample_size)
-    tokenizers = {"tokenizer": load_chat_tokenizer(tokenizer_folder(root, "tokenizer"))}
+    folder = tokenizer_folder(root, "tokenizer")
+    if text_encoder is not None and not folder.is_dir():
+        raise MlxdiffError(f"{folder}: missing; with text_encoder={text_encoder} the tokenizer still comes from the "
+                           "pipeline folder: add the model's tokenizer/ folder (tokenizer.json, tokenizer_config.json "
+                           "with its chat template) from its diffusers repository")
+    tokenizers = {"tokenizer": load_chat_tokenizer(folder)}
     # optional folder defaults (diffusers ignores these keys): image size and prompt length of a small model
     return PipelineSources("flux2", pipeline_class, specs, tokenizers, read_scheduler_config(root),
                            {"is_distilled": options.is_distilled, "sample_size": options.sample_size,

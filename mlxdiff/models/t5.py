@@ -99,6 +99,33 @@ ORIGINAL_KEYMAP = [
     (r"lm_head\.weight", None),
 ]
 
+# llama.cpp's T5 encoder GGUF names (city96's t5-v1_1-xxl-encoder-*.gguf; ComfyUI-GGUF's T5_SD_MAP) -> transformers'
+GGUF_KEYMAP = [
+    (r"token_embd\.weight", "shared.weight"),
+    (r"enc\.output_norm\.weight", "encoder.final_layer_norm.weight"),
+    *[(rf"enc\.blk\.(\d+)\.{gguf}\.weight", rf"encoder.block.\1.{ours}.weight") for gguf, ours in (
+        ("attn_q", "layer.0.SelfAttention.q"), ("attn_k", "layer.0.SelfAttention.k"),
+        ("attn_v", "layer.0.SelfAttention.v"), ("attn_o", "layer.0.SelfAttention.o"),
+        ("attn_rel_b", "layer.0.SelfAttention.relative_attention_bias"), ("attn_norm", "layer.0.layer_norm"),
+        ("ffn_gate", "layer.1.DenseReluDense.wi_0"), ("ffn_up", "layer.1.DenseReluDense.wi_1"),
+        ("ffn_down", "layer.1.DenseReluDense.wo"), ("ffn_norm", "layer.1.layer_norm"))],
+    (r"dec\..*|output\.weight", None),
+]
+
+
+def is_gguf_naming(names) -> bool:
+    return any(n.startswith("enc.blk.") for n in names)
+
+
+def from_gguf(weights: dict) -> dict:
+    """A T5 encoder GGUF's tensors in transformers' names (kept quantized; an embedding kept as the file's blocks is
+    decoded to float32, since no MLX embedding reads GGUF blocks)."""
+    from ..formats.quantized import RawBlocks
+    out = remap(weights, GGUF_KEYMAP)
+    if isinstance(out.get("shared.weight"), RawBlocks):
+        out["shared.weight"] = out["shared.weight"].dequantize()
+    return out
+
 
 def clamp_fp16(x):
     """transformers' fp16 guard in T5Block: if any value is inf, clamp everything to +-(max - 1000)."""

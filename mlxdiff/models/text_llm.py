@@ -21,6 +21,9 @@ output (`block_with_blind_rows`); every other row goes through the mlx-lm layer 
 Accepted folders: a diffusers `text_encoder/` (transformers names: `model.language_model.*` or the older
 `language_model.model.*` for Mistral3, `model.*` for Qwen3) or an mlx-lm converted one, also quantized (config has
 "quantization"; layers are quantized exactly where the file has `.scales`, with mlx-lm's per-layer settings).
+Accepted single files (text_encoder=FILE, loading/sources.text_encoder_from_file): the same names flat in one
+safetensors (ComfyUI's `model.*`, pruned or whole), or a llama.cpp GGUF (`token_embd`, `blk.N.*`; kept quantized,
+llama-arch q/k rows un-permuted); config_from_file reads the config off the shapes.
 """
 
 import dataclasses
@@ -50,7 +53,15 @@ MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
 KEYMAP = compile_rules([
     (r"model\.language_model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, transformers >= 4.52
     (r"language_model\.model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, older / mlx-lm converted
-    (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),                   # Qwen3ForCausalLM and mlx-lm
+    (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),                   # Qwen3ForCausalLM, mlx-lm, ComfyUI
+    # llama.cpp's GGUF names (convert_hf_to_gguf.py; q/k rows of llama-arch files are permuted: gguf_unpermute)
+    (r"token_embd\.weight", "embed_tokens.weight"),
+    (r"output_norm\.weight", "norm.weight"),
+    *[(rf"blk\.(\d+)\.{gguf}\.(weight|bias)", rf"layers.\1.{ours}.\2") for gguf, ours in (
+        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"), ("attn_q_norm", "self_attn.q_norm"), ("attn_k_norm", "self_attn.k_norm"),
+        ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"), ("ffn_gate", "mlp.gate_proj"),
+        ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"))],
     (r".*", None),
 ])
 
@@ -101,6 +112,8 @@ class ModelArgs(CheckedArgs):
     quantization: dict | None = None          # mlx-lm converted folders
     quantization_config: dict | None = None   # transformers-quantized (bitsandbytes, ...): not supported
     architectures: list[str] | None = None
+    file_layers: int | None = None            # a single file (text_encoder=FILE): the decoder layers it holds (a
+                                              # pruned file holds fewer than text_config's num_hidden_layers)
 
     WHAT = "FLUX.2 text encoder config"
     LIMITS = {"taps": between(0, MAX_LAYERS, items=(1, 16))}
@@ -110,7 +123,8 @@ class ModelArgs(CheckedArgs):
         where = where or cls.WHAT
         params = dict(require_object(params, where))
         if "text_config" not in params:
-            params["text_config"] = {k: v for k, v in params.items() if k not in ("taps", "quantization")}
+            params["text_config"] = {k: v for k, v in params.items() if k not in ("taps", "quantization",
+                                                                                  "file_layers")}
         args = super().from_dict(params, where)
         check_language_model(args, where)
         return args
@@ -187,6 +201,9 @@ def check_args(args: ModelArgs, source, taps=True) -> None:
     if args.depth > args.num_layers:
         raise MlxdiffError(f"{source}: taps {args.taps} need {args.depth} decoder layers but the model has "
                            f"{args.num_layers}; this is not the text encoder the pipeline expects")
+    if args.file_layers is not None and args.depth > args.file_layers:
+        raise MlxdiffError(f"{source}: taps {args.taps} need decoder layers 1 to {args.depth} but the file holds "
+                           f"{args.file_layers}; a pruned encoder must keep every tapped layer")
 
 
 def language_model_config(args: ModelArgs) -> dict:
@@ -248,6 +265,20 @@ def block_with_blind_rows(layer, h, mask, blind):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+class RawEmbedding(nn.Module):
+    """An embedding kept as a GGUF file's blocks (`weight` uint8 [vocab, bytes per row]): only the looked-up rows are
+    decoded, exactly (formats/gguf.decode_rows), so it stays at the file's size."""
+
+    def __init__(self, raw):
+        super().__init__()
+        self.type_name, self.decode, self.dims = raw.type_name, raw.decode, raw.shape[-1]
+        self.weight = mx.zeros(tuple(raw.blocks.shape), dtype=mx.uint8)
+        self.freeze()
+
+    def __call__(self, ids):
+        return self.decode(self["weight"][ids.reshape(-1)], self.type_name).reshape(*ids.shape, self.dims)
+
+
 class Model(nn.Module):
     """embed_tokens + layers[:max(taps)] (+ the final norm when a tap is the last layer) of the mlx-lm model.
 
@@ -271,8 +302,15 @@ class Model(nn.Module):
             self.norm = language_model.norm
 
     def sanitize(self, weights: dict) -> dict:
-        """transformers / mlx-lm names -> ours, keeping only what the taps need (the rest is never read)."""
-        return {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
+        """transformers / mlx-lm / llama.cpp names -> ours, keeping only what the taps need (the rest is never read).
+        A GGUF embedding kept as the file's blocks becomes a RawEmbedding (rows decoded as they are looked up)."""
+        from ..formats.quantized import RawBlocks
+        out = {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
+        embed = out.get("embed_tokens.weight")
+        if isinstance(embed, RawBlocks):
+            self.embed_tokens = RawEmbedding(embed)
+            out["embed_tokens.weight"] = embed.blocks
+        return out
 
     def __call__(self, input_ids, attention_mask=None):
         if not isinstance(input_ids, mx.array):
@@ -322,3 +360,156 @@ def reads_stored(name: str, args: ModelArgs) -> bool:
     """Whether a stored tensor (transformers / mlx-lm name) is one the encoder reads for its taps."""
     mapped = list(remap({name: None}, KEYMAP))
     return bool(mapped) and reads(mapped[0], args)
+
+
+# -- one file (text_encoder=FILE): the config read off the tensors ------------------------------------------------
+
+# What shapes cannot give, for the released encoders (their config.json files): Mistral-Small-3.1 / 3.2-24B
+# (FLUX.2-dev's text_config; ComfyUI's mistral_3_small_flux2 files, full or pruned to 30 layers) and Qwen3-4B / 8B
+# (klein 4B / 9B). A file that is none of these takes them from the folder's text_encoder/config.json or, for a GGUF,
+# its metadata.
+KNOWN_MODELS = (
+    ("Mistral-Small-3.x", "mistral3", dict(hidden_size=5120, vocab_size=131072),
+     dict(head_dim=128, num_hidden_layers=40, rope_theta=1e9, rms_norm_eps=1e-5, max_position_embeddings=131072,
+          sliding_window=None)),
+    ("Qwen3-4B", "qwen3", dict(hidden_size=2560, vocab_size=151936),
+     dict(num_hidden_layers=36, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960)),
+    ("Qwen3-8B", "qwen3", dict(hidden_size=4096, vocab_size=151936),
+     dict(num_hidden_layers=36, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960)),
+)
+# GGUF metadata key (under "<general.architecture>.") -> text config key
+GGUF_METADATA = {"attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
+                 "attention.layer_norm_rms_epsilon": "rms_norm_eps", "context_length": "max_position_embeddings"}
+# llama.cpp permutes the q/k rows of these architectures (convert_hf_to_gguf.py LlamaModel.permute; Mistral3 is a
+# LlamaModel there); Qwen3 (Qwen2Model) is written as transformers has it
+GGUF_PERMUTED = ("llama", "mistral", "mistral3")
+NOT_TEXT = ("taps", "quantization", "quantization_config", "file_layers", "architectures", "text_config",
+            "vision_config", "_name_or_path", "transformers_version")
+
+
+def _gguf_values(metadata) -> dict:
+    arch = metadata.get("general.architecture")
+    out = {}
+    for key, ours in GGUF_METADATA.items():
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None:
+            out[ours] = float(value) if ours in ("rope_theta", "rms_norm_eps") else int(value)
+    for key, ours in (("attention.head_count", "num_attention_heads"),
+                      ("attention.head_count_kv", "num_key_value_heads")):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and np.ndim(value) == 0:
+            out[ours] = int(value)
+    return out
+
+
+def config_from_file(shapes: dict, metadata=None, base=None, expected=None) -> dict:
+    """A text encoder config (as text_encoder/config.json has it, plus file_layers) from one file's tensor shapes
+    ({stored name: shape-like}), in transformers / ComfyUI or llama.cpp names. Widths, layers, heads and (Qwen3)
+    head_dim come from the shapes; the rest from the GGUF `metadata`, the folder's config `base` (when it is the same
+    kind of model), else KNOWN_MODELS. `expected`: the class the pipeline's text encoder must be. Errors name no
+    file (the caller does)."""
+    mapped = remap(shapes, KEYMAP)
+    layers = sorted({int(k.split(".")[1]) for k in mapped if k.startswith("layers.")})
+    if "embed_tokens.weight" not in mapped or not layers:
+        names = ", ".join(sorted(shapes)[:4]) or "no tensors"
+        raise MlxdiffError(f"not a FLUX.2 text encoder in a naming mlxdiff reads (transformers / ComfyUI "
+                           f"'model.embed_tokens.weight', 'model.layers.N.*', or llama.cpp's 'token_embd.weight', "
+                           f"'blk.N.*'); its tensors are {names}")
+    count = layers[-1] + 1
+    if layers != list(range(count)):
+        gap = sorted(set(range(count)) - set(layers))[0]
+        raise MlxdiffError(f"decoder layer {gap} is missing (the file has layers up to {count - 1})")
+
+    def shape(key):
+        if key not in mapped:
+            raise MlxdiffError(f"tensor for {key} is missing; not a Mistral or Qwen3 decoder")
+        return tuple(mapped[key].shape)
+
+    vocab, hidden = shape("embed_tokens.weight")
+    q_out, q_in = shape("layers.0.self_attn.q_proj.weight")
+    kv_out = shape("layers.0.self_attn.k_proj.weight")[0]
+    inter = shape("layers.0.mlp.gate_proj.weight")[0]
+    qwen = "layers.0.self_attn.q_norm.weight" in mapped
+    model_type = "qwen3" if qwen else "mistral3"
+    if expected is not None and ARCHITECTURES[model_type] != expected:
+        raise MlxdiffError(f"a {'Qwen3' if qwen else 'Mistral'} decoder ({ARCHITECTURES[model_type]}), but this "
+                           f"pipeline's text encoder is a {expected}; give the encoder of the model's own family")
+    if q_in != hidden:
+        raise MlxdiffError(f"q_proj takes {q_in} features but the embedding gives {hidden}; the file is inconsistent")
+    base = base if isinstance(base, dict) and base.get("model_type") == model_type else {}
+    text_base = (base.get("text_config") or {}) if model_type == "mistral3" else base
+    text = {k: v for k, v in text_base.items() if k not in NOT_TEXT}
+    known = next((values for _, kind, match, values in KNOWN_MODELS if kind == model_type
+                  and match == {"hidden_size": hidden, "vocab_size": vocab}), {})
+    meta = _gguf_values(metadata or {})
+    for key in ("rope_theta", "rms_norm_eps", "max_position_embeddings", "head_dim"):
+        if key in meta:
+            text[key] = meta[key]
+        elif text.get(key) is None and known.get(key) is not None:
+            text[key] = known[key]
+    if qwen:
+        text["head_dim"] = shape("layers.0.self_attn.q_norm.weight")[0]
+    elif text.get("head_dim") is None and meta.get("num_attention_heads"):
+        text["head_dim"] = q_out // meta["num_attention_heads"]
+    missing = [k for k in ("head_dim", "rope_theta", "rms_norm_eps") if text.get(k) is None
+               and not (k == "rope_theta" and (text.get("rope_parameters") or {}).get("rope_theta"))]
+    if missing:
+        kinds = "; ".join(f"{name}: hidden {m['hidden_size']}, vocab {m['vocab_size']}" for name, kind, m, _ in
+                          KNOWN_MODELS if kind == model_type)
+        raise MlxdiffError(f"its shapes ({'Qwen3' if qwen else 'Mistral'}: hidden {hidden}, vocab {vocab}, {count} "
+                           f"layers) fit no known model ({kinds}), so {', '.join(missing)} cannot be told; put the "
+                           "model's config.json in the pipeline folder's text_encoder/")
+    head_dim = text["head_dim"]
+    if q_out % head_dim or kv_out % head_dim or (q_out // head_dim) % (kv_out // head_dim):
+        raise MlxdiffError(f"q_proj's {q_out} and k_proj's {kv_out} rows are not whole heads of head_dim {head_dim}")
+    full = max(count, text.get("num_hidden_layers") or 0, known.get("num_hidden_layers") or 0)
+    text.update(hidden_size=hidden, vocab_size=vocab, intermediate_size=inter, num_hidden_layers=full,
+                num_attention_heads=q_out // head_dim, num_key_value_heads=kv_out // head_dim)
+    if text.get("layer_types") is not None and len(text["layer_types"]) != full:
+        text.pop("layer_types")
+    if qwen:
+        text.update(model_type="qwen3", tie_word_embeddings=bool(text.get("tie_word_embeddings", False)))
+        text.setdefault("max_position_embeddings", MAX_POSITIONS)
+        return {**text, "architectures": [ARCHITECTURES["qwen3"]], "file_layers": count}
+    if "layers.0.self_attn.q_proj.bias" in mapped:
+        text["attention_bias"] = True
+    if "sliding_window" not in text:   # MistralConfig's 4096 only applies to a folder config that omits it
+        text["sliding_window"] = 4096 if text_base and "sliding_window" not in text_base else None
+    text["model_type"] = "mistral"
+    return {"model_type": "mistral3", "architectures": [ARCHITECTURES["mistral3"]], "text_config": text,
+            "file_layers": count}
+
+
+def gguf_is_permuted(metadata, config) -> bool:
+    """Whether a GGUF file's q/k rows are in llama.cpp's rotary order: llama-arch files are (Mistral included),
+    Qwen3's are not; a file without general.architecture is taken by its kind."""
+    arch = metadata.get("general.architecture")
+    return arch in GGUF_PERMUTED if arch is not None else config.get("model_type") == "mistral3"
+
+
+def unpermute_index(rows: int, heads: int) -> np.ndarray:
+    """Row order that undoes convert_hf_to_gguf.py's LlamaModel.permute: W = W_gguf[index]."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def take_rows(value, index):
+    """Rows `index` of a weight, kept in its form (array, QuantizedTensor or RawBlocks), lazily."""
+    from ..formats.quantized import QuantizedTensor, RawBlocks
+    index = mx.array(index.astype(np.int32))
+    if isinstance(value, RawBlocks):
+        return dataclasses.replace(value, blocks=mx.take(value.blocks, index, axis=0))
+    if isinstance(value, QuantizedTensor):
+        return dataclasses.replace(value, **{a: mx.take(getattr(value, a), index, axis=0)
+                                             for a in ("weight", "scales", "biases")})
+    return mx.take(value, index, axis=0)
+
+
+def gguf_unpermute(weights: dict, heads: int, kv_heads: int) -> dict:
+    """A llama-arch GGUF's tensors with the q/k rows put back in transformers' order (ComfyUI-GGUF's llama_permute)."""
+    out = dict(weights)
+    for name, value in weights.items():
+        parts = name.split(".")
+        if len(parts) == 4 and parts[0] == "blk" and parts[2] in ("attn_q", "attn_k"):
+            n = heads if parts[2] == "attn_q" else kv_heads
+            out[name] = take_rows(value, unpermute_index(value.shape[0], n))
+    return out

@@ -5,10 +5,13 @@ from ..loading import quantize as quantization
 from ..loading.resolve import resolve
 
 
-def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none"):
+def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
+         text_encoder=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file.
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
-    bfloat16 on GPUs). `text_encoders`: for single files, {'clip_l': FILE, 'clip_g': FILE, 't5xxl': FILE}.
+    bfloat16 on GPUs). `text_encoders`: SD3.5 (folder or single file), {'clip_l': FILE, 'clip_g': FILE, 't5xxl':
+    FILE}, any of them, each replacing that encoder. `text_encoder`: FLUX.2, one file (safetensors in transformers /
+    ComfyUI names, pruned or whole, or a llama.cpp GGUF) that replaces the folder's text_encoder/.
     `quantize`: bits for every component, or {component: bits}, applied while loading (see loading/quantize.py).
     `matmul`: "qmm" or "dequantize" for layers kept quantized (default per backend: backend.default_matmul_strategy).
     `keep`: which components stay loaded across generate() calls: "none" (load, use and free in every phase),
@@ -19,10 +22,10 @@ def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=No
     from .flux2 import Flux2Pipeline
     from .matmul import STRATEGIES
     from .sd3 import SD3Pipeline
-    check_load(model, transformer, text_encoders, quantize)   # also when called as mlxdiff.pipelines.load
+    check_load(model, transformer, text_encoders, quantize, text_encoder)   # also when called as mlxdiff.pipelines.load
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
-    found = resolve(model, transformer=transformer, text_encoders=text_encoders)
+    found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder)
     quantization.plan(found.components, quantize)
     for spec in found.components.values():
         if spec is not None and matmul is not None:
