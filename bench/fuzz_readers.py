@@ -58,7 +58,7 @@ from gguf_helpers import T, header_fields, random_blocks, write_gguf  # noqa: E4
 from mlxdiff.errors import MlxdiffError  # noqa: E402
 from mlxdiff.formats import open_weights  # noqa: E402
 import mlxdiff.formats.gguf  # noqa: E402,F401  (open_weights imports it lazily: once here, not in each child)
-from mlxdiff.formats.quantized import QuantizedTensor, RawBlocks  # noqa: E402
+from mlxdiff.formats.quantized import Float8Weight, QuantizedTensor, RawBlocks  # noqa: E402
 
 MEMORY = 4 << 30
 TIMEOUT_S = 10
@@ -412,6 +412,8 @@ def read_ours(path):
             kind, value = f"QuantizedTensor {value.source_type}", value.dequantize()
         elif isinstance(value, RawBlocks):
             kind, value = f"RawBlocks {value.type_name}", value.dequantize()
+        elif isinstance(value, Float8Weight):   # fp8 kept at 8 bits (formats/fp8.py): its decoded values
+            kind, value = "Float8Weight", value.dequantize(mx.float32)
         mx.eval(value)
         if value.dtype == mx.bfloat16:
             out[name] = (kind or "bfloat16", _f32_from_bf16(np.array(mx.view(value, mx.uint16))))
@@ -429,9 +431,9 @@ def compare_safetensors(ours, data, tables):
         dtype, shape, raw = t["dtype"], tuple(t["shape"]), bytes(t["data"])
         if got.shape != shape:
             return f"{name!r}: shape {got.shape}, the reference {shape}"
-        if dtype in tables:   # float8: decoded to bfloat16, each code by torch's table
+        if dtype in tables:   # float8: decoded at load (a float dtype) or kept at 8 bits; each code by torch's table
             want = tables[dtype][np.frombuffer(raw, np.uint8)].reshape(shape)
-            if kind != "bfloat16" or not _same_floats(got, want):
+            if kind not in ("bfloat16", "float16", "float32", "Float8Weight") or not _same_floats(got, want):
                 return f"{name!r} ({dtype}): values differ (read as {kind})"
         elif dtype == "BF16":
             if kind != "bfloat16" or not _same_floats(got, _f32_from_bf16(np.frombuffer(raw, "<u2")).reshape(shape)):

@@ -34,6 +34,9 @@ import transformers, transformers.processing_utils
 from mlxdiff.errors import MlxdiffError
 
 def child(case, out, err):
+    # Python's Ctrl-C handler, whatever the test runner's SIGINT disposition (a background job starts with SIGINT
+    # ignored, and the fork server would inherit that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     resource.setrlimit(resource.RLIMIT_AS, (case["memory"], case["memory"]))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     signal.alarm(case["timeout"])
