@@ -1,6 +1,13 @@
 """Write random-weight pipelines at the REAL configs, in the diffusers layout, for bench/ runs.
 
-    python bench/make_random_models.py sd3.5-medium [--out weights/bench-sd3.5-medium-random]
+    python bench/make_random_models.py sd3.5-medium [--out weights/bench-sd3.5-medium-random] [--device cuda]
+    python bench/make_random_models.py klein-4b [--out DIR] [--device cuda]
+    python bench/make_random_models.py flux2-dev [--out DIR] [--device cuda] [--text-layers 30]
+
+flux2-dev writes every component but the transformer's weights (only its config.json): its denoiser is the random
+Q4_K_M GGUF of bench/flux2_dev_gpu.py write-gguf, given with --transformer on both sides. Its Mistral-Small-3.1
+text encoder keeps the first --text-layers layers (30, the deepest tap, as Comfy-Org's pruned encoder file does):
+35 GB in bf16 instead of 48. `--device cuda` initialises on the GPU (minutes faster at these sizes).
 
 Weights are bf16 (as the real checkpoints ship), created with torch's default initialisation on the CPU and saved
 with save_pretrained, so that mlxdiff and diffusers read the very same files. Tokenizers are mlxdiff's bundled real
@@ -88,8 +95,14 @@ QWEN3_CHAT_TEMPLATE = (
     "{%- endif %}")
 
 
-def qwen_like_tokenizer(folder: Path):
-    """A small byte-level BPE with Qwen3's chat format (the real Qwen vocabulary is not available offline; token ids
+MISTRAL_CHAT_TEMPLATE = (   # the parts of Mistral-Small-3.1's template that FLUX.2-dev's prompts use
+    "{{- bos_token }}{%- for message in messages %}{%- set text = message['content'][0]['text'] %}"
+    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' %}{{- '[INST]' + text + '[/INST]' }}{%- endif %}{%- endfor %}")
+
+
+def stand_in_tokenizer(folder: Path, specials, template, **special_tokens):
+    """A small byte-level BPE in a family's chat format (the real vocabularies are not available offline; token ids
     only need to be valid for the random model)."""
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -97,12 +110,28 @@ def qwen_like_tokenizer(folder: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = ["a photo of a fox in the snow", "a red circle on a blue background", "a watercolor lighthouse"]
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                              padding_side="right", chat_template=QWEN3_CHAT_TEMPLATE)
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **special_tokens)
     hf.save_pretrained(str(folder))
+
+
+def qwen_like_tokenizer(folder: Path):
+    stand_in_tokenizer(folder, ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+                       QWEN3_CHAT_TEMPLATE, eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="right")
+
+
+def mistral_like_tokenizer(folder: Path):
+    stand_in_tokenizer(folder, ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]",
+                                "<pad>", "[IMG]"], MISTRAL_CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>",
+                       pad_token="<pad>", padding_side="left")
+
+
+def flux2_scheduler(out: Path):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+                                    time_shift_type="exponential").save_pretrained(str(out / "scheduler"))
 
 
 def klein_4b(out: Path):
@@ -110,7 +139,7 @@ def klein_4b(out: Path):
     import json
     import torch
     import transformers
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
     torch.set_default_dtype(torch.bfloat16)
     builders = {
         "transformer": lambda: Flux2Transformer2DModel(
@@ -125,9 +154,7 @@ def klein_4b(out: Path):
     }
     save_components(out, builders)
     qwen_like_tokenizer(out / "tokenizer")
-    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
-                                    time_shift_type="exponential").save_pretrained(str(out / "scheduler"))
+    flux2_scheduler(out)
     index = {"_class_name": "Flux2KleinPipeline", "_diffusers_version": "0.42.1", "is_distilled": True,
              "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
              "text_encoder": ["transformers", "Qwen3ForCausalLM"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
@@ -135,11 +162,48 @@ def klein_4b(out: Path):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
-MODELS = {"sd3.5-medium": sd35_medium, "klein-4b": klein_4b}
+def flux2_dev(out: Path, text_layers=30):
+    """FLUX.2-dev without the transformer's weights (the GGUF replaces them): Mistral-Small-3.1 (hidden 5120, the
+    first `text_layers` layers, the Pixtral vision tower as the real folder has it), the FLUX.2 VAE."""
+    import json
+    import torch
+    import transformers
+    from diffusers import AutoencoderKLFlux2
+    torch.set_default_dtype(torch.bfloat16)
+    text = dict(model_type="mistral", hidden_size=5120, intermediate_size=32768, num_hidden_layers=text_layers,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=131072, rope_theta=1e9,
+                rms_norm_eps=1e-5, max_position_embeddings=131072, sliding_window=None)
+    builders = {
+        "vae": lambda: AutoencoderKLFlux2(),
+        "text_encoder": lambda: transformers.Mistral3ForConditionalGeneration(transformers.Mistral3Config(
+            text_config=text, tie_word_embeddings=False)),
+    }
+    save_components(out, builders)
+    shapes = json.loads((ROOT / "bench" / "flux2_dev_bfl_shapes.json").read_text())["config"]
+    (out / "transformer").mkdir(exist_ok=True)
+    (out / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "Flux2Transformer2DModel", "_diffusers_version": "0.42.1", "out_channels": None, **shapes},
+        indent=1))
+    mistral_like_tokenizer(out / "tokenizer")
+    flux2_scheduler(out)
+    index = {"_class_name": "Flux2Pipeline", "_diffusers_version": "0.42.1",
+             "transformer": ["diffusers", "Flux2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLFlux2"],
+             "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"],
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+
+
+MODELS = {"sd3.5-medium": sd35_medium, "klein-4b": klein_4b, "flux2-dev": flux2_dev}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("model", choices=sorted(MODELS))
     p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cpu", help="where torch initialises the weights (cuda: much faster)")
+    p.add_argument("--text-layers", type=int, default=30, help="flux2-dev: Mistral layers kept")
     a = p.parse_args()
-    MODELS[a.model](Path(a.out or ROOT / "weights" / f"bench-{a.model}-random"))
+    import torch
+    torch.set_default_device(a.device)
+    out = Path(a.out or ROOT / "weights" / f"bench-{a.model}-random")
+    MODELS[a.model](out, **({"text_layers": a.text_layers} if a.model == "flux2-dev" else {}))

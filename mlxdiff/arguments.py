@@ -20,6 +20,11 @@ MAX_SEED = 2 ** 64 - 1   # mx.random.key takes the whole uint64 range
 MAX_IMAGES = 10000       # images in one command (prompts x seeds)
 MAX_SEQUENCE = 512       # T5's and the FLUX.2 encoders' prompt length limit
 MEMORY_FACTOR = 2        # a memory limit may exceed physical memory (swap), but not by more than this
+MAX_REFERENCES = 10      # FLUX.2 reference images: diffusers' pipelines set no limit; BFL documents up to 4 for klein,
+                         # 6 recommended for dev and 10 at most (its playground)
+IMAGE_FILE_BYTES = 256 << 20   # an input image file read up front; far more than any 4096x4096 PNG
+REFERENCE_MIN_SIDE = 64  # FLUX.2 reference images: diffusers' Flux2ImageProcessor.check_image_input
+REFERENCE_MAX_ASPECT = 8
 
 DEFAULT = "; leave it out for the model's default"
 
@@ -38,12 +43,14 @@ RULES = {
     "skip_layer_guidance_stop": (False, 0.0, 1.0, False, ""),
     "memory_limit": (False, 0.0, None, True, ""),      # GB; high: MEMORY_FACTOR x physical memory (memory_cap_gb)
     "interval": (False, 0.0, 60.0, True, ""),          # footprint's sampling, seconds
+    "lora_scale": (False, -100.0, 100.0, False, ""),   # times the LoRA file's alpha / rank; 0 turns it off
+    "strength": (False, 0.0, 1.0, True, ""),           # img2img: the share of the schedule denoised
 }
 
 # generate() options that only one family has
 FAMILY_OPTIONS = {"skip_guidance_layers": "sd3", "skip_layer_guidance_scale": "sd3",
                   "skip_layer_guidance_start": "sd3", "skip_layer_guidance_stop": "sd3", "clip_skip": "sd3",
-                  "text_encoder_out_layers": "flux2"}
+                  "text_encoder_out_layers": "flux2", "image_noise": "sd3"}
 FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2"}
 
 TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
@@ -145,6 +152,91 @@ def check_layers(name, value, count):
     return [int(i) for i in items]
 
 
+def _image_name(item, index) -> str:
+    if _is_path(item):
+        return str(item)
+    return getattr(item, "filename", "") or f"#{index + 1} (a PIL image)"
+
+
+def read_capped(path, limit, what, advice) -> bytes:
+    """A user's file read whole with a bound (so that /dev/zero is refused rather than read forever); `what` names
+    it in the one-line errors, `advice` says what to do when it is too large."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as e:
+        raise MlxdiffError(f"{what}: cannot read it ({e.strerror or e})") from None
+    if len(data) > limit:
+        raise MlxdiffError(f"{what}: larger than {limit >> 20} MB; {advice}")
+    return data
+
+
+def _read_image(item, index):
+    """An image argument -> a loaded PIL image (a file: read with a bound, EXIF orientation applied, as diffusers'
+    load_image does)."""
+    import io
+    import PIL.Image
+    import PIL.ImageOps
+    if isinstance(item, PIL.Image.Image):
+        return item
+    if not _is_path(item):
+        raise MlxdiffError(f"image={item!r}: give a PIL image or an image file path, or a list of them")
+    path = os.fspath(item)
+    if not os.path.exists(path):
+        raise MlxdiffError(f"image {path}: no such file; give an existing image file (PNG, JPEG, WebP, ...)")
+    data = read_capped(path, IMAGE_FILE_BYTES, f"image {path}", "give a smaller image")
+    try:
+        image = PIL.ImageOps.exif_transpose(PIL.Image.open(io.BytesIO(data)))
+        image.load()
+    except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError, ...)
+        reason = (str(e).splitlines()[0] if str(e) else type(e).__name__) \
+            if not isinstance(e, PIL.UnidentifiedImageError) else "not a format PIL knows"
+        raise MlxdiffError(f"image {path}: not an image mlxdiff can read ({reason}); give a PNG, JPEG or WebP "
+                           "file") from None
+    if image.width < 1 or image.height < 1:
+        raise MlxdiffError(f"image {path}: has no pixels ({image.width}x{image.height})")
+    image.filename = path      # the name results and PNG metadata give it
+    return image
+
+
+def check_images(image, strength=None, family=None):
+    """generate()'s `image` (a PIL image, a file path, or a list of them) and `strength`: -> (names, PIL images),
+    ([], []) for none. Files must exist and be readable images; with `family` also how the family takes them:
+    SD3.5 img2img one init image; FLUX.2 with `strength` one init image (img2img), without it 1 to MAX_REFERENCES
+    reference images of at least REFERENCE_MIN_SIDE pixels a side and an aspect ratio up to 8:1 (diffusers'
+    Flux2ImageProcessor.check_image_input)."""
+    strength = check_number("strength", strength)
+    if image is None:
+        if strength is not None:
+            raise MlxdiffError(f"strength={strength:g}: image-to-image needs an init image; give --image FILE "
+                               "(image= in Python)")
+        return [], []
+    items = list(image) if isinstance(image, (list, tuple)) else [image]
+    if not items:
+        raise MlxdiffError("image=[]: give at least one image, or leave it out")
+    if len(items) > MAX_REFERENCES:
+        raise MlxdiffError(f"image: {len(items)} images; FLUX.2 takes at most {MAX_REFERENCES} reference images "
+                           "(img2img one); give fewer --image files")
+    names = [_image_name(item, i) for i, item in enumerate(items)]
+    images = [_read_image(item, i) for i, item in enumerate(items)]
+    if family == "sd3" and len(images) > 1:
+        raise MlxdiffError(f"image: {len(images)} images; SD3.5 image-to-image starts from one image (it takes no "
+                           "reference images); give one --image")
+    if family == "flux2" and strength is not None and len(images) > 1:
+        raise MlxdiffError(f"strength={strength:g} with {len(images)} images: image-to-image starts from one image; "
+                           "give one --image, or leave --strength out to use the images as references")
+    if family == "flux2" and strength is None:
+        for name, im in zip(names, images):
+            w, h = im.size
+            if min(w, h) < REFERENCE_MIN_SIDE:
+                raise MlxdiffError(f"image {name}: {w}x{h} is too small for a FLUX.2 reference image; both sides "
+                                   f"must be at least {REFERENCE_MIN_SIDE} pixels (as in diffusers)")
+            if max(w / h, h / w) > REFERENCE_MAX_ASPECT:
+                raise MlxdiffError(f"image {name}: {w}x{h} has an aspect ratio of {max(w / h, h / w):.1f}:1; a "
+                                   f"FLUX.2 reference image may be at most {REFERENCE_MAX_ASPECT}:1 (as in diffusers)")
+    return names, images
+
+
 def check_options(family, options: dict):
     """generate() keywords the family does not have: a family-only option of the other family, or unknown."""
     for name in options:
@@ -206,18 +298,47 @@ def _is_path(value) -> bool:
     return isinstance(value, (str, os.PathLike)) and str(value) != ""
 
 
-def check_load(model, transformer=None, text_encoders=None, quantize=None, text_encoder=None):
+def check_loras(loras):
+    """LoRAs as [(file, scale)]: each item a file (scale 1) or a (file, scale) pair, the scale by RULES["lora_scale"]
+    (whether a file fits the transformer is mlxdiff/lora.py's check)."""
+    if loras is None:
+        return None
+    if isinstance(loras, (str, os.PathLike)) or not isinstance(loras, (list, tuple)):
+        raise MlxdiffError(f"loras={loras!r}: expected a list of files or (file, scale) pairs, e.g. "
+                           "[('style.safetensors', 0.8)]")
+    out = []
+    for item in loras:
+        file, scale = (item, 1.0) if _is_path(item) else (tuple(item) if isinstance(item, (list, tuple)) and
+                                                           len(item) == 2 else (None, None))
+        if not _is_path(file):
+            raise MlxdiffError(f"loras: {item!r} is not a file or a (file, scale) pair; e.g. "
+                               "('style.safetensors', 0.8)")
+        out.append((str(file), 1.0 if scale is None else check_number("lora_scale", scale)))
+    return out
+
+
+def check_load(model, transformer=None, text_encoders=None, quantize=None, text_encoder=None, vae=None,
+               tokenizer=None, loras=None):
     """mlxdiff.load's arguments, before anything is read (which family takes which encoder argument is checked once
-    the model is read: loading/resolve.py)."""
-    if not _is_path(model):
+    the model is read: loading/resolve.py). `model` None: FLUX.2 from its transformer, text encoder and VAE files."""
+    if model is None and transformer is None:
+        raise MlxdiffError("model=None: give a pipeline folder, a hub id in the local Hugging Face cache or a single "
+                           "file; or, for FLUX.2 from files alone, transformer=, text_encoder= and vae=")
+    if model is not None and not _is_path(model):
         raise MlxdiffError(f"model={model!r}: give a pipeline folder, a hub id in the local Hugging Face cache or "
                            "a single file, as a str or path")
+    if vae is not None and not _is_path(vae):
+        raise MlxdiffError(f"vae={vae!r}: give the VAE file that replaces the model's (e.g. flux2-vae.safetensors), "
+                           "as a str or path")
+    if tokenizer is not None and not _is_path(tokenizer):
+        raise MlxdiffError(f"tokenizer={tokenizer!r}: give the FLUX.2 tokenizer folder, as a str or path")
     if transformer is not None and not _is_path(transformer):
         raise MlxdiffError(f"transformer={transformer!r}: give the file that replaces the denoiser, as a str or path")
     if text_encoder is not None and not _is_path(text_encoder):
         raise MlxdiffError(f"text_encoder={text_encoder!r}: give the FLUX.2 text encoder file (safetensors or GGUF), "
                            "as a str or path")
     check_quantize(quantize)
+    check_loras(loras)
     if text_encoders is not None:
         if not isinstance(text_encoders, dict) or set(text_encoders) - set(TEXT_ENCODER_NAMES) or not all(
                 _is_path(v) for v in text_encoders.values()):

@@ -78,6 +78,32 @@ def parse_text_encoders(values):
     return single, named or None
 
 
+def parse_loras(values):
+    """--lora values ("FILE" or "FILE:SCALE", repeatable) -> [(file, scale)], checked as the API checks loras=
+    (arguments.check_loras); a FILE whose name holds a colon is taken whole when it exists."""
+    from .arguments import check_loras
+    if not values:
+        return None
+    out = []
+    for value in values:
+        file, sep, tail = value.rpartition(":")
+        if not sep or (os.path.exists(value) and not os.path.exists(file)):
+            file, scale = value, 1.0
+        else:
+            try:
+                scale = float(tail)
+            except ValueError:
+                raise MlxdiffError(f"--lora {value!r}: SCALE {tail!r} is not a number; give FILE or FILE:SCALE, "
+                                   "e.g. style.safetensors:0.8") from None
+        if not file:
+            raise MlxdiffError(f"--lora {value!r}: no file before the colon; give FILE or FILE:SCALE")
+        try:
+            out += check_loras([(file, scale)])
+        except MlxdiffError as e:
+            raise MlxdiffError(f"--lora {value!r}: {e}") from None
+    return out
+
+
 def parse_layers(text):
     """"7,8,9" -> [7, 8, 9] (the range is the pipeline's check)."""
     if text is None:

@@ -11,8 +11,9 @@ import sys
 import time
 from pathlib import Path
 
-from .arguments import MAX_IMAGES, check_generate, check_number, check_text
-from .cli import ArgumentParser, check_writable, parse_layers, parse_quantize, parse_text_encoders, run, save_png
+from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text, read_capped
+from .cli import (ArgumentParser, check_writable, parse_layers, parse_loras, parse_quantize, parse_text_encoders,
+                  run, save_png)
 from .errors import MlxdiffError
 
 PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encoder's length
@@ -35,7 +36,16 @@ def parse_args(argv=None):
                    help="N images from one --seed S: seeds S..S+N-1")
     p.add_argument("--keep", choices=("none", "auto", "all"), default=None,
                    help="components kept loaded between images (default: auto for several images, none for one)")
-    p.add_argument("--transformer", help="a file that replaces the denoiser (safetensors or GGUF)")
+    p.add_argument("--transformer", help="a file that replaces the denoiser (safetensors or GGUF); without --model, "
+                                          "FLUX.2 from files alone: with --text-encoder FILE and --vae FILE")
+    p.add_argument("--lora", action="append", default=None, metavar="FILE[:SCALE]",
+                   help="a LoRA (diffusers/PEFT, kohya/ComfyUI or original-named safetensors) at SCALE (default 1, "
+                        "-100 to 100) for the transformer and, in SD3.5 files, its text encoders; repeat for several")
+    p.add_argument("--vae", default=None, metavar="FILE",
+                   help="a VAE file (FLUX.2: flux2-vae.safetensors / ae.safetensors; SD3.5: ldm names) that "
+                        "replaces the model's")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="FLUX.2: a tokenizer folder that replaces the folder's (or the one read from the files)")
     p.add_argument("--text-encoder", action="append", default=None, metavar="FILE | NAME=FILE",
                    help="FLUX.2: one text encoder file (safetensors or GGUF) that replaces the folder's; SD3.5: "
                         "clip_l=FILE, clip_g=FILE, t5xxl=FILE (repeat the option)")
@@ -49,6 +59,13 @@ def parse_args(argv=None):
                    help="cap MLX memory; a phase whose weights cannot fit stops before loading")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
+    p.add_argument("--image", action="append", default=None, metavar="FILE",
+                   help="FLUX.2: a reference image for editing (repeat for several, up to 10); with --strength the "
+                        "init image of image-to-image. SD3.5: the init image of image-to-image (strength 0.6 unless "
+                        "--strength)")
+    p.add_argument("--strength", type=float, default=None, metavar="S",
+                   help="image-to-image: the share of the steps run from the noised --image, above 0 and at most 1 "
+                        "(1: from pure noise; SD3.5 default 0.6)")
     p.add_argument("--output", default="out.png", help="the PNG; several images: out-0.png, out-1.png, ...")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
@@ -57,13 +74,7 @@ def parse_args(argv=None):
 def read_prompts(path) -> list:
     """The prompts of a --prompts-file: UTF-8 (a BOM is dropped), one a line, blank lines skipped; read with a bound,
     so that /dev/zero is refused rather than read forever."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(PROMPTS_FILE_BYTES + 1)
-    except OSError as e:
-        raise MlxdiffError(f"--prompts-file {path}: cannot read it ({e.strerror or e})") from None
-    if len(data) > PROMPTS_FILE_BYTES:
-        raise MlxdiffError(f"--prompts-file {path}: larger than {PROMPTS_FILE_BYTES >> 20} MB; split it")
+    data = read_capped(path, PROMPTS_FILE_BYTES, f"--prompts-file {path}", "split it")
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -120,13 +131,15 @@ def generate(args, written) -> int:
     outputs = [check_writable(o) for o in output_names(args.output, count)]
     quantize, layers = parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers)
     text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
+    loras = parse_loras(args.lora)
+    image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
     if args.memory_limit is not None:
         from .memory import set_memory_limit
         set_memory_limit(args.memory_limit)
 
     import mlxdiff
     model = args.model
-    if model is None:
+    if model is None and args.transformer is None:   # with --transformer: FLUX.2 from files alone
         from . import default_model
         model = default_model.folder()
         print(f"mlxdiff: using the embedded default model {model}")
@@ -137,18 +150,33 @@ def generate(args, written) -> int:
     prompts = prompts or ["a red circle on a blue background"]
     t0 = time.perf_counter()
     pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
-                        text_encoder=text_encoder, text_encoders=text_encoders,
-                        matmul=args.matmul, keep=args.keep or ("auto" if count > 1 else "none"))
+                        text_encoder=text_encoder, text_encoders=text_encoders, vae=args.vae,
+                        tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
+                        keep=args.keep or ("auto" if count > 1 else "none"))
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if layers is not None:
         options["skip_guidance_layers"] = layers
-    base = {"negative_prompt": args.negative_prompt or "", "model": str(model), "transformer": args.transformer or "",
-            "text_encoder": " ".join(args.text_encoder or []),
+    strength = args.strength
+    if images:
+        check_images(images, strength, pipe.family)     # how this family takes them, before anything is loaded
+        options.update(image=images, strength=strength)
+        if pipe.family == "sd3" and strength is None:
+            strength = pipe.IMG2IMG_STRENGTH
+        if pipe.family == "flux2" and strength is None:     # references: the size defaults to the first one's
+            options.update(width=args.width, height=args.height)
+    base = {"negative_prompt": args.negative_prompt or "", "model": str(model or ""),
+            "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),
+            "vae": args.vae or "", "tokenizer": args.tokenizer or "",
             "steps": steps, "guidance": guidance, "dtype": str(pipe.dtype).replace("mlx.core.", ""),
             "generator": "mlxdiff"}
+    if images:
+        base.update(image=" ".join(image_names), **({} if strength is None else {"strength": strength}))
+    if loras:
+        from .lora import describe
+        base["lora"] = describe(loras)
     job = [(prompt, seed) for prompt in prompts for seed in seeds]
-    bar = job_bar(count * steps, not args.no_progress)
+    bar = job_bar(count * pipe.steps_run(steps, strength if images else None), not args.no_progress)
     callback = None if bar is None else lambda i, t, x: bar.update(1)
     try:
         for k, ((prompt, seed), output) in enumerate(zip(job, outputs)):

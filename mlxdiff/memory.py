@@ -116,6 +116,31 @@ def budget_bytes():
     return min(budget) if budget else float("inf")
 
 
+IN_FLIGHT_ROOM = 4 * GB   # free memory above a loaded phase that buys a second piece of work in flight
+
+
+def in_flight_for() -> int:
+    """How many paced pieces of work (mlxdiff/pacing.py) a phase may queue, decided once its weights are loaded: 2 on
+    a GPU while the budget keeps IN_FLIGHT_ROOM free above what is loaded (a second piece costs about one piece's
+    transient: +0.4 GiB for FLUX.2-dev and klein-4B at 1024x1024, bench/RESULTS.md), else 1, the floor. On the CPU 1:
+    graph building and compute share the same cores there, so queueing more buys little."""
+    if mx.default_device() == mx.cpu:
+        return 1
+    return 2 if budget_bytes() - mx.get_active_memory() >= IN_FLIGHT_ROOM else 1
+
+
+def compile_blocks_for(model) -> bool:
+    """Whether a phase runs its transformer blocks compiled whole (models/fused.compiled_block): on a GPU with room
+    to spare (as in_flight_for), and only for models with no layer that decodes its weight per call (GGUF raw,
+    fp8, the dequantize strategy): compiled, a block's decoded weights are no longer paced one at a time (FLUX.2-dev
+    Q4_K_M, H200: 23.2 against 21.5 GiB). Where it runs, it pays or is even: H200, 1024x1024, 4 steps, s/step
+    SD3.5 Medium 0.070 against 0.087 eager (torch 0.084), klein-4B 0.074 against 0.072, the same peaks
+    (bench/RESULTS.md, "Speed"). Not on the CPU, where the time is in the matmuls."""
+    if mx.default_device() == mx.cpu or in_flight_for() < 2:
+        return False
+    return not any(getattr(m, "decodes_per_call", False) for _, m in model.named_modules())
+
+
 CPU_CONV_BAND = 256 << 20   # mlx-cpu unfolds a convolution's input: band it above this working buffer
 
 
@@ -143,7 +168,8 @@ def check_fits(spec, compute_dtype=None):
     need, budget = spec.loaded_nbytes(compute_dtype=compute_dtype), min(budget)
     if need <= budget:
         return spec
-    gguf = any(str(f).endswith(".gguf") for f in spec.files)
+    from .formats import is_gguf
+    gguf = any(is_gguf(f) for f in spec.files)
     if gguf:
         hint = "use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K) or a machine with more memory"
         if spec.gguf_layout is None and not os.environ.get("MLXDIFF_GGUF_LAYOUT"):

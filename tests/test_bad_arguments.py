@@ -59,6 +59,12 @@ CLI = {
     "seeds past 2^64-1": (gen("--seed", str(2 ** 64 - 1), "--num-images", "2"), f"seed={2 ** 64}"),
     "num-images 0": (gen("--num-images", "0"), "num_images=0"),
     "num-images vs seeds": (gen("--seed", "1", "2", "--num-images", "3"), "--num-images 3"),
+    # FLUX.2's files: a missing VAE file; no --model: the transformer must be a BFL-named file, with its companions
+    "vae missing": (gen("--vae", "{tmp}/no-such-vae.safetensors"), "no-such-vae.safetensors"),
+    "vae a folder": (gen("--vae", "{tmp}"), "is a folder"),
+    "files: diffusers-named transformer": (
+        {"cli": "mlxdiff.generate", "argv": ["--transformer", f"{MODEL}/transformer/diffusion_pytorch_model.safetensors",
+                                             "--steps", "1", "--no-progress", "--output", "{out}"]}, "BFL / ComfyUI"),
     # argv bytes that are not UTF-8 arrive as lone surrogates
     "non-UTF-8 prompt": (gen("--prompt", "a red \udcff circle"), "UTF-8"),
     "non-UTF-8 negative prompt": (gen("--negative-prompt", "\udce9"), "UTF-8"),
@@ -138,6 +144,9 @@ APIS = {
                                       % MODEL), "group size 48"),
     "transformer=5": (api("mlxdiff.load(%r, transformer=5)" % MODEL), "transformer=5"),
     "load(None)": (api("mlxdiff.load(None)"), "model=None"),
+    "vae=5": (api("mlxdiff.load(%r, vae=5)" % MODEL), "vae=5"),
+    "tokenizer=b''": (api("mlxdiff.load(%r, tokenizer=b'')" % MODEL), "tokenizer=b''"),
+    "tokenizer not a folder": (api("mlxdiff.load(%r, tokenizer='{tmp}/a-file')" % MODEL), "tokenizer folder"),
     "load('')": (api("mlxdiff.load('')"), "model=''"),
     "text_encoders with a folder": (api("mlxdiff.load(%r, text_encoders={'t5xxl': 't5.safetensors'})" % MODEL),
                                     "single-file"),

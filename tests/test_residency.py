@@ -52,7 +52,7 @@ def test_keep_all_reuses_every_component(builds):
     held = _active() - base
     assert held >= sum(pipe.components[n].loaded_nbytes() for n in ("transformer", "vae", "text_encoder")) * 0.9
     second = pipe.generate("a large blue square on the left on a white background", **KW)
-    assert set(second.reused) == {"transformer", "vae"}
+    assert set(second.reused) == {"text_encoder", "transformer", "vae"}   # the kept encoder, for the new prompt
     assert builds.count("transformer") == 2 and builds.count("vae") == 2     # plain run + the first kept run
     assert builds.count("text_encoder") == 2                                  # kept: the new prompt loads nothing
     assert np.array_equal(first.latents, plain.latents)
@@ -82,3 +82,20 @@ def test_keep_auto_frees_when_the_budget_says_so(builds):
 def test_bad_keep_policy():
     with pytest.raises(mlxdiff.MlxdiffError, match="keep="):
         mlxdiff.load(str(default_model.folder()), keep="sometimes")
+
+
+def test_blocks_compiled_only_where_memory_allows(monkeypatch):
+    """memory.compile_blocks_for: whole compiled blocks on a GPU with room to spare, never for a model with a layer
+    that decodes its weight per call (its decoded weights must stay paced one at a time), never on the CPU."""
+    import mlx.nn as nn
+    from mlxdiff import memory
+    from mlxdiff.formats.gguf import RawLinear
+    plain = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    decoding = nn.Sequential(nn.Linear(64, 64), RawLinear(256, 8, "Q4_K"))
+    assert not memory.compile_blocks_for(plain)                  # this CPU
+    monkeypatch.setattr(memory, "in_flight_for", lambda: 2)      # as on a GPU with memory to spare
+    monkeypatch.setattr(memory.mx, "default_device", lambda: mx.gpu)
+    assert memory.compile_blocks_for(plain)
+    assert not memory.compile_blocks_for(decoding)
+    monkeypatch.setattr(memory, "in_flight_for", lambda: 1)      # a tight budget: the floor
+    assert not memory.compile_blocks_for(plain)

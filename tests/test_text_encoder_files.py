@@ -23,6 +23,7 @@ import mlxdiff
 from mlxdiff import tokenizers
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.loading.quantize import materialize, parameter_nbytes
+from gguf_helpers import language_model, write_llama_cpp_gguf, write_t5_encoder_gguf
 from helpers import max_rel_err
 from twins import H, SEQ, TAPS, W, build_pipeline
 
@@ -58,11 +59,6 @@ def klein(tmp_path_factory):
     root = tmp_path_factory.mktemp("klein")
     _, folder, pipe = build_pipeline("klein_base", root)
     return with_taps(folder, root / "tapped"), pipe.text_encoder
-
-
-def language_model(model):
-    """The decoder (embed_tokens, layers, norm) of a Mistral3 or Qwen3 transformers model."""
-    return model.model.language_model if hasattr(model.model, "language_model") else model.model
 
 
 def comfy_file(model, path, layers=None, norm=True):
@@ -101,69 +97,6 @@ def encoder_of(folder, file):
     model = pipe.components["text_encoder"].build()
     materialize(model)
     return model
-
-
-# -- llama.cpp's converter (convert_hf_to_gguf.py), as it writes Mistral (LlamaModel) and Qwen3 (Qwen2Model) ------
-
-def llama_permute(weights, n_head, n_head_kv):
-    """convert_hf_to_gguf.py LlamaModel.permute."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
-            .swapaxes(1, 2).reshape(weights.shape))
-
-
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-              "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-
-
-def write_llama_cpp_gguf(model, path, arch, qtype=None):
-    """A GGUF as llama.cpp's converter writes one: its hyperparameters as metadata, its tensor names, the q/k
-    permutation for llama-arch models, 2-D weights in `qtype` (None: F32) and 1-D ones in F32."""
-    cfg = getattr(model.config, "text_config", model.config)
-    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") or cfg.rope_theta
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_rope_freq_base(float(theta))
-    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    sd = {k: v.detach().float().numpy() for k, v in language_model(model).state_dict().items()}
-    lm_head = model.lm_head.weight.detach().float().numpy()
-    for name, data in [*sd.items(), ("lm_head.weight", lm_head)]:
-        if name == "embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "norm.weight":
-            gname = "output_norm.weight"
-        elif name == "lm_head.weight":
-            gname = "output.weight"
-        else:
-            _, n, rest = name.split(".", 2)
-            layer, suffix = rest.rsplit(".", 1)
-            gname = f"blk.{n}.{GGUF_NAMES[layer]}.{suffix}"
-            if arch == "llama" and layer == "self_attn.q_proj":
-                data = llama_permute(data, heads, heads)
-            if arch == "llama" and layer == "self_attn.k_proj":
-                data = llama_permute(data, heads, kv)
-        data = np.ascontiguousarray(data)
-        if qtype is not None and data.ndim == 2:
-            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-        else:
-            w.add_tensor(gname, data)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 # -- FLUX.2: the encoder from one file matches transformers ---------------------------------------------------------
@@ -397,46 +330,6 @@ def test_family_arguments(dev, sd3_tiny, tmp_path):
 
 # -- SD3.5: text_encoders= with a folder ----------------------------------------------------------------------------
 
-T5_GGUF = {"layer.0.SelfAttention.q": "attn_q", "layer.0.SelfAttention.k": "attn_k",
-           "layer.0.SelfAttention.v": "attn_v", "layer.0.SelfAttention.o": "attn_o",
-           "layer.0.SelfAttention.relative_attention_bias": "attn_rel_b",
-           "layer.0.layer_norm": "attn_norm", "layer.1.DenseReluDense.wi_0": "ffn_gate",
-           "layer.1.DenseReluDense.wi_1": "ffn_up", "layer.1.DenseReluDense.wo": "ffn_down",
-           "layer.1.layer_norm": "ffn_norm"}
-
-
-def write_t5_encoder_gguf(model, path):
-    """A T5 encoder GGUF in llama.cpp's names (convert_hf_to_gguf.py T5EncoderModel, as city96's files are), F32."""
-    cfg = model.config
-    w = gguf.GGUFWriter(str(path), "t5encoder")
-    w.add_context_length(512)
-    w.add_embedding_length(cfg.d_model)
-    w.add_feed_forward_length(cfg.d_ff)
-    w.add_block_count(cfg.num_layers)
-    w.add_head_count(cfg.num_heads)
-    w.add_key_length(cfg.d_kv)
-    w.add_value_length(cfg.d_kv)
-    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
-    w.add_relative_attn_buckets_count(cfg.relative_attention_num_buckets)
-    for name, v in model.state_dict().items():
-        if name == "encoder.embed_tokens.weight":
-            continue   # tied to shared
-        if name == "shared.weight":
-            gname = "token_embd.weight"
-        elif name == "encoder.final_layer_norm.weight":
-            gname = "enc.output_norm.weight"
-        else:
-            _, _, n, rest = name.split(".", 3)
-            gname = f"enc.blk.{n}.{T5_GGUF[rest.rsplit('.', 1)[0]]}.weight"
-        w.add_tensor(gname, np.ascontiguousarray(v.detach().float().numpy()))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-
 def test_sd3_folder_takes_encoder_files(sd3_tiny, tmp_path):
     """A file replaces the folder's component; with the folder encoder's shapes it takes the folder's other values
     (the tiny T5's max distance 24, CLIP-L's quick_gelu and 4 heads), so it encodes as the folder's encoder does:
@@ -447,7 +340,7 @@ def test_sd3_folder_takes_encoder_files(sd3_tiny, tmp_path):
         files[short] = tmp_path / f"{short}.safetensors"
         save_file({k: v.detach().clone().contiguous() for k, v in torch_model.state_dict().items()},
                   str(files[short]))
-    t5_gguf = write_t5_encoder_gguf(pipe.text_encoder_3, tmp_path / "t5-v1_1-xxl-encoder-F32.gguf")
+    t5_gguf, _ = write_t5_encoder_gguf(pipe.text_encoder_3, tmp_path / "t5-v1_1-xxl-encoder-F32.gguf")
     theirs = mlxdiff.load(str(folder))
     ours = mlxdiff.load(str(folder), text_encoders={k: str(v) for k, v in files.items()})
     from_gguf = mlxdiff.load(str(folder), text_encoders={"t5xxl": str(t5_gguf)})

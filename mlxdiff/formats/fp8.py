@@ -30,7 +30,7 @@ import mlx.nn as nn
 
 from ..errors import MlxdiffError
 from . import safetensors as st
-from .quantized import Float8Weight, chunked_matmul
+from .quantized import DecodingEmbedding, DecodingLinear, Float8Weight
 
 SUPPORTED = ("float8_e4m3fn",)
 MARKER = "scaled_fp8"
@@ -212,10 +212,9 @@ def saved_fp8(weights: dict) -> dict:
     return out
 
 
-class Fp8Linear(nn.Module):
-    """A linear layer whose weight stays float8 e4m3fn (`weight` uint8 [out, in], `weight_scale` float32 [out])
-    and is decoded to float just before its matmul, a chunk of rows at a time on the CPU (quantized.chunked_matmul).
-    Every array has the output rows first, so a row slice of the layer (models/flux2.linear_rows) is a layer."""
+class Fp8Linear(DecodingLinear):
+    """A linear layer whose weight stays float8 e4m3fn (`weight` uint8 [out, in], `weight_scale` float32 [out]),
+    decoded to float (x scale) just before its matmul, a chunk of rows at a time on the CPU (formats/quantized.py)."""
 
     def __init__(self, in_dims, out_dims, bias=False, compute_dtype=None):
         super().__init__()
@@ -229,32 +228,49 @@ class Fp8Linear(nn.Module):
     def _extra_repr(self):
         return f"input_dims={self.in_dims}, output_dims={self.weight.shape[0]}, float8_e4m3fn x scale"
 
-    def __call__(self, x):
-        dtype = self.compute_dtype or x.dtype
-        x = x.astype(dtype)
-        weight, scale = self["weight"], self["weight_scale"]
-        y = chunked_matmul(x, weight.shape[0], self.in_dims,
-                           lambda r0, r1, after: decode(mx.depends(weight[r0:r1], after), scale[r0:r1]), dtype)
-        return y + self["bias"] if "bias" in self else y
+    def decode(self, weight_rows, rows):
+        return decode(weight_rows, self["weight_scale"][rows])
+
+
+class Fp8Embedding(DecodingEmbedding):
+    """An embedding whose table stays float8 e4m3fn (`weight` uint8 [vocab, dims], `weight_scale` float32 [vocab]):
+    only the looked-up rows are decoded, so the table stays at the file's size."""
+
+    def __init__(self, vocab, dims, compute_dtype=None):
+        super().__init__()
+        self.dims, self.compute_dtype = dims, compute_dtype
+        self.weight = mx.zeros((vocab, dims), dtype=mx.uint8)
+        self.weight_scale = mx.zeros((vocab,), dtype=mx.float32)
+        self.freeze()
+
+    def _extra_repr(self):
+        return f"{self.weight.shape[0]}, {self.dims}, float8_e4m3fn x scale"
+
+    def decode(self, weight_rows, rows):
+        return decode(weight_rows, self["weight_scale"][rows])
 
 
 def use_fp8_layers(model, layers: dict, weights: dict, compute_dtype=None) -> None:
-    """Before loading: the Linear layers named in `layers` with {"fp8": ...} become Fp8Linear; a float8 weight of
-    any other module (an embedding) is decoded in `weights` to the compute dtype instead (in place)."""
+    """Before loading: the Linear layers named in `layers` with {"fp8": ...} become Fp8Linear and the Embedding
+    layers Fp8Embedding; a float8 weight of any other module is decoded in `weights` to the compute dtype instead
+    (in place)."""
     from mlx.utils import tree_map_with_path
     fp8 = {path for path, setting in layers.items() if "fp8" in setting}
     if not fp8:
         return
     modules = dict(model.named_modules())
     for path in fp8:
-        if not isinstance(modules.get(path), nn.Linear):
+        if not isinstance(modules.get(path), (nn.Linear, nn.Embedding)):
             scale = weights.pop(f"{path}.weight_scale")
             weights[f"{path}.weight"] = decode(weights[f"{path}.weight"], scale).astype(
                 backend.compute_dtype(compute_dtype))
 
     def swap(path, module):
-        if path not in fp8 or not isinstance(module, nn.Linear):
+        if path not in fp8 or not isinstance(module, (nn.Linear, nn.Embedding)):
             return module
+        if isinstance(module, nn.Embedding):
+            vocab, dims = module.weight.shape
+            return Fp8Embedding(vocab, dims, compute_dtype)
         out_dims, in_dims = module.weight.shape
         return Fp8Linear(in_dims, out_dims, "bias" in module, compute_dtype)
 

@@ -45,9 +45,10 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import MlxdiffError
+from ..pacing import pace, settle
 import mlx.nn as nn
 
-from .quantized import QuantizedTensor, RawBlocks, chunked_matmul
+from .quantized import DecodingEmbedding, DecodingLinear, QuantizedTensor, RawBlocks
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -59,7 +60,12 @@ MAX_ARRAY_DEPTH = 4                 # arrays of arrays of ...
 MAX_DIMS = 4                        # GGML_MAX_DIMS
 MAX_DIM = (1 << 31) - 1             # MLX shapes are int32
 DEFAULT_ALIGNMENT = 32
-CHUNK_WEIGHTS = 1 << 22             # rows are converted in chunks of about this many weights
+CHUNK_WEIGHTS = 1 << 22             # rows are converted in chunks of about this many weights (on the CPU)
+GPU_CHUNK_WEIGHTS = 1 << 25         # on a GPU, where each chunk costs a round trip (FLUX.2-dev: 8000 chunks)
+
+
+def chunk_weights() -> int:
+    return CHUNK_WEIGHTS if mx.default_device() == mx.cpu else GPU_CHUNK_WEIGHTS
 
 # GGUF metadata value types: id -> (name, struct format, size); 8 = string and 9 = array are handled apart
 SCALAR_TYPES = {0: ("uint8", "B", 1), 1: ("int8", "b", 1), 2: ("uint16", "H", 2), 3: ("int16", "h", 2),
@@ -469,11 +475,13 @@ def _raw(path, info, data):
     k = info.shape[-1]
     blocks = mx.array(np.ascontiguousarray(data).reshape(-1, k // block * block_bytes))
     mx.eval(blocks)
-    step = max(1, CHUNK_WEIGHTS // k)
-    for r in range(0, blocks.shape[0], step):
-        if not mx.all(mx.isfinite(decode_rows(blocks[r:r + step], info.type_name))).item():
-            raise MlxdiffError(f"{path}: tensor {info.name!r} ({info.type_name}) has non-finite scales; the file is "
-                               "corrupt, re-download it")
+    step = max(1, chunk_weights() // k)
+    finite = [pace(mx.all(mx.isfinite(decode_rows(blocks[r:r + step], info.type_name))))
+              for r in range(0, blocks.shape[0], step)]
+    settle()
+    if not all(f.item() for f in finite):   # one check per tensor, not a round trip per chunk
+        raise MlxdiffError(f"{path}: tensor {info.name!r} ({info.type_name}) has non-finite scales; the file is "
+                           "corrupt, re-download it")
     return RawBlocks(blocks, info.type_name, tuple(info.shape), decode_rows)
 
 
@@ -485,20 +493,25 @@ def _quantized(path, info, data, sdtype):
     bits, group = (AFFINE.get(type_name) or REQUANTIZED[type_name])[1:]
     k = info.shape[-1]
     raw = data.reshape(-1, k // block * block_bytes)
-    step = max(1, CHUNK_WEIGHTS // k)
-    parts = []
+    step = max(1, chunk_weights() // k)
+    parts, checks = [], []
     for r in range(0, raw.shape[0], step):
+        # each chunk scheduled (pacing: the next one is read from the file while the device converts this one),
+        # its checks read once the tensor is done: a round trip per tensor, not per chunk
         w, s, b = _convert_chunk(mx.array(raw[r:r + step]), type_name, block_bytes)
         finite = mx.all(mx.isfinite(s) & mx.isfinite(b))
         s16, b16 = s.astype(sdtype), b.astype(sdtype)
         fits = mx.all(mx.isfinite(s16) & mx.isfinite(b16))
-        mx.eval(w, s, b, s16, b16, finite, fits)
-        if not finite.item():
-            raise MlxdiffError(f"{path}: tensor {info.name!r} ({type_name}) has non-finite scales; the file is "
-                               "corrupt, re-download it")
-        if not fits.item():   # float16 overflow (|d| * 128 > 65504): this tensor keeps float32 scales
-            return _quantized(path, info, data, mx.float32)
+        pace(w, s16, b16, finite, fits)
         parts.append((w, s16, b16))
+        checks.append((finite, fits))
+    settle()
+    if not all(finite.item() for finite, _ in checks):
+        raise MlxdiffError(f"{path}: tensor {info.name!r} ({type_name}) has non-finite scales; the file is "
+                           "corrupt, re-download it")
+    if not all(fits.item() for _, fits in checks):   # float16 overflow (|d| * 128 > 65504): float32 scales
+        del parts
+        return _quantized(path, info, data, mx.float32)
     arrays = [mx.concatenate(a, axis=0) if len(a) > 1 else a[0] for a in zip(*parts)]
     if len(info.shape) > 2:
         arrays = [a.reshape(*info.shape[:-1], a.shape[-1]) for a in arrays]
@@ -512,9 +525,9 @@ def decode_rows(blocks, type_name) -> mx.array:
     return FLOAT[type_name](blocks.reshape(rows, -1, block_bytes)).reshape(rows, -1)
 
 
-class RawLinear(nn.Module):
-    """A linear layer whose weight is kept as the file's GGUF blocks (`weight` uint8 [out, bytes per row]) and
-    decoded to float just before its matmul, a chunk of rows at a time on the CPU (formats/quantized.py)."""
+class RawLinear(DecodingLinear):
+    """A linear layer whose weight is kept as the file's GGUF blocks (`weight` uint8 [out, bytes per row]), decoded
+    exactly (decode_rows) just before its matmul, a chunk of rows at a time on the CPU (formats/quantized.py)."""
 
     def __init__(self, in_dims, out_dims, type_name, bias=False, compute_dtype=None):
         super().__init__()
@@ -528,21 +541,38 @@ class RawLinear(nn.Module):
     def _extra_repr(self):
         return f"input_dims={self.in_dims}, output_dims={self.weight.shape[0]}, {self.type_name} blocks"
 
-    def __call__(self, x):
-        dtype = self.compute_dtype or x.dtype
-        x = x.astype(dtype)
-        weight = self["weight"]
-        y = chunked_matmul(x, weight.shape[0], self.in_dims,
-                           lambda r0, r1, after: decode_rows(mx.depends(weight[r0:r1], after), self.type_name), dtype)
-        return y + self["bias"] if "bias" in self else y
+    def decode(self, weight_rows, rows):
+        return decode_rows(weight_rows, self.type_name)
+
+
+class RawEmbedding(DecodingEmbedding):
+    """An embedding whose table is kept as the file's GGUF blocks (`weight` uint8 [vocab, bytes per row]): only the
+    looked-up rows are decoded (exactly, decode_rows), so the table stays at the file's size."""
+
+    def __init__(self, vocab, dims, type_name, compute_dtype=None):
+        super().__init__()
+        block, block_bytes = BLOCKS[type_name]
+        self.type_name, self.dims, self.compute_dtype = type_name, dims, compute_dtype
+        self.weight = mx.zeros((vocab, dims // block * block_bytes), dtype=mx.uint8)
+        self.freeze()
+
+    def _extra_repr(self):
+        return f"{self.weight.shape[0]}, {self.dims}, {self.type_name} blocks"
+
+    def decode(self, weight_rows, rows):
+        return decode_rows(weight_rows, self.type_name)
 
 
 def use_raw_layers(model, layers: dict, compute_dtype=None) -> None:
-    """Replace the Linear layers named in `layers` ({path: {"raw": GGUF type}}) by RawLinear, before loading."""
+    """Replace the Linear layers named in `layers` ({path: {"raw": GGUF type}}) by RawLinear and the Embedding
+    layers by RawEmbedding, before loading."""
     def swap(path, module):
         setting = layers.get(path)
-        if not setting or "raw" not in setting or not isinstance(module, nn.Linear):
+        if not setting or "raw" not in setting or not isinstance(module, (nn.Linear, nn.Embedding)):
             return module
+        if isinstance(module, nn.Embedding):
+            vocab, dims = module.weight.shape
+            return RawEmbedding(vocab, dims, setting["raw"], compute_dtype)
         out_dims, in_dims = module.weight.shape
         return RawLinear(in_dims, out_dims, setting["raw"], "bias" in module, compute_dtype)
 

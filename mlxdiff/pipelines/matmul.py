@@ -17,12 +17,12 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from ..errors import MlxdiffError
-from ..formats.quantized import chunked_matmul
+from ..formats.quantized import DecodingLinear
 
 STRATEGIES = ("qmm", "dequantize")
 
 
-class DequantizedLinear(nn.Module):
+class DequantizedLinear(DecodingLinear):
     """A quantized linear layer that multiplies through a transient dequantized weight (see the module docstring).
 
     Parameters and attributes are exactly nn.QuantizedLinear's (weight uint32 packed, scales, biases, optional
@@ -45,20 +45,14 @@ class DequantizedLinear(nn.Module):
         return (f"input_dims={in_dims * 32 // self.bits}, output_dims={out_dims}, bias={'bias' in self}, "
                 f"group_size={self.group_size}, bits={self.bits}, mode={self.mode}, per-call dequantize")
 
-    def __call__(self, x):
-        dtype = self.compute_dtype or x.dtype
-        x = x.astype(dtype)
-        weight, scales, biases = self["weight"], self["scales"], self.get("biases")
+    @property
+    def in_dims(self):
+        return self["weight"].shape[-1] * 32 // self.bits
 
-        def weight_rows(r0, r1, after):
-            return mx.dequantize(mx.depends(weight[r0:r1], after), scales[r0:r1],
-                                 None if biases is None else biases[r0:r1], group_size=self.group_size,
-                                 bits=self.bits, mode=self.mode)
-
-        y = chunked_matmul(x, weight.shape[0], weight.shape[-1] * 32 // self.bits, weight_rows, dtype)
-        if "bias" in self:
-            y = y + self["bias"]
-        return y
+    def decode(self, weight_rows, rows):
+        biases = self.get("biases")
+        return mx.dequantize(weight_rows, self["scales"][rows], None if biases is None else biases[rows],
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
 
 
 def _arrays(layer):

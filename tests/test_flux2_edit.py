@@ -1,0 +1,120 @@
+"""FLUX.2 editing with reference images: mlxdiff against diffusers' Flux2Pipeline (dev) and Flux2KleinPipeline
+(klein base, CFG: the references ride in both passes) with one and two references, on the same injected noise;
+the reference preparation against diffusers' image processor; the memory the references add, bounded by their
+token count."""
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+import mlxdiff
+from helpers import max_rel_err
+from mlxdiff.pipelines import image_inputs
+from twins import H, SEQ, TAPS, W, build_pipeline
+
+PROMPT = "a red fox in the snow"
+
+
+def picture(width, height, seed):
+    """A smooth random RGB picture (gradients plus noise), so that the VAE sees structure."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width] / max(width, height)
+    base = np.stack([np.sin(6 * xx + seed), np.cos(5 * yy - seed), np.sin(4 * (xx + yy))], axis=-1)
+    pixels = 127.5 + 90 * base + rng.normal(0, 20, (height, width, 3))
+    return PIL.Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+REFS = [picture(64, 72, 1), picture(81, 66, 2)]    # the second is cropped to 80x64 (multiples of 4)
+
+
+@pytest.fixture(scope="module", params=["klein_base", "dev"])
+def saved_pipeline(request, tmp_path_factory):
+    return build_pipeline(request.param, tmp_path_factory.mktemp(f"edit_{request.param}"))
+
+
+def _as_u8(ref):
+    return (ref * 255).round() / 255.0
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_edit_matches_diffusers(saved_pipeline, count):
+    kind, folder, pipe = saved_pipeline
+    refs = REFS[:count]
+    sized = count == 2        # one reference: the output size defaults to the reference's, as in diffusers
+    h, w = (H, W) if sized else (72, 64)
+    noise = np.random.default_rng(3).standard_normal((1, 20, h // 4, w // 4)).astype(np.float32)
+    size = dict(height=H, width=W) if sized else {}
+    final = {}
+
+    def keep_latents(_, i, t, tensors):   # diffusers' last packed latents [1, h*w, C], before the decode
+        final["latents"] = tensors["latents"].permute(0, 2, 1).reshape(noise.shape).numpy()
+        return {}
+    ref = pipe(prompt=PROMPT, image=list(refs), num_inference_steps=2, guidance_scale=3.5,
+               latents=torch.from_numpy(noise), max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
+               output_type="np", callback_on_step_end=keep_latents, **size).images[0]
+    ours = mlxdiff.load(str(folder)).generate(PROMPT, image=refs if count > 1 else refs[0], steps=2, guidance=3.5,
+                                              latents=noise, max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
+                                              progress_bar=False, **size)
+    img = np.asarray(ours.image).astype(np.float32) / 255.0
+    assert img.shape == ref.shape == (h, w, 3)
+    assert np.abs(img - _as_u8(ref)).max() <= 2 / 255
+    # the latents too: the VAE decode can hide a small error (e.g. a reference's time position)
+    assert max_rel_err(ours.latents, final["latents"]) <= 1e-4
+    assert "reference" in ours.timings and any("reference image" in n for n in ours.notes)
+
+
+def test_reference_preparation_matches_diffusers():
+    """Scaled to 1024x1024 pixels of area (LANCZOS, aspect kept), then centre-cropped to multiples of 16: pixel for
+    pixel what Flux2Pipeline's image processing gives, for a large and a small image."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+    processor = Flux2ImageProcessor(vae_scale_factor=16)
+    for image in (picture(1100, 1000, 4), picture(100, 75, 5)):
+        img = image
+        if img.width * img.height > 1024 * 1024:
+            img = processor._resize_to_target_area(img, 1024 * 1024)
+        width, height = img.width // 16 * 16, img.height // 16 * 16
+        theirs = processor.preprocess(img, height=height, width=width, resize_mode="crop").numpy()
+        ours = image_inputs.to_array(image_inputs.flux2_reference(image, 16))
+        assert ours.shape == theirs.shape
+        assert np.array_equal(ours, theirs)
+
+
+def test_reference_memory_is_bounded_by_its_tokens(saved_pipeline):
+    """The memory one reference adds to the denoise phase stays within what its tokens need: per token, the
+    activations a block keeps (hidden states of both streams' widths, the MLP's, q/k/v and the attention output:
+    at most 16 hidden-widths of float32), plus the attention scores of the longer sequence (heads x L^2 float32),
+    twice over for the CFG pass. The "reference" phase (the VAE encoding them, one at a time) holds at most the
+    VAE mid-block's attention scores over the largest reference's latent pixels (float32) and 16 activations of
+    its pixels at the VAE's widest channel count."""
+    kind, folder, _ = saved_pipeline    # klein base: CFG, two passes over the references; dev: one
+    pipe = mlxdiff.load(str(folder))
+    args = pipe.components["transformer"].args
+    hidden = args.num_attention_heads * args.attention_head_dim
+    noise = np.random.default_rng(4).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
+    kw = dict(width=W, height=H, steps=1, guidance=3.5, latents=noise, max_sequence_length=SEQ,
+              text_encoder_out_layers=TAPS, progress_bar=False)
+    pipe.generate(PROMPT, **kw)                      # warm-up (compiled kernels, caches)
+    peaks = {}
+    for count in (0, 1, 2):
+        result = pipe.generate(PROMPT, image=REFS[:count] or None, **kw)
+        peaks[count] = result.memory["denoise"]["peak"] - result.memory["denoise"]["floor"]
+        if count:   # references are encoded one at a time: the phase holds what the largest one needs
+            m = result.memory["reference"]
+            vae = pipe.components["vae"].args
+            f = 2 ** (len(vae.block_out_channels) - 1)
+            pixels = max(r.width // 4 * 4 * (r.height // 4 * 4) for r in REFS[:count])
+            vae_allowance = 4 * (pixels // f ** 2) ** 2 + 16 * 4 * pixels * max(vae.block_out_channels)
+            print(f"reference phase, {count} image(s): {(m['peak'] - m['floor']) / 2**20:.2f} MiB above the VAE "
+                  f"weights (allowance {vae_allowance / 2**20:.2f} MiB)")
+            assert m["peak"] - m["floor"] <= vae_allowance
+    n_img, n_txt = (H // 4) * (W // 4), SEQ
+    tokens = {0: 0, 1: 16 * 18, 2: 16 * 18 + 20 * 16}
+    for count in (1, 2):
+        longer = n_img + n_txt + tokens[count]
+        allowance = 2 * (16 * 4 * hidden * tokens[count]
+                         + 4 * args.num_attention_heads * (longer ** 2 - (n_img + n_txt) ** 2))
+        extra = peaks[count] - peaks[0]
+        print(f"{count} reference(s), {tokens[count]} tokens: denoise peak +{extra / 2**20:.2f} MiB "
+              f"(allowance {allowance / 2**20:.2f} MiB)")
+        assert extra <= allowance, (count, extra, allowance)
