@@ -1,7 +1,7 @@
 """FLUX.2 from single files, with no diffusers folder (ComfyUI's model files): a transformer file (BFL / ComfyUI
 names, safetensors, fp8 or GGUF: sources.transformer_from_file), a text encoder file (sources.text_encoder_from_file)
-and a VAE file (BFL's `ae.safetensors` / ComfyUI's `flux2-vae.safetensors` names: vae_from_file, which also replaces
-a pipeline folder's VAE).
+and a VAE file (BFL's `ae.safetensors` / ComfyUI's `flux2-vae.safetensors` names: sources.vae_from_file, which also
+replaces a pipeline folder's VAE).
 
 What the files cannot say comes from the tables here: the family from the transformer's shapes (a guidance embedder:
 dev; none: klein), the pipeline class, taps and scheduler of the released repos (SCHEDULER), klein base or distilled
@@ -14,10 +14,9 @@ from pathlib import Path
 
 from ..errors import MlxdiffError
 from ..formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
-from ..formats.keymaps import remap
-from ..models import flux2, mmdit, text_llm, vae, vae_flux2
-from .sources import (FLUX2_TAPS, ComponentSpec, PipelineSources, not_a_folder, text_encoder_from_file,
-                      transformer_from_file)
+from ..models import flux2, mmdit, text_llm
+from .sources import (FLUX2_TAPS, PipelineSources, not_a_folder, text_encoder_from_file,
+                      transformer_from_file, vae_from_file)
 
 # scheduler_config.json of black-forest-labs/FLUX.2-dev and the FLUX.2-klein repos (4B, 9B, base and distilled
 # alike; ../shared/specs/flux2.md section 4): the pipelines pass mu explicitly, so only use_dynamic_shifting and
@@ -33,42 +32,8 @@ RELEASED = {(6144, 8, 48, True): "FLUX.2-dev", (3072, 5, 20, False): "FLUX.2-kle
 # family -> (pipeline class, the text encoder it takes, the encoder's name for messages)
 FAMILIES = {True: ("Flux2Pipeline", text_llm.ARCHITECTURES["mistral3"], "Mistral-Small-3.x"),
             False: ("Flux2KleinPipeline", text_llm.ARCHITECTURES["qwen3"], "Qwen3")}
-VAE_PREFIXES = ("first_stage_model.", "vae.")   # a VAE inside a checkpoint (ComfyUI's bundles); else no prefix
 FOLDER_CONFIG_HINT = "put the model's config.json in the pipeline folder's text_encoder/"   # text_llm's advice
 TEKKEN_KEY = "tekken_model"                      # ComfyUI's Mistral file: the tekken JSON as a uint8 tensor
-
-
-def vae_from_file(path, base_config=None, base_where=None) -> ComponentSpec:
-    """A FLUX.2 VAE from one file: BFL / ComfyUI names (ldm names, quant convs inside encoder/decoder, `bn.*`; the
-    config read off the shapes, the group count and batch-norm settings from the folder's vae config when given,
-    else FLUX.2's), or diffusers names (with a folder's vae config only)."""
-    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
-    shapes = tensor_shapes(path)
-    prefix = next((p for p in VAE_PREFIXES if any(n.startswith(p + "decoder.") for n in shapes)), "")
-    names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
-    if not {"bn.running_mean", "bn.running_var"} <= set(names) and "decoder.conv_in.weight" in names:
-        raise MlxdiffError(f"{path}: a VAE without FLUX.2's latent statistics (bn.running_mean, bn.running_var): "
-                           "FLUX.1's or SD3.5's ae, not FLUX.2's; give flux2-vae.safetensors / FLUX.2's ae.safetensors")
-    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
-        try:
-            config = vae_flux2.config_from_original(names)
-        except MlxdiffError as e:   # the inference knows tensors, not files
-            raise MlxdiffError(f"{path}: {e}") from None
-        config.update({k: base_config[k] for k in ("norm_num_groups", "batch_norm_eps", "batch_norm_momentum",
-                                                     "act_fn", "sample_size") if base_config and k in base_config})
-        where = f"{path} (config read from its tensor shapes" + (f" and {base_where})" if base_config else ")")
-        vae_flux2.ModelArgs.from_dict(config, where)
-        rules = vae_flux2.original_keymap(vae.ldm_num_blocks(names))
-        return ComponentSpec("vae", vae_flux2, config, [path], prefix, lambda w: remap(w, rules))
-    if "decoder.conv_in.weight" in names and "bn.running_mean" in names:
-        if base_config is None:
-            raise MlxdiffError(f"{path}: a diffusers-named VAE file needs its config.json; load the pipeline folder "
-                               "and pass this file as vae=, or give BFL's ae.safetensors / ComfyUI's flux2-vae")
-        return ComponentSpec("vae", vae_flux2, dict(base_config), [path], prefix)
-    shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
-    raise MlxdiffError(f"{path}: not a FLUX.2 VAE in a naming mlxdiff reads (BFL / ComfyUI: encoder.down.N.*, "
-                       f"decoder.up.N.*, bn.running_mean; or diffusers' with a pipeline folder); its tensors are "
-                       f"{shown}")
 
 
 def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -> PipelineSources:

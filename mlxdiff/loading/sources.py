@@ -20,7 +20,7 @@ from ..config_checks import (MAX_IMAGE_SIZE, MAX_LAYERS, MAX_POSITIONS, MAX_PROM
 from ..errors import MlxdiffError
 from ..formats import (check_weight_file, is_gguf, loaded_nbytes, open_weights, safetensors as st, tensor_nbytes,
                        tensor_shapes)
-from ..formats.keymaps import strip_prefix
+from ..formats.keymaps import remap, strip_prefix
 from ..models import clip, flux2, mmdit, t5, text_llm, vae, vae_flux2
 from .build import build
 from .quantize import parameter_nbytes, setting
@@ -468,12 +468,47 @@ def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) 
     return PipelineSources("sd3", pipeline_class, specs, tokenizers, read_scheduler_config(root))
 
 
+VAE_PREFIXES = ("first_stage_model.", "vae.")   # a VAE inside a checkpoint (ComfyUI's bundles); else no prefix
+
+
+def vae_from_file(path, base_config=None, base_where=None) -> ComponentSpec:
+    """A FLUX.2 VAE from one file: BFL / ComfyUI names (ldm names, quant convs inside encoder/decoder, `bn.*`; the
+    config read off the shapes, the group count and batch-norm settings from the folder's vae config when given,
+    else FLUX.2's), or diffusers names (with a folder's vae config only)."""
+    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
+    shapes = tensor_shapes(path)
+    prefix = next((p for p in VAE_PREFIXES if any(n.startswith(p + "decoder.") for n in shapes)), "")
+    names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
+    if not {"bn.running_mean", "bn.running_var"} <= set(names) and "decoder.conv_in.weight" in names:
+        raise MlxdiffError(f"{path}: a VAE without FLUX.2's latent statistics (bn.running_mean, bn.running_var): "
+                           "FLUX.1's or SD3.5's ae, not FLUX.2's; give flux2-vae.safetensors / FLUX.2's ae.safetensors")
+    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
+        try:
+            config = vae_flux2.config_from_original(names)
+        except MlxdiffError as e:   # the inference knows tensors, not files
+            raise MlxdiffError(f"{path}: {e}") from None
+        config.update({k: base_config[k] for k in ("norm_num_groups", "batch_norm_eps", "batch_norm_momentum",
+                                                     "act_fn", "sample_size") if base_config and k in base_config})
+        where = f"{path} (config read from its tensor shapes" + (f" and {base_where})" if base_config else ")")
+        vae_flux2.ModelArgs.from_dict(config, where)
+        rules = vae_flux2.original_keymap(vae.ldm_num_blocks(names))
+        return ComponentSpec("vae", vae_flux2, config, [path], prefix, lambda w: remap(w, rules))
+    if "decoder.conv_in.weight" in names and "bn.running_mean" in names:
+        if base_config is None:
+            raise MlxdiffError(f"{path}: a diffusers-named VAE file needs its config.json; load the pipeline folder "
+                               "and pass this file as vae=, or give BFL's ae.safetensors / ComfyUI's flux2-vae")
+        return ComponentSpec("vae", vae_flux2, dict(base_config), [path], prefix)
+    shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
+    raise MlxdiffError(f"{path}: not a FLUX.2 VAE in a naming mlxdiff reads (BFL / ComfyUI: encoder.down.N.*, "
+                       f"decoder.up.N.*, bn.running_mean; or diffusers' with a pipeline folder); its tensors are "
+                       f"{shown}")
+
+
 def flux2_folder(root: Path, index, pipeline_class, components, transformer=None, text_encoder=None, vae=None,
                  tokenizer=None) -> PipelineSources:
     """A FLUX.2 pipeline folder; `transformer`, `text_encoder` and `vae` files and a `tokenizer` folder replace its
     own."""
     from ..tokenizers import load_chat_tokenizer
-    from .flux2_files import vae_from_file
     where = root / "model_index.json"
     options = Flux2FolderOptions.from_dict(index, where)
     specs = {name: folder_component(root, name, components[name], replacement is not None)
