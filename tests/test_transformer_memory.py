@@ -67,3 +67,30 @@ def test_fused_and_plain_pieces_agree():
             set_fusion(previous)
     err = np.abs(outs[True] - outs[False]).max() / np.abs(outs[False]).max()
     assert err <= 1e-6, err
+
+
+def test_cpu_attention_in_query_chunks_keeps_one_chunk_of_scores(monkeypatch):
+    """models/fused.attention on the CPU: the queries in chunks whose B x H x rows x S float32 scores stay under
+    CPU_SCORE_BYTES, one chunk alive at a time, with the same numbers as one SDPA call (each row's softmax is its
+    own). Whole, the scores of this size are 128 MiB; in 8 MiB chunks the peak stays far below that."""
+    from mlxdiff.models import fused
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal((1, 8, 2048, 32)).astype(np.float32)) for _ in range(3))
+    mx.eval(q, k, v)
+
+    def peak_of(fn):
+        mx.synchronize()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        out = fn()
+        mx.eval(out)
+        return out, mx.get_peak_memory() - base
+
+    whole, whole_peak = peak_of(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=32 ** -0.5))
+    monkeypatch.setattr(fused, "CPU_SCORE_BYTES", 8 << 20)
+    chunked, chunked_peak = peak_of(lambda: fused.attention(q, k, v, 32 ** -0.5))
+    print(f"attention peak: whole {whole_peak / 2**20:.0f} MiB, chunked {chunked_peak / 2**20:.0f} MiB")
+    assert whole_peak >= 128 << 20                     # the matrix is really held whole by one call
+    assert chunked_peak <= 3 * (8 << 20) + 2 * whole.nbytes
+    assert np.abs(np.array(chunked) - np.array(whole)).max() <= 1e-6 * np.abs(np.array(whole)).max()

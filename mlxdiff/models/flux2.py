@@ -24,7 +24,7 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .fused import compiled_block, fused, gated_residual, scale_shift
+from .fused import attention as fused_attention, compiled_block, fused, gated_residual, scale_shift
 
 
 @dataclass
@@ -197,7 +197,7 @@ def attention(q, k, v, cos, sin):
     """q, k, v (B, S, H, hd), qk already normalised -> RoPE, SDPA (no mask) -> (B, S, H*hd)."""
     q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5)
+    out = fused_attention(q, k, v, q.shape[-1] ** -0.5)
     b, _, s, _ = out.shape
     return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
 

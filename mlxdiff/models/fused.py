@@ -125,3 +125,23 @@ def gated_residual(x, gate, y):
 def scale_shift(x, scale, shift):
     """x * (1 + scale) + shift (adaLN modulation after the norm)."""
     return x * (1 + scale) + shift
+
+
+CPU_SCORE_BYTES = 256 << 20   # on the CPU, attention runs in query chunks whose score matrix stays below this
+
+
+def attention(q, k, v, scale):
+    """mx.fast.scaled_dot_product_attention(q, k, v, scale), (B, H, S, hd), no mask. On the CPU MLX's SDPA holds
+    the whole B x H x S x S float32 score matrix (klein-4B at 1024x1024: 2 GB; a FLUX.2 reference image doubles S),
+    so there the queries go in chunks of rows whose scores stay under CPU_SCORE_BYTES, each chunk paced
+    (mlxdiff/pacing.py) so that only about one chunk's scores are alive (chained with mx.depends instead, 83 of
+    the 128 MiB stayed alive in one evaluation). Each query row's softmax is its own, so the chunks give the same
+    numbers. GPU kernels do not hold the matrix: one call."""
+    b, h, s, _ = q.shape
+    rows = max(1, CPU_SCORE_BYTES // max(1, b * h * k.shape[2] * 4))
+    if mx.default_device() != mx.cpu or rows >= s:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+    parts = [pacing.pace(mx.fast.scaled_dot_product_attention(q[:, :, r:r + rows], k, v, scale=scale))
+             for r in range(0, s, rows)]
+    return mx.concatenate(parts, axis=2)
+

@@ -18,7 +18,7 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
-from .fused import compiled_block, gated_residual, scale_shift
+from .fused import attention, compiled_block, gated_residual, scale_shift
 
 
 @dataclass
@@ -192,7 +192,7 @@ class Attention(nn.Module):
             cq, ck, cv = self._qkv(context, self.add_q_proj, self.add_k_proj, self.add_v_proj,
                                    self.norm_added_q, self.norm_added_k)
             q, k, v = (mx.concatenate(pair, axis=2) for pair in ((q, cq), (k, ck), (v, cv)))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.head_dim ** -0.5)
+        out = attention(q, k, v, self.head_dim ** -0.5)
         b, _, s, _ = out.shape
         out = out.transpose(0, 2, 1, 3).reshape(b, s, -1)
         x_out = self.to_out[0](out[:, :n])

@@ -16,6 +16,7 @@ from ..config_checks import (MAX_IMAGE_SIZE, MAX_LEVELS, MAX_WIDTH, CheckedArgs,
                              positive)
 from ..errors import MlxdiffError
 from ..formats.keymaps import remap
+from .fused import attention
 
 ACTIVATIONS = {"silu": nn.silu, "swish": nn.silu, "mish": nn.mish, "gelu": nn.gelu, "relu": nn.relu}
 
@@ -230,7 +231,7 @@ class Attention(nn.Module):
     def __call__(self, x):
         b, h, w, c = x.shape
         t = self.group_norm(x).reshape(b, 1, h * w, c)
-        out = mx.fast.scaled_dot_product_attention(self.to_q(t), self.to_k(t), self.to_v(t), scale=c ** -0.5)
+        out = attention(self.to_q(t), self.to_k(t), self.to_v(t), c ** -0.5)
         return x + self.to_out[0](out).reshape(b, h, w, c)
 
 
