@@ -34,8 +34,8 @@ PROMPT_A, PROMPT_B = "a photo of a fox in the snow", "a watercolor painting of a
 
 
 def family(folder):
-    cls = json.loads((Path(folder) / "model_index.json").read_text())["_class_name"]
     index = json.loads((Path(folder) / "model_index.json").read_text())
+    cls = index["_class_name"]
     if cls == "StableDiffusion3Pipeline":
         return cls, 7.0
     return cls, 1.0 if index.get("is_distilled") else 4.0

@@ -4,25 +4,15 @@ the reference preparation against diffusers' image processor; the memory the ref
 token count."""
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 
 import mlxdiff
 from helpers import max_rel_err
 from mlxdiff.pipelines import image_inputs
-from twins import H, SEQ, TAPS, W, build_pipeline
+from twins import H, SEQ, TAPS, W, build_pipeline, picture
 
 PROMPT = "a red fox in the snow"
-
-
-def picture(width, height, seed):
-    """A smooth random RGB picture (gradients plus noise), so that the VAE sees structure."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width] / max(width, height)
-    base = np.stack([np.sin(6 * xx + seed), np.cos(5 * yy - seed), np.sin(4 * (xx + yy))], axis=-1)
-    pixels = 127.5 + 90 * base + rng.normal(0, 20, (height, width, 3))
-    return PIL.Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
 REFS = [picture(64, 72, 1), picture(81, 66, 2)]    # the second is cropped to 80x64 (multiples of 4)

@@ -16,18 +16,10 @@ import torch
 
 import mlxdiff
 from helpers import max_rel_err
-from twins import H as FH, SEQ, TAPS, W as FW, build_pipeline
+from twins import H as FH, SEQ, TAPS, W as FW, build_pipeline, picture
 
 H, W = 40, 24      # the SD3 tiny pipeline's test size (tests/test_sd3_pipeline.py)
 PROMPT = "a red fox in the snow"
-
-
-def picture(width, height, seed):
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width] / max(width, height)
-    base = np.stack([np.sin(6 * xx + seed), np.cos(5 * yy - seed), np.sin(4 * (xx + yy))], axis=-1)
-    pixels = 127.5 + 90 * base + rng.normal(0, 20, (height, width, 3))
-    return PIL.Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
 
 
 def _u8(ref):

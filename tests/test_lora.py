@@ -77,6 +77,18 @@ def random_pair(g, rows, cols, rank=RANK, scale=0.1):
     return torch.randn(rank, cols, generator=g) * scale, torch.randn(rows, rank, generator=g) * scale
 
 
+def kohya_named(g, layers, alpha):
+    """A random LoRA as kohya's trainers write it: lora_unet_<layer>.lora_down / lora_up / alpha for each
+    {layer: (rows, cols)}."""
+    out = {}
+    for name, (rows, cols) in layers.items():
+        down, up = random_pair(g, rows, cols)
+        out[f"lora_unet_{name}.lora_down.weight"] = down
+        out[f"lora_unet_{name}.lora_up.weight"] = up
+        out[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
+    return out
+
+
 def flux2_kohya_tensors(cfg, seed, alpha=2.0):
     """{kohya name: tensor} (BFL layer names, dots as underscores, fused qkv) for a FLUX.2 config, as kohya's
     sd-scripts (networks/lora_flux2) writes them: lora_down (rank, in), lora_up (out, rank), alpha."""
@@ -93,13 +105,7 @@ def flux2_kohya_tensors(cfg, seed, alpha=2.0):
     for i in range(cfg["num_single_layers"]):
         layers[f"single_blocks_{i}_linear1"] = (3 * dim + 2 * mlp, dim)
         layers[f"single_blocks_{i}_linear2"] = (dim, dim + mlp)
-    out = {}
-    for name, (rows, cols) in layers.items():
-        down, up = random_pair(g, rows, cols)
-        out[f"lora_unet_{name}.lora_down.weight"] = down
-        out[f"lora_unet_{name}.lora_up.weight"] = up
-        out[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
-    return out
+    return kohya_named(g, layers, alpha)
 
 
 def kohya_to_bfl(tensors):
@@ -277,13 +283,7 @@ def sd3_kohya_tensors(cfg, seed, alpha=3.0):
         if i != last:
             layers.update({b + "context_block_attn_proj": (d, d), b + "context_block_mlp_fc1": (4 * d, d),
                            b + "context_block_mlp_fc2": (d, 4 * d)})
-    out = {}
-    for name, (rows, cols) in layers.items():
-        down, up = random_pair(g, rows, cols)
-        out[f"lora_unet_{name}.lora_down.weight"] = down
-        out[f"lora_unet_{name}.lora_up.weight"] = up
-        out[f"lora_unet_{name}.alpha"] = torch.tensor(alpha)
-    return out
+    return kohya_named(g, layers, alpha)
 
 
 def sd3_kohya_to_peft(tensors, cfg):

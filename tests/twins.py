@@ -4,7 +4,8 @@
   randomized Mistral3 / Qwen3 models saved with save_pretrained (save_mistral3, save_qwen3);
 - the FLUX.2 VAE twin (make_flux2_twin);
 - diffusers -> original naming of the transformers (flux2_to_bfl, sd3_to_sai) and of the VAE (diffusers_to_ldm);
-- a whole tiny FLUX.2 pipeline (build_pipeline) and the sizes it is run at (H, W, SEQ, TAPS).
+- a whole tiny FLUX.2 pipeline (build_pipeline) and the sizes it is run at (H, W, SEQ, TAPS);
+- smooth random input pictures for the image-input tests (picture).
 """
 
 import re
@@ -263,3 +264,16 @@ def build_pipeline(kind, root):
     folder = root / "pipeline"
     pipe.save_pretrained(str(folder))
     return kind, folder, cls.from_pretrained(str(folder))
+
+
+# -- input images --------------------------------------------------------------------------------------------------
+
+def picture(width, height, seed):
+    """A smooth random RGB picture (gradients plus noise), so that the VAE sees structure."""
+    import numpy as np
+    import PIL.Image
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width] / max(width, height)
+    base = np.stack([np.sin(6 * xx + seed), np.cos(5 * yy - seed), np.sin(4 * (xx + yy))], axis=-1)
+    pixels = 127.5 + 90 * base + rng.normal(0, 20, (height, width, 3))
+    return PIL.Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
