@@ -94,9 +94,10 @@ def main():
     measure("rope on q (transposed)", lambda a: flux2.apply_rope(a.transpose(0, 2, 1, 3), cos, sin), qn)
     measure("sdpa (roped q,k,v)", lambda a, b, c: mx.fast.scaled_dot_product_attention(
         a.transpose(0, 2, 1, 3), b.transpose(0, 2, 1, 3), c.transpose(0, 2, 1, 3), scale=hd ** -0.5), qn, kn, v)
-    measure("attention() incl. rope", lambda a, b, c: flux2.attention(a, b, c, cos, sin), qn, kn, v)
+    rope = lambda a: flux2.apply_rope(a.transpose(0, 2, 1, 3), cos, sin)
+    measure("attention() incl. rope", lambda a, b, c: flux2.attention(rope(a), rope(b), c), qn, kn, v)
     measure("swiglu", flux2.swiglu, mlp_in)
-    att_out = flux2.attention(qn, kn, v, cos, sin)
+    att_out = flux2.attention(rope(qn), rope(kn), v)
     act = flux2.swiglu(mlp_in)
     mx.eval(att_out, act)
     measure("concat [attn; mlp]", lambda a, b: mx.concatenate([a, b], axis=-1), att_out, act)

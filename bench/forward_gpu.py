@@ -1,6 +1,6 @@
 """One transformer forward at a real config, mlxdiff beside diffusers, random bf16 weights built in memory (no file).
 
-    python bench/forward_gpu.py mlxdiff [--model klein-4b|dev] [--size 1024]      # MLXDIFF_IN_FLIGHT / _FUSE / _COMPILE_BLOCKS apply
+    python bench/forward_gpu.py mlxdiff [--model klein-4b|dev] [--size 1024]      # MLXDIFF_IN_FLIGHT / _FUSE / _COMPILE_BLOCKS / _CUDA_KERNELS apply
     python bench/forward_gpu.py diffusers [--model klein-4b]
 
 Prints one RESULT json line: seconds per forward (median of 5 after 2 warm-up calls, which include MLX's kernel
@@ -77,7 +77,8 @@ def run_mlxdiff(cfg, size):
     seconds = timed(forward, mx.synchronize)
     return {"side": "mlxdiff", "backend": f"mlx {mx.__version__} {mx.default_device()}",
             "in_flight": os.environ.get("MLXDIFF_IN_FLIGHT", "1"), "fuse": os.environ.get("MLXDIFF_FUSE", "1"),
-            "compile_blocks": os.environ.get("MLXDIFF_COMPILE_BLOCKS", "0"), "seconds": seconds, "peak_above_weights_gb": (mx.get_peak_memory() - weights) / GB,
+            "compile_blocks": os.environ.get("MLXDIFF_COMPILE_BLOCKS", "0"),
+            "cuda_kernels": os.environ.get("MLXDIFF_CUDA_KERNELS", "1"), "seconds": seconds, "peak_above_weights_gb": (mx.get_peak_memory() - weights) / GB,
             "weights_gb": weights / GB}
 
 

@@ -38,6 +38,15 @@ _preload_openblas()
 
 import mlx.core as mx  # noqa: E402  (after the preload on purpose)
 
+# MLXDIFF_DEVICE=cpu runs MLX on the CPU on a machine with a GPU (and the PyTorch references too:
+# mlxdiff/reference/common.py), e.g. for CPU footprint comparisons on a GPU host.
+_DEVICE = os.environ.get("MLXDIFF_DEVICE")
+if _DEVICE not in (None, "", "cpu", "gpu"):
+    from .errors import MlxdiffError
+    raise MlxdiffError(f"MLXDIFF_DEVICE={_DEVICE!r}: expected cpu or gpu")
+if _DEVICE:
+    mx.set_default_device(mx.cpu if _DEVICE == "cpu" else mx.gpu)
+
 _warned_blas = False
 
 

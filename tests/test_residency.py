@@ -97,5 +97,8 @@ def test_blocks_compiled_only_where_memory_allows(monkeypatch):
     monkeypatch.setattr(memory.mx, "default_device", lambda: mx.gpu)
     assert memory.compile_blocks_for(plain)
     assert not memory.compile_blocks_for(decoding)
+    plain.eager_is_faster = lambda: True                         # as FLUX.2 with its fused CUDA kernel
+    assert not memory.compile_blocks_for(plain)
+    del plain.eager_is_faster
     monkeypatch.setattr(memory, "in_flight_for", lambda: 1)      # a tight budget: the floor
     assert not memory.compile_blocks_for(plain)

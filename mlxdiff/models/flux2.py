@@ -24,7 +24,8 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .fused import attention as fused_attention, compiled_block, fused, gated_residual, scale_shift
+from . import fused as fused_module
+from .fused import attention as fused_attention, compiled_block, fused, gated_residual, norm_rope, scale_shift
 
 
 @dataclass
@@ -193,11 +194,9 @@ def clip_fp16(x):
     return mx.clip(x, -65504, 65504) if x.dtype == mx.float16 else x
 
 
-def attention(q, k, v, cos, sin):
-    """q, k, v (B, S, H, hd), qk already normalised -> RoPE, SDPA (no mask) -> (B, S, H*hd)."""
-    q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = fused_attention(q, k, v, q.shape[-1] ** -0.5)
+def attention(q, k, v):
+    """q, k (B, H, S, hd), normalised and RoPE'd (norm_rope), v (B, S, H, hd) -> SDPA (no mask) -> (B, S, H*hd)."""
+    out = fused_attention(q, k, v.transpose(0, 2, 1, 3), q.shape[-1] ** -0.5)
     b, _, s, _ = out.shape
     return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
 
@@ -239,14 +238,13 @@ class Attention(nn.Module):
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
 
     def __call__(self, x, context, cos, sin):
-        q = self.norm_q(self._heads(self.to_q(x)))
-        k = self.norm_k(self._heads(self.to_k(x)))
-        v = self._heads(self.to_v(x))
-        cq = self.norm_added_q(self._heads(self.add_q_proj(context)))
-        ck = self.norm_added_k(self._heads(self.add_k_proj(context)))
-        cv = self._heads(self.add_v_proj(context))
-        joint = pace(*(mx.concatenate(pair, axis=1) for pair in ((cq, q), (ck, k), (cv, v))))
-        out = pace(attention(*joint, cos, sin))
+        q, k, v = (self._heads(f(x)) for f in (self.to_q, self.to_k, self.to_v))
+        cq, ck, cv = (self._heads(f(context)) for f in (self.add_q_proj, self.add_k_proj, self.add_v_proj))
+        # the joint sequence is [text; image]: each part normed by its own norm, then RoPE over the whole
+        joint = pace(norm_rope([(cq, self.norm_added_q), (q, self.norm_q)], cos, sin, apply_rope),
+                     norm_rope([(ck, self.norm_added_k), (k, self.norm_k)], cos, sin, apply_rope),
+                     mx.concatenate([cv, v], axis=1))
+        out = pace(attention(*joint))
         n_txt = context.shape[1]
         return self.to_out[0](out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
 
@@ -292,7 +290,8 @@ class ParallelSelfAttention(nn.Module):
         inner = self.heads * self.head_dim
         qkv = pace(linear_rows(self.to_qkv_mlp_proj, 0, 3 * inner)(x))
         q, k, v = (t.reshape(*x.shape[:2], self.heads, self.head_dim) for t in mx.split(qkv, 3, axis=-1))
-        out = pace(attention(self.norm_q(q), self.norm_k(k), v, cos, sin))
+        out = pace(attention(norm_rope([(q, self.norm_q)], cos, sin, apply_rope),
+                             norm_rope([(k, self.norm_k)], cos, sin, apply_rope), v))
         mlp = pace(swiglu(linear_rows(self.to_qkv_mlp_proj, 3 * inner, None)(x)))
         return self.to_out(mx.concatenate([out, mlp], axis=-1))
 
@@ -404,6 +403,12 @@ class Model(nn.Module):
             if after_block:
                 after_block(h)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
+
+    def eager_is_faster(self) -> bool:
+        """memory.compile_blocks_for: with the fused CUDA norm+RoPE kernel (fused.norm_rope) eager blocks, two
+        pieces in flight, beat whole compiled blocks (klein-4B forward, H200: 0.068 s / +0.73 GiB against 0.076 s /
+        +1.52 GiB; bench/RESULTS.md, "Speed")."""
+        return fused_module.cuda_kernels()
 
     def quant_predicate(self, path, module) -> bool:
         """Which layers may be quantized: not the embedders, the shared modulations or the output layers."""

@@ -145,3 +145,86 @@ def attention(q, k, v, scale):
              for r in range(0, s, rows)]
     return mx.concatenate(parts, axis=2)
 
+
+
+# -- qk RMSNorm + RoPE in one pass (CUDA) ----------------------------------------------------------------------------
+#
+# Why: on CUDA, per FLUX.2 block, mx.fast.rms_norm on (tokens x heads) rows of 128 and the RoPE chain (a stack of the
+# swapped pairs, then the float32 rotation broadcast over heads) cost 0.08 + 0.15 ms for each of q and k: about 10 ms
+# of a 74 ms klein-4B forward (H200, bench/block_ops_gpu.py). One warp per row does the norm, the rotation and the
+# transpose to SDPA's (B, H, S, hd) layout in registers, and joins the text and image parts of a double block without
+# a concatenation. It rounds where the MLX-ops path rounds (the norm's output to the input dtype, then times the
+# weight, then the float32 rotation cast back), so the two agree to within a rounding of the input dtype (checked on
+# the GPU by bench/block_ops_gpu.py). Every other backend, and MLXDIFF_FUSE=0, takes the MLX-ops path.
+
+_NORM_ROPE_SOURCE = """
+    constexpr int PER = HD / 32;              // consecutive values per lane: whole rotated pairs
+    constexpr long S = ST + SI;
+    const long row = (long)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= (long)NB * S * NH) return;
+    const int h = row % NH;
+    const long s = (row / NH) % S;
+    const long b = row / NH / S;
+    const bool text = s < ST;
+    const T* src = text ? xt + ((b * ST + s) * NH + h) * HD : xi + ((b * SI + s - ST) * NH + h) * HD;
+    const T* w = text ? wt : wi;
+    float v[PER];
+    float ss = 0.f;
+    for (int i = 0; i < PER; i++) {
+        v[i] = static_cast<float>(src[lane * PER + i]);
+        ss += v[i] * v[i];
+    }
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
+    const float inv = rsqrtf(ss / HD + eps[0]);
+    const float* c = cos + s * HD + lane * PER;
+    const float* sn = sin + s * HD + lane * PER;
+    T* dst = out + ((b * NH + h) * S + s) * HD + lane * PER;
+    for (int i = 0; i < PER; i += 2) {
+        // as mx.fast.rms_norm: normalised value rounded to T, then times the weight in T
+        float n0 = static_cast<float>(w[lane * PER + i] * static_cast<T>(v[i] * inv));
+        float n1 = static_cast<float>(w[lane * PER + i + 1] * static_cast<T>(v[i + 1] * inv));
+        dst[i] = static_cast<T>(n0 * c[i] + (-n1) * sn[i]);
+        dst[i + 1] = static_cast<T>(n1 * c[i + 1] + n0 * sn[i + 1]);
+    }
+"""
+_norm_rope_kernel = []
+_KERNELS_OFF = os.environ.get("MLXDIFF_CUDA_KERNELS") == "0"
+
+
+def cuda_kernels() -> bool:
+    """Whether the fused CUDA kernels of this module run (CUDA default device, fusion on, MLXDIFF_CUDA_KERNELS!=0)."""
+    if _KERNELS_OFF or not _enabled or mx.default_device() != mx.gpu:
+        return False
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda and cuda.is_available())
+
+
+def norm_rope(parts, cos, sin, rope):
+    """parts: [(x (B, S_i, H, hd), RMSNorm), ...], joined along the tokens in this order -> each part RMS-normed by
+    its own norm, RoPE'd with cos/sin (S, hd) float32 of the joined sequence -> (B, H, S, hd). `rope(x, cos, sin)` is
+    the model's MLX-ops rotation, for the reference path."""
+    xs = [x for x, _ in parts]
+    x0, norm0 = parts[0]
+    b, _, h, hd = x0.shape
+    same = all(x.shape[0] == b and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype for x in xs) and \
+        all(n.eps == norm0.eps for _, n in parts)
+    if len(parts) > 2 or not same or hd % 64 or x0.dtype not in (mx.bfloat16, mx.float16, mx.float32) \
+            or not cuda_kernels():
+        normed = [n(x) for x, n in parts]
+        joined = normed[0] if len(normed) == 1 else mx.concatenate(normed, axis=1)
+        return rope(joined.transpose(0, 2, 1, 3), cos, sin)
+    if not _norm_rope_kernel:
+        _norm_rope_kernel.append(mx.fast.cuda_kernel(
+            name="mlxdiff_norm_rope", input_names=["xt", "xi", "wt", "wi", "cos", "sin", "eps"],
+            output_names=["out"], source=_NORM_ROPE_SOURCE))
+    (xt, nt), (xi, ni) = parts if len(parts) == 2 else ((x0, norm0), (x0, norm0))
+    st = xt.shape[1] if len(parts) == 2 else 0
+    si = xi.shape[1]
+    rows = b * (st + si) * h
+    return _norm_rope_kernel[0](
+        inputs=[xt, xi, nt.weight.astype(x0.dtype), ni.weight.astype(x0.dtype), cos, sin,
+                mx.array(norm0.eps, mx.float32)],
+        template=[("T", x0.dtype), ("HD", hd), ("NH", h), ("ST", st), ("SI", si), ("NB", b)],
+        grid=(rows * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(b, h, st + si, hd)],
+        output_dtypes=[x0.dtype])[0]

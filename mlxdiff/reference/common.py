@@ -22,7 +22,10 @@ def mark(phase, event):
 
 
 def device() -> str:
+    import os
     import torch
+    if os.environ.get("MLXDIFF_DEVICE") == "cpu":    # as mlxdiff/backend.py: the CPU on a machine with a GPU
+        return "cpu"
     if torch.cuda.is_available():
         return "cuda"
     if torch.backends.mps.is_available():
