@@ -40,12 +40,16 @@ import mlx.core as mx  # noqa: E402  (after the preload on purpose)
 
 # MLXDIFF_DEVICE=cpu runs MLX on the CPU on a machine with a GPU (and the PyTorch references too:
 # mlxdiff/reference/common.py), e.g. for CPU footprint comparisons on a GPU host.
+# A bad value is reported by check_settings() (the CLI's first step, and compute_dtype()), as one line.
 _DEVICE = os.environ.get("MLXDIFF_DEVICE")
-if _DEVICE not in (None, "", "cpu", "gpu"):
-    from .errors import MlxdiffError
-    raise MlxdiffError(f"MLXDIFF_DEVICE={_DEVICE!r}: expected cpu or gpu")
-if _DEVICE:
+if _DEVICE in ("cpu", "gpu"):
     mx.set_default_device(mx.cpu if _DEVICE == "cpu" else mx.gpu)
+
+
+def check_settings():
+    if _DEVICE not in (None, "", "cpu", "gpu"):
+        from .errors import MlxdiffError
+        raise MlxdiffError(f"MLXDIFF_DEVICE={_DEVICE!r:.40}: expected cpu or gpu (or leave it unset)")
 
 _warned_blas = False
 
@@ -74,6 +78,7 @@ def compute_dtype(requested=None) -> mx.Dtype:
     On the CPU the default is float32: bf16 matmuls there accumulate in bf16 and quantized bf16 matmuls lose
     up to 11% at K=4096 (see bench/). On Metal and CUDA the default is bfloat16.
     """
+    check_settings()
     if requested is None:
         return mx.float32 if on_cpu() else mx.bfloat16
     if isinstance(requested, mx.Dtype):

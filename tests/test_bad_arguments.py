@@ -222,3 +222,14 @@ def test_cli_and_api_say_the_same(outcomes):
                       ("guidance inf", "guidance=inf"), ("memory-limit nan", "memory limit nan"),
                       ("skip layers on FLUX.2", "skip layers on FLUX.2")):
         assert _one_line(results[f"cli: {cli}"]) == _one_line(results[f"api: {api_}"])
+
+
+def test_bad_device_setting_in_one_line(tmp_path):
+    """MLXDIFF_DEVICE is read when mlxdiff is imported; a bad value is still one line and exit 2, nothing written."""
+    import subprocess
+    out = tmp_path / "x.png"
+    p = subprocess.run([sys.executable, "-m", "mlxdiff.generate", *CHEAP, "--output", str(out)], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "MLXDIFF_DEVICE": "tpu"})
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "MLXDIFF_DEVICE='tpu'" in lines[0], p.stderr
+    assert not out.exists()
