@@ -6,6 +6,9 @@
 #   dev     FLUX.2-dev, Q4_K_M GGUF transformer + 30-layer Mistral encoder: python -m mlxdiff.footprint compare
 #           (mlxdiff with the encoder at 4 bits, diffusers as is, diffusers' sequential recipe), then mlxdiff images
 #   sd3     SD3.5 Medium images: mlxdiff, diffusers
+#   ops     each op of one klein-4B block, MLX beside torch (bench/block_ops_gpu.py)
+#   t5cpu   SD3.5 Medium with T5-XXL at 8 / 4 bits on this host's CPU (MLXDIFF_DEVICE=cpu), beside diffusers as is
+#           and sequential: issue 11's last row (about 10+ minutes; the 2-core CI-like CPU cannot run diffusers' bf16)
 # Run on the GPU machine after the device recipe's activate step; ONLY="klein dev" runs a subset; logs in $LOGS.
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +35,18 @@ fi
 if want sd3; then
   make sd3.5-medium /tmp/sd
   for side in mlxdiff diffusers; do python3 bench/speed_gpu.py $side /tmp/sd > "$L/speed_sd3_$side.txt" 2>&1; done
+  rm -rf /tmp/sd
+fi
+if want ops; then
+  for n in 1 2; do MLXDIFF_IN_FLIGHT=$n python3 bench/block_ops_gpu.py mlx; done > "$L/ops_mlx.txt" 2>&1
+  python3 bench/block_ops_gpu.py torch > "$L/ops_torch.txt" 2>&1
+fi
+if want t5cpu; then
+  make sd3.5-medium /tmp/sd
+  MLXDIFF_DEVICE=cpu python3 -m mlxdiff.footprint compare --model /tmp/sd --quantize text_encoder_3=8 --width 512 \
+    --height 512 --steps 2 --out "$L/footprint-t5-8" > "$L/footprint_t5_8.txt" 2>&1
+  MLXDIFF_DEVICE=cpu python3 -m mlxdiff.footprint compare --mlxdiff-only --model /tmp/sd --quantize text_encoder_3=4 \
+    --width 512 --height 512 --steps 2 --out "$L/footprint-t5-4" > "$L/footprint_t5_4.txt" 2>&1
   rm -rf /tmp/sd
 fi
 echo JOB-DONE
