@@ -210,6 +210,33 @@ def _gpu_overall(gpu: dict) -> str:
     return _gb(max(g["allocated"] or 0 for g in gpu.values())) + (f" / {_gb(max(reserved))}" if reserved else "")
 
 
+SLOW_BF16_BYTES = 2 * GB   # above this much weight, diffusers' bf16 runs on a CPU without bf16 units take hours
+
+
+def slow_reference_warning(path: Path, transformer, cpuinfo: str, torch_on_cpu: bool):
+    """The warning to print before diffusers' runs, or None: on an x86 CPU without bf16 matrix instructions (no
+    AVX512-BF16, no AMX-BF16 among /proc/cpuinfo's flags) torch's bf16 matmuls run at 1-14 GFLOP/s (an AVX2 AMD
+    EPYC: bench/torch_cpu_bf16.py, bench/RESULTS.md), so a real-size model's diffusers runs take hours."""
+    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
+    if not torch_on_cpu or not flags or "avx512_bf16" in flags or "amx_bf16" in flags:
+        return None
+    files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
+    size = sum(f.stat().st_size for f in files) + (transformer.stat().st_size if transformer else 0)
+    if size < SLOW_BF16_BYTES:
+        return None
+    return (f"mlxdiff: warning: this CPU has no bf16 matrix instructions (no AVX512-BF16 or AMX), where torch's "
+            f"bf16 matmuls run at about 1-14 GFLOP/s; diffusers' runs on these {size / GB:.1f} GB of weights may "
+            "take hours (--mlxdiff-only skips them)")
+
+
+def _torch_on_cpu() -> bool:
+    """Where mlxdiff.reference will run torch (reference/common.device)."""
+    if os.environ.get("MLXDIFF_DEVICE") == "cpu":
+        return True
+    import torch
+    return not (torch.cuda.is_available() or torch.backends.mps.is_available())
+
+
 def compare(args) -> int:
     from . import backend, default_model
     out = Path(args.out)
@@ -248,6 +275,15 @@ def compare(args) -> int:
     if transformer:
         request["transformer"] = str(transformer)
     ref = lambda mode: [sys.executable, "-m", module, json.dumps({**request, "mode": mode})]
+    if not args.mlxdiff_only and sys.platform.startswith("linux"):
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+        no_bf16_units = "avx512_bf16" not in cpuinfo and "amx_bf16" not in cpuinfo   # before importing torch
+        warning = no_bf16_units and slow_reference_warning(path, transformer, cpuinfo, _torch_on_cpu())
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     runs = {"mlxdiff": sample(mlx_cmd, args.interval, {"MLXDIFF_PHASE_MARKERS": "1"}, echo=False)}
     if not args.mlxdiff_only:
         runs["diffusers as is"] = sample(ref("as_is"), args.interval, echo=False)

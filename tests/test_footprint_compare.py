@@ -197,3 +197,21 @@ def test_cuda_table_names_the_gpu_figures(tmp_path, monkeypatch, capsys):
     assert "| GPU decode | - | 4.00 / 5.00 | 4.00 / 5.00 |" in lines
     assert "| GPU overall peak | - | 4.00 / 5.00 | 4.00 / 5.00 |" in lines
     assert sum(line.startswith("| GPU ") for line in lines) == 5
+
+
+def test_warns_before_hours_of_bf16_on_a_cpu_without_bf16_units(tmp_path):
+    """compare warns (it does not refuse) before diffusers' bf16 runs of a real-size model on an x86 CPU without
+    AVX512-BF16 / AMX, where torch's bf16 matmuls run at 1-14 GFLOP/s (bench/torch_cpu_bf16.py)."""
+    weights = tmp_path / "model"
+    weights.mkdir()
+    (weights / "w.safetensors").write_bytes(b"")
+    with open(weights / "w.safetensors", "r+b") as f:
+        f.truncate(3 * 1024 ** 3)                     # sparse: 3 GiB of weights without the disk space
+    avx2 = "processor : 0\nflags : fpu sse2 avx avx2 fma\n"
+    amx = "processor : 0\nflags : fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    warning = footprint.slow_reference_warning(weights, None, avx2, torch_on_cpu=True)
+    assert warning.startswith("mlxdiff: warning: ") and "3.0 GB" in warning and "--mlxdiff-only" in warning
+    assert footprint.slow_reference_warning(weights, None, amx, torch_on_cpu=True) is None
+    assert footprint.slow_reference_warning(weights, None, avx2, torch_on_cpu=False) is None    # torch on a GPU
+    assert footprint.slow_reference_warning(weights, None, "Features : neon\n", torch_on_cpu=True) is None   # ARM
+    assert footprint.slow_reference_warning(DEFAULT, None, avx2, torch_on_cpu=True) is None  # a tiny model
