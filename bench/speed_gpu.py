@@ -51,6 +51,23 @@ def read_bandwidth(files) -> float:
     return n / (time.perf_counter() - t)
 
 
+def warm_then_first(load_warm, load, image):
+    """The MLX sides: a throwaway image that compiles MLX's CUDA kernels (its own load included), then a fresh load
+    and the first image. Returns (warm-up s, first s, the loaded pipeline, the first image's image() result)."""
+    import mlx.core as mx
+    t = time.perf_counter()
+    warm = load_warm()
+    image(warm, PROMPT_A, 0)
+    warmup = time.perf_counter() - t
+    del warm
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    t = time.perf_counter()
+    pipe = load()
+    result = image(pipe, PROMPT_A, 1)
+    return warmup, time.perf_counter() - t, pipe, result
+
+
 def run_mlxdiff(a):
     import mlxdiff
     import mlx.core as mx
@@ -67,17 +84,8 @@ def run_mlxdiff(a):
         mx.synchronize()
         return time.perf_counter() - t, r
 
-    t = time.perf_counter()
-    warm = mlxdiff.load(a.folder, keep="none", **kw)
-    image(warm, PROMPT_A, 0)
-    warmup = time.perf_counter() - t
-    del warm
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    t = time.perf_counter()
-    pipe = mlxdiff.load(a.folder, keep=a.keep, **kw)
-    _, r1 = image(pipe, PROMPT_A, 1)
-    first = time.perf_counter() - t
+    warmup, first, pipe, (_, r1) = warm_then_first(lambda: mlxdiff.load(a.folder, keep="none", **kw),
+                                                   lambda: mlxdiff.load(a.folder, keep=a.keep, **kw), image)
     same, r2 = image(pipe, PROMPT_A, 2)
     new, r3 = image(pipe, PROMPT_B, 3)
     peak = mx.get_peak_memory()
@@ -171,17 +179,7 @@ def run_mflux(a):
         return time.perf_counter() - t
 
     load = lambda: Flux2Klein(model_config=ModelConfig.flux2_klein_4b(), model_path=a.folder)
-    t = time.perf_counter()
-    warm = load()
-    image(warm, PROMPT_A, 0)
-    warmup = time.perf_counter() - t
-    del warm
-    mx.clear_cache()
-    mx.reset_peak_memory()
-    t = time.perf_counter()
-    model = load()
-    image(model, PROMPT_A, 1)
-    first = time.perf_counter() - t
+    warmup, first, model, _ = warm_then_first(load, load, image)
     same = image(model, PROMPT_A, 2)
     new = image(model, PROMPT_B, 3)
     print("RESULT" + json.dumps({

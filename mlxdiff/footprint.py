@@ -213,12 +213,13 @@ def _gpu_overall(gpu: dict) -> str:
 SLOW_BF16_BYTES = 2 * GB   # above this much weight, diffusers' bf16 runs on a CPU without bf16 units take hours
 
 
-def slow_reference_warning(path: Path, transformer, cpuinfo: str, torch_on_cpu: bool):
+def slow_reference_warning(path: Path, transformer, cpuinfo: str, torch_on_cpu):
     """The warning to print before diffusers' runs, or None: on an x86 CPU without bf16 matrix instructions (no
     AVX512-BF16, no AMX-BF16 among /proc/cpuinfo's flags) torch's bf16 matmuls run at 1-14 GFLOP/s (an AVX2 AMD
-    EPYC: bench/torch_cpu_bf16.py, bench/RESULTS.md), so a real-size model's diffusers runs take hours."""
+    EPYC: bench/torch_cpu_bf16.py, bench/RESULTS.md), so a real-size model's diffusers runs take hours.
+    `torch_on_cpu()` is asked last (it may import torch)."""
     flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    if not torch_on_cpu or not flags or "avx512_bf16" in flags or "amx_bf16" in flags:
+    if not flags or "avx512_bf16" in flags or "amx_bf16" in flags or not torch_on_cpu():
         return None
     files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
     size = sum(f.stat().st_size for f in files) + (transformer.stat().st_size if transformer else 0)
@@ -280,8 +281,7 @@ def compare(args) -> int:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
             cpuinfo = ""
-        no_bf16_units = "avx512_bf16" not in cpuinfo and "amx_bf16" not in cpuinfo   # before importing torch
-        warning = no_bf16_units and slow_reference_warning(path, transformer, cpuinfo, _torch_on_cpu())
+        warning = slow_reference_warning(path, transformer, cpuinfo, _torch_on_cpu)
         if warning:
             print(warning, file=sys.stderr, flush=True)
     runs = {"mlxdiff": sample(mlx_cmd, args.interval, {"MLXDIFF_PHASE_MARKERS": "1"}, echo=False)}

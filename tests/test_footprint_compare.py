@@ -209,9 +209,9 @@ def test_warns_before_hours_of_bf16_on_a_cpu_without_bf16_units(tmp_path):
         f.truncate(3 * 1024 ** 3)                     # sparse: 3 GiB of weights without the disk space
     avx2 = "processor : 0\nflags : fpu sse2 avx avx2 fma\n"
     amx = "processor : 0\nflags : fpu sse2 avx avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
-    warning = footprint.slow_reference_warning(weights, None, avx2, torch_on_cpu=True)
+    warning = footprint.slow_reference_warning(weights, None, avx2, torch_on_cpu=lambda: True)
     assert warning.startswith("mlxdiff: warning: ") and "3.0 GB" in warning and "--mlxdiff-only" in warning
-    assert footprint.slow_reference_warning(weights, None, amx, torch_on_cpu=True) is None
-    assert footprint.slow_reference_warning(weights, None, avx2, torch_on_cpu=False) is None    # torch on a GPU
-    assert footprint.slow_reference_warning(weights, None, "Features : neon\n", torch_on_cpu=True) is None   # ARM
-    assert footprint.slow_reference_warning(DEFAULT, None, avx2, torch_on_cpu=True) is None  # a tiny model
+    assert footprint.slow_reference_warning(weights, None, amx, torch_on_cpu=lambda: True) is None
+    assert footprint.slow_reference_warning(weights, None, avx2, torch_on_cpu=lambda: False) is None    # torch on a GPU
+    assert footprint.slow_reference_warning(weights, None, "Features : neon\n", torch_on_cpu=lambda: True) is None   # ARM
+    assert footprint.slow_reference_warning(DEFAULT, None, avx2, torch_on_cpu=lambda: True) is None  # a tiny model

@@ -24,8 +24,8 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
-from . import fused as fused_module
-from .fused import attention as fused_attention, compiled_block, fused, gated_residual, norm_rope, scale_shift
+from .fused import (attention as fused_attention, compiled_block, cuda_kernels, fused, gated_residual, norm_rope,
+                    scale_shift)
 
 
 @dataclass
@@ -408,7 +408,7 @@ class Model(nn.Module):
         """memory.compile_blocks_for: with the fused CUDA norm+RoPE kernel (fused.norm_rope) eager blocks, two
         pieces in flight, beat whole compiled blocks (klein-4B forward, H200: 0.068 s / +0.73 GiB against 0.076 s /
         +1.52 GiB; bench/RESULTS.md, "Speed")."""
-        return fused_module.cuda_kernels()
+        return cuda_kernels()
 
     def quant_predicate(self, path, module) -> bool:
         """Which layers may be quantized: not the embedders, the shared modulations or the output layers."""

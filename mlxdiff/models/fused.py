@@ -189,6 +189,14 @@ _NORM_ROPE_SOURCE = """
     }
 """
 _norm_rope_kernel = []
+_eps_arrays = {}
+
+
+def _eps_array(eps):
+    """The kernel's eps input, made once per value (not a new device scalar per block call)."""
+    if eps not in _eps_arrays:
+        _eps_arrays[eps] = mx.array(eps, mx.float32)
+    return _eps_arrays[eps]
 _KERNELS_OFF = os.environ.get("MLXDIFF_CUDA_KERNELS") == "0"
 
 
@@ -223,8 +231,7 @@ def norm_rope(parts, cos, sin, rope):
     si = xi.shape[1]
     rows = b * (st + si) * h
     return _norm_rope_kernel[0](
-        inputs=[xt, xi, nt.weight.astype(x0.dtype), ni.weight.astype(x0.dtype), cos, sin,
-                mx.array(norm0.eps, mx.float32)],
+        inputs=[xt, xi, nt.weight.astype(x0.dtype), ni.weight.astype(x0.dtype), cos, sin, _eps_array(norm0.eps)],
         template=[("T", x0.dtype), ("HD", hd), ("NH", h), ("ST", st), ("SI", si), ("NB", b)],
         grid=(rows * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(b, h, st + si, hd)],
         output_dtypes=[x0.dtype])[0]
