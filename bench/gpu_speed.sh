@@ -4,11 +4,12 @@
 #   klein   klein-4B images: mlxdiff, diffusers, mflux (bench/speed_gpu.py)
 #   forward klein-4B transformer forward with whole blocks compiled, 1 and 2 in flight (bench/forward_gpu.py)
 #   dev     FLUX.2-dev, Q4_K_M GGUF transformer + 30-layer Mistral encoder: python -m mlxdiff.footprint compare
-#           (mlxdiff with the encoder at 4 bits, diffusers as is, diffusers' sequential recipe), then mlxdiff images
+#           (mlxdiff with the encoder at 4 bits, diffusers as is, diffusers' sequential recipe), the same
+#           image with --memory-limit 23, then mlxdiff images
 #   sd3     SD3.5 Medium images: mlxdiff, diffusers
 #   ops     each op of one klein-4B block, MLX beside torch (bench/block_ops_gpu.py)
 #   t5cpu   SD3.5 Medium with T5-XXL at 8 / 4 bits on this host's CPU (MLXDIFF_DEVICE=cpu), beside diffusers as is
-#           and sequential: issue 11's last row (about 10+ minutes; the 2-core CI-like CPU cannot run diffusers' bf16)
+#           and sequential: issue 11's last row (11 minutes on the H200 host; the 2-core CI-like CPU cannot run diffusers' bf16)
 # Run on the GPU machine after the device recipe's activate step; ONLY="klein dev" runs a subset; logs in $LOGS.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,6 +30,10 @@ if want dev; then
   make flux2-dev /tmp/dev
   python3 -m mlxdiff.footprint compare --model /tmp/dev --transformer /tmp/f2.gguf --quantize text_encoder=4 \
     --width 1024 --height 1024 --steps 4 --out "$L/footprint-dev" > "$L/footprint_dev.txt" 2>&1
+  # the same image under a budget with no room for a second piece of work in flight: the floor
+  python3 -m mlxdiff.generate --model /tmp/dev --transformer /tmp/f2.gguf --quantize text_encoder=4 --width 1024 \
+    --height 1024 --steps 4 --prompt "a photo of a fox in the snow" --no-progress --report-memory --memory-limit 23 \
+    --output "$L/limit23.png" > "$L/generate_limit23.txt" 2>&1
   python3 bench/speed_gpu.py mlxdiff /tmp/dev --transformer /tmp/f2.gguf --quantize text_encoder=4 > "$L/speed_dev_mlxdiff.txt" 2>&1
   rm -rf /tmp/dev /tmp/f2.gguf
 fi

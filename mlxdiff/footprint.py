@@ -2,6 +2,7 @@
 
     python -m mlxdiff.footprint run [--interval 0.2] [--json F] -- COMMAND ...
     python -m mlxdiff.footprint compare [--model M] [--transformer F] [--width --height --steps] [--out DIR]
+    python -m mlxdiff.footprint show DIR/footprint.json
 
 Each process is sampled every --interval seconds (macOS: phys_footprint, what Activity Monitor shows; Linux: RSS).
 Processes that print `MLXDIFF_PHASE <name> start|end <time>` lines on stderr get per-phase figures (mlxdiff does
@@ -92,16 +93,20 @@ def _bytes(text):
 
 
 def report_peaks(stdout: str) -> dict:
-    """From mlxdiff.generate's phase table (--report-memory: phase, load s, MLX peak, MLX after, process peak,
-    process after): {"mlx": {phase: MLX peak bytes}, "process": {phase: process peak bytes}} (sizes as printed,
-    to 0.01 GB or 0.1 MB; a "-" is left out)."""
+    """From mlxdiff.generate's phase table (--report-memory; its size columns are phases.MEMORY_COLUMNS):
+    {"mlx": {phase: MLX peak bytes}, "process": {phase: process peak bytes}} (sizes as printed, to 0.01 GB or
+    0.1 MB; a "-" is left out)."""
+    from .pipelines.phases import MEMORY_COLUMNS
+    columns = {"mlx": MEMORY_COLUMNS.index("MLX peak"), "process": MEMORY_COLUMNS.index("process peak")}
     out = {"mlx": {}, "process": {}}
     for line in stdout.splitlines():
         tokens = line.split()
         if len(tokens) >= 3 and tokens[0] in PHASES:
             sizes = re.findall(r"-(?=\s|$)|[0-9.]+ [MG]B", " ".join(tokens[2:]))
-            for key, i in (("mlx", 0), ("process", 2)):
-                if len(sizes) > i and _bytes(sizes[i]) is not None:
+            if len(sizes) != len(MEMORY_COLUMNS):
+                continue   # not a row of the table
+            for key, i in columns.items():
+                if _bytes(sizes[i]) is not None:
                     out[key][tokens[0]] = _bytes(sizes[i])
     return out
 
@@ -238,6 +243,56 @@ def _torch_on_cpu() -> bool:
     return not (torch.cuda.is_available() or torch.backends.mps.is_available())
 
 
+def table(runs: dict, mlx_on_gpu: bool) -> tuple:
+    """(summaries, the markdown table) of compare's runs; mlxdiff's per-phase MLX and process peaks come from its
+    --report-memory table (on a GPU, MLX's peak is device memory: the GPU rows)."""
+    mlx = runs["mlxdiff"]
+    reported = report_peaks(mlx["stdout"])
+    mlx["mlx_peak"], mlx["rss_peaks"] = reported["mlx"], reported["process"]   # its own VmHWM per phase (Linux)
+    if mlx_on_gpu:
+        mlx["gpu"] = {name: {"allocated": peak, "reserved": None} for name, peak in mlx["mlx_peak"].items()}
+    summaries = {label: summarize(run) for label, run in runs.items()}
+    labels = list(runs)
+    rows = ["| phase | " + " | ".join(f"{l} peak GB" for l in labels) + " |", "|---|" + "---|" * len(labels)]
+    for phase in PHASES:
+        cells = []
+        for l in labels:
+            p = summaries[l]["phases"].get(phase)
+            cells.append("-" if not p or p["peak"] is None else f"{p['peak'] / GB:.2f}")
+        rows.append(f"| {phase} | " + " | ".join(cells) + " |")
+    rows.append("| overall peak | " + " | ".join(f"{summaries[l]['peak'] / GB:.2f}" for l in labels) + " |")
+    rows.append("| steady (denoise median) | " + " | ".join(
+        "-" if summaries[l]["steady"] is None else f"{summaries[l]['steady'] / GB:.2f}" for l in labels) + " |")
+    base = summaries["mlxdiff"]["peak"]
+    rows.append("| peak ratio vs mlxdiff | " + " | ".join(
+        f"{summaries[l]['peak'] / base:.2f}" if base else "-" for l in labels) + " |")
+    if any(summaries[l]["gpu"] for l in labels):
+        for phase in PHASES:
+            cells = []
+            for l in labels:
+                g = summaries[l]["gpu"].get(phase)
+                cells.append("-" if not g else _gb(g["allocated"]) + (
+                    "" if g["reserved"] is None else f" / {_gb(g['reserved'])}"))
+            rows.append(f"| GPU {phase} | " + " | ".join(cells) + " |")
+        rows.append("| GPU overall peak | " + " | ".join(_gpu_overall(summaries[l]["gpu"]) for l in labels) + " |")
+    return summaries, "\n".join(rows)
+
+
+def show(path) -> int:
+    """Print the table of a saved compare (its footprint.json) again, read with this version's parser."""
+    try:
+        saved = json.loads(Path(path).read_text())
+        runs = saved["runs"]
+        runs["mlxdiff"]["stdout"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MlxdiffError(f"{path}: not a footprint.json written by `footprint compare` ({e}); "
+                           "pass the file from its --out folder") from None
+    _, text = table(runs, mlx_on_gpu=bool(runs["mlxdiff"].get("gpu")))
+    print(saved.get("measured", ""))
+    print(text)
+    return 0
+
+
 def compare(args) -> int:
     from . import backend, default_model
     out = Path(args.out)
@@ -291,37 +346,9 @@ def compare(args) -> int:
     for label, run in runs.items():
         if run["rc"] != 0:
             raise MlxdiffError(f"{label} run failed (exit {run['rc']}): {run['stderr_tail'][-500:]}")
-    mlx = runs["mlxdiff"]
-    reported = report_peaks(mlx["stdout"])
-    mlx["mlx_peak"], mlx["rss_peaks"] = reported["mlx"], reported["process"]   # its own VmHWM per phase (Linux)
-    if not backend.on_cpu():   # MLX on a GPU (Metal or CUDA): its peak is device memory
-        mlx["gpu"] = {name: {"allocated": peak, "reserved": None} for name, peak in mlx["mlx_peak"].items()}
-    summaries = {label: summarize(run) for label, run in runs.items()}
-    labels = list(runs)
+    summaries, text = table(runs, mlx_on_gpu=not backend.on_cpu())
     print(measured(runs, args.interval))
-    print("| phase | " + " | ".join(f"{l} peak GB" for l in labels) + " |")
-    print("|---|" + "---|" * len(labels))
-    for phase in PHASES:
-        cells = []
-        for l in labels:
-            p = summaries[l]["phases"].get(phase)
-            cells.append("-" if not p or p["peak"] is None else f"{p['peak'] / GB:.2f}")
-        print(f"| {phase} | " + " | ".join(cells) + " |")
-    print("| overall peak | " + " | ".join(f"{summaries[l]['peak'] / GB:.2f}" for l in labels) + " |")
-    print("| steady (denoise median) | " + " | ".join(
-        "-" if summaries[l]["steady"] is None else f"{summaries[l]['steady'] / GB:.2f}" for l in labels) + " |")
-    base = summaries["mlxdiff"]["peak"]
-    print("| peak ratio vs mlxdiff | " + " | ".join(
-        f"{summaries[l]['peak'] / base:.2f}" if base else "-" for l in labels) + " |")
-    if any(summaries[l]["gpu"] for l in labels):
-        for phase in PHASES:
-            cells = []
-            for l in labels:
-                g = summaries[l]["gpu"].get(phase)
-                cells.append("-" if not g else _gb(g["allocated"]) + (
-                    "" if g["reserved"] is None else f" / {_gb(g['reserved'])}"))
-            print(f"| GPU {phase} | " + " | ".join(cells) + " |")
-        print("| GPU overall peak | " + " | ".join(_gpu_overall(summaries[l]["gpu"]) for l in labels) + " |")
+    print(text)
     write_text(out / "footprint.json", json.dumps({"measured": measured(runs, args.interval), "runs": runs,
                                                    "summaries": summaries}, indent=1))
     print(f"timeline: {timeline(runs, out / 'timeline.png')}; raw: {out / 'footprint.json'}")
@@ -349,10 +376,14 @@ def main(argv=None) -> int:
     c.add_argument("--interval", type=float, default=0.25)
     c.add_argument("--out", default="footprint-out")
     c.add_argument("--mlxdiff-only", action="store_true")
+    sh = sub.add_parser("show", help="print a saved compare's table again (its footprint.json)")
+    sh.add_argument("json")
     args = p.parse_args(argv)
 
     def work():
         from .arguments import check_number
+        if args.what == "show":
+            return show(args.json)
         check_number("interval", args.interval)
         if args.what == "compare":
             return compare(args)

@@ -117,6 +117,10 @@ CLI = {
                                   "cannot run"),
     "footprint interval 0": ({"cli": "mlxdiff.footprint", "argv": ["run", "--interval", "0", "--", "true"]},
                              "interval=0"),
+    "footprint show no file": ({"cli": "mlxdiff.footprint", "argv": ["show", "/nonexistent/footprint.json"]},
+                               "not a footprint.json"),
+    "footprint show not its json": ({"cli": "mlxdiff.footprint", "argv": ["show", MODEL + "/model_index.json"]},
+                                    "not a footprint.json"),
 }
 
 APIS = {

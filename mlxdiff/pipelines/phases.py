@@ -31,6 +31,10 @@ from .images import to_pil
 from .matmul import use_strategy
 
 
+# the size columns of Result.memory_report, in order
+MEMORY_COLUMNS = ("weights", "MLX peak", "overhead", "MLX after", "process peak", "process after")
+
+
 @dataclass
 class Result:
     image: object                 # PIL.Image.Image (the first image of the batch)
@@ -53,18 +57,19 @@ class Result:
 
     def memory_report(self) -> str:
         """The per-phase memory table (--report-memory): the phase's weights (its floor: the largest model it
-        held), its MLX peak, the overhead above the floor, and what remains after it."""
-        rows = [f"{'phase':<9} {'load s':>7} {'weights':>10} {'MLX peak':>10} {'overhead':>10} {'MLX after':>10} "
-                f"{'process peak':>13} {'process after':>14}"]
+        held), its MLX peak, the overhead above the floor, and what remains after it. Its size columns are
+        MEMORY_COLUMNS, in that order (mlxdiff.footprint reads them by name)."""
+        widths = (10, 10, 10, 10, 13, 14)
+        rows = [f"{'phase':<9} {'load s':>7} " + " ".join(f"{c:>{w}}" for c, w in zip(MEMORY_COLUMNS, widths))]
         loads = {"denoise": self.load_seconds.get("transformer"), "decode": self.load_seconds.get("vae")}
         for name in self.timings:
             m = self.memory.get(name, {})
             load = loads.get(name)
             floor, peak = m.get("floor"), m.get("peak")
             overhead = None if floor is None or peak is None else max(peak - floor, 0)
-            rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} {fmt_gb(floor):>10} "
-                        f"{fmt_gb(peak):>10} {fmt_gb(overhead):>10} {fmt_gb(m.get('after')):>10} "
-                        f"{fmt_gb(m.get('footprint_peak')):>13} {fmt_gb(m.get('footprint')):>14}")
+            sizes = (floor, peak, overhead, m.get("after"), m.get("footprint_peak"), m.get("footprint"))
+            rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} "
+                        + " ".join(f"{fmt_gb(v):>{w}}" for v, w in zip(sizes, widths)))
         return "\n".join(rows + [f"note: {n}" for n in self.notes])
 
 
