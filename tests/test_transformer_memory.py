@@ -69,6 +69,32 @@ def test_fused_and_plain_pieces_agree():
     assert err <= 1e-6, err
 
 
+def test_swiglu_in_two_ranges_equals_one_matmul(monkeypatch):
+    """At the memory floor (one piece in flight) the SwiGLU runs in two ranges of the hidden axis
+    (flux2.swiglu_rows); with room to spare as one matmul. Both give the same forward."""
+    from mlxdiff import pacing
+    args = flux2.ModelArgs(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=3,
+                           joint_attention_dim=40, axes_dims_rope=(4, 4, 4, 4), in_channels=12, mlp_ratio=3.0)
+    mx.random.seed(2)
+    model = flux2.Model(args)
+    model.update(nn.utils.tree_map(lambda a: a * 4, model.parameters()))
+    img, txt, img_ids, txt_ids = _inputs(36, 7, args.in_channels, args.joint_attention_dim)
+    outs, pieces = {}, {}
+    real = flux2.swiglu_rows
+    for depth in (1, 2):
+        monkeypatch.setattr(pacing, "IN_FLIGHT", depth)
+        def counted(*a, depth=depth):
+            out = real(*a)
+            pieces.setdefault(depth, []).append(len(out))
+            return out
+        monkeypatch.setattr(flux2, "swiglu_rows", counted)
+        outs[depth] = np.array(model(img, txt, mx.array([0.3]), img_ids, txt_ids, guidance=mx.array([3.0])))
+        pacing.settle()
+    assert set(pieces[1]) == {2} and set(pieces[2]) == {1} and len(pieces[1]) == 3   # 2 feed-forwards + 1 single
+    err = np.abs(outs[1] - outs[2]).max() / np.abs(outs[2]).max()
+    assert err <= 1e-6, err
+
+
 def test_cpu_attention_in_query_chunks_keeps_one_chunk_of_scores(monkeypatch):
     """models/fused.attention on the CPU: the queries in chunks whose B x H x rows x S float32 scores stay under
     CPU_SCORE_BYTES, one chunk alive at a time, with the same numbers as one SDPA call (each row's softmax is its

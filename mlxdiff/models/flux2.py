@@ -22,6 +22,7 @@ import mlx.nn as nn
 from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, positive
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
+from .. import pacing
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .fused import (attention as fused_attention, compiled_block, cuda_kernels, fused, gated_residual, norm_rope,
@@ -176,6 +177,25 @@ def swiglu(x):
     return nn.silu(gate) * value
 
 
+@fused
+def silu_gate(gate, value):
+    return nn.silu(gate) * value
+
+
+def swiglu_rows(layer, x, start: int, hidden: int) -> list:
+    """SwiGLU of `layer`'s output rows start : start + 2 * hidden (gate rows, then value rows), as a list of pieces
+    along the hidden axis. At the memory floor (one piece of work in flight, mlxdiff/pacing.py) in two ranges of
+    the hidden, each paced: one range's gate and value rows are decoded and multiplied before the next, so the
+    whole SwiGLU input and the whole decoded weight never exist at once (FLUX.2-dev, 4608 tokens: 340 MB of input
+    and 450 MB of bf16 weight). With room to spare, one wider matmul (faster)."""
+    if pacing.IN_FLIGHT > 1:
+        return [swiglu((layer if start == 0 else linear_rows(layer, start, start + 2 * hidden))(x))]
+    half = hidden // 2
+    return [pace(silu_gate(linear_rows(layer, start + a, start + b)(x),
+                           linear_rows(layer, start + hidden + a, start + hidden + b)(x)))
+            for a, b in ((0, half), (half, hidden))]
+
+
 def linear_rows(layer, start, stop):
     """The same linear layer (plain, quantized, dequantizing or GGUF-raw) restricted to output rows start:stop:
     every array of it sliced along its first axis (rows of weight, scales, biases, bias); nothing is copied.
@@ -208,9 +228,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.linear_in = nn.Linear(dim, 2 * hidden, bias=False)
         self.linear_out = nn.Linear(hidden, dim, bias=False)
+        self.hidden = hidden
 
     def __call__(self, x):
-        return self.linear_out(swiglu(self.linear_in(x)))
+        pieces = swiglu_rows(self.linear_in, x, 0, self.hidden)
+        return self.linear_out(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1))
 
 
 class Attention(nn.Module):
@@ -280,20 +302,23 @@ class ParallelSelfAttention(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         inner = heads * head_dim
         self.to_qkv_mlp_proj = nn.Linear(dim, 3 * inner + 2 * mlp_hidden, bias=False)
+        self.mlp_hidden = mlp_hidden
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
         self.to_out = nn.Linear(inner + mlp_hidden, dim, bias=False)
 
     def __call__(self, x, cos, sin):
-        # The fused projection in two row ranges, each paced (mlxdiff/pacing.py): q, k, v and their attention first,
-        # then the SwiGLU input, so the whole projection (0.5 GB at FLUX.2-dev's sizes) never exists at once.
+        # The fused projection in row ranges, each paced (mlxdiff/pacing.py): q, k, v and their attention first,
+        # then the SwiGLU input (swiglu_rows), so the whole projection (0.5 GB at FLUX.2-dev's sizes) never exists.
         inner = self.heads * self.head_dim
         qkv = pace(linear_rows(self.to_qkv_mlp_proj, 0, 3 * inner)(x))
         q, k, v = (t.reshape(*x.shape[:2], self.heads, self.head_dim) for t in mx.split(qkv, 3, axis=-1))
         out = pace(attention(norm_rope([(q, self.norm_q)], cos, sin, apply_rope),
                              norm_rope([(k, self.norm_k)], cos, sin, apply_rope), v))
-        mlp = pace(swiglu(linear_rows(self.to_qkv_mlp_proj, 3 * inner, None)(x)))
-        return self.to_out(mx.concatenate([out, mlp], axis=-1))
+        mlp = swiglu_rows(self.to_qkv_mlp_proj, x, 3 * inner, self.mlp_hidden)   # paced when in pieces
+        if len(mlp) == 1:
+            mlp = [pace(mlp[0])]
+        return self.to_out(mx.concatenate([out, *mlp], axis=-1))
 
 
 class SingleTransformerBlock(nn.Module):
