@@ -122,7 +122,8 @@ IN_FLIGHT_ROOM = 4 * GB   # free memory above a loaded phase that buys a second 
 def in_flight_for() -> int:
     """How many paced pieces of work (mlxdiff/pacing.py) a phase may queue, decided once its weights are loaded: 2 on
     a GPU while the budget keeps IN_FLIGHT_ROOM free above what is loaded (a second piece costs about one piece's
-    transient: +0.4 GiB for FLUX.2-dev and klein-4B at 1024x1024, bench/RESULTS.md), else 1, the floor. On the CPU 1:
+    transient: +0.4 GiB for FLUX.2-dev and klein-4B at 1024x1024, bench/RESULTS.md), else 1, the floor (where FLUX.2's
+    SwiGLU also runs in two ranges of its hidden axis, flux2.swiglu_rows). On the CPU 1:
     graph building and compute share the same cores there, so queueing more buys little."""
     if mx.default_device() == mx.cpu:
         return 1
