@@ -52,7 +52,7 @@ def run_mlx(size):
                                        "out": (D, D + M), "q": (D, D)}.items()}
     q4 = r(1, S, H, HD)
     qt = q4.transpose(0, 2, 1, 3)
-    qc = mx.contiguous(qt) if hasattr(mx, "contiguous") else qt * 1
+    qc = mx.contiguous(qt)
     cat = r(1, S, D + M)
     half = r(1, S, 2 * M)
     cos = mx.random.uniform(shape=(S, HD)).astype(mx.float32)

@@ -47,6 +47,7 @@ if want ops; then
   python3 bench/block_ops_gpu.py torch > "$L/ops_torch.txt" 2>&1
 fi
 if want t5cpu; then
+  python3 bench/torch_cpu_bf16.py --size 2048 --mlx > "$L/machine.txt" 2>&1   # which BLAS each side has here
   make sd3.5-medium /tmp/sd
   MLXDIFF_DEVICE=cpu python3 -m mlxdiff.footprint compare --model /tmp/sd --quantize text_encoder_3=8 --width 512 \
     --height 512 --steps 2 --out "$L/footprint-t5-8" > "$L/footprint_t5_8.txt" 2>&1

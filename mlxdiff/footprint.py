@@ -236,11 +236,9 @@ def slow_reference_warning(path: Path, transformer, cpuinfo: str, torch_on_cpu):
 
 
 def _torch_on_cpu() -> bool:
-    """Where mlxdiff.reference will run torch (reference/common.device)."""
-    if os.environ.get("MLXDIFF_DEVICE") == "cpu":
-        return True
-    import torch
-    return not (torch.cuda.is_available() or torch.backends.mps.is_available())
+    """Whether mlxdiff.reference will run torch on the CPU."""
+    from .reference.common import device
+    return device() == "cpu"
 
 
 def table(runs: dict, mlx_on_gpu: bool) -> tuple:
@@ -283,7 +281,7 @@ def show(path) -> int:
     try:
         saved = json.loads(Path(path).read_text())
         runs = saved["runs"]
-        runs["mlxdiff"]["stdout"]
+        runs["mlxdiff"]["stdout"]   # what table() reads first: a file without it is not compare's
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise MlxdiffError(f"{path}: not a footprint.json written by `footprint compare` ({e}); "
                            "pass the file from its --out folder") from None

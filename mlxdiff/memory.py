@@ -135,7 +135,7 @@ def compile_blocks_for(model) -> bool:
     to spare (as in_flight_for), and only for models with no layer that decodes its weight per call (GGUF raw,
     fp8, the dequantize strategy): compiled, a block's decoded weights are no longer paced one at a time (FLUX.2-dev
     Q4_K_M, H200: 23.2 against 21.5 GiB), and not for a model whose eager blocks are faster (`eager_is_faster()`:
-    FLUX.2 with its fused CUDA norm+RoPE kernel, klein-4B forward 0.068 s / +0.73 GiB eager against 0.076 s /
+    FLUX.2 with its fused CUDA norm+RoPE kernel, klein-4B forward 0.068 s / +0.73 GiB eager against 0.075 s /
     +1.52 GiB compiled). Where it runs, it pays: H200, 1024x1024, 4 steps, s/step SD3.5 Medium 0.070 against 0.087
     eager (torch 0.084) (bench/RESULTS.md, "Speed"). Not on the CPU, where the time is in the matmuls."""
     if mx.default_device() == mx.cpu or in_flight_for() < 2:

@@ -171,15 +171,14 @@ def modulate(x, mod: ModulationOut, eps):
 
 
 @fused
-def swiglu(x):
-    """Flux2SwiGLU: the gate is the FIRST half."""
-    gate, value = mx.split(x, 2, axis=-1)
+def silu_gate(gate, value):
     return nn.silu(gate) * value
 
 
 @fused
-def silu_gate(gate, value):
-    return nn.silu(gate) * value
+def swiglu(x):
+    """Flux2SwiGLU: the gate is the FIRST half."""
+    return silu_gate(*mx.split(x, 2, axis=-1))
 
 
 def swiglu_rows(layer, x, start: int, hidden: int) -> list:
@@ -431,7 +430,7 @@ class Model(nn.Module):
 
     def eager_is_faster(self) -> bool:
         """memory.compile_blocks_for: with the fused CUDA norm+RoPE kernel (fused.norm_rope) eager blocks, two
-        pieces in flight, beat whole compiled blocks (klein-4B forward, H200: 0.068 s / +0.73 GiB against 0.076 s /
+        pieces in flight, beat whole compiled blocks (klein-4B forward, H200: 0.068 s / +0.73 GiB against 0.075 s /
         +1.52 GiB; bench/RESULTS.md, "Speed")."""
         return cuda_kernels()
 

@@ -14,6 +14,7 @@ unit of work. The pipelines turn it on per phase where it pays and memory allows
 MLXDIFF_COMPILE_BLOCKS=0/1 fixes it.
 """
 
+import functools
 import os
 import weakref
 
@@ -146,7 +147,6 @@ def attention(q, k, v, scale):
     return mx.concatenate(parts, axis=2)
 
 
-
 # -- qk RMSNorm + RoPE in one pass (CUDA) ----------------------------------------------------------------------------
 #
 # Why: on CUDA, per FLUX.2 block, mx.fast.rms_norm on (tokens x heads) rows of 128 and the RoPE chain (a stack of the
@@ -188,15 +188,20 @@ _NORM_ROPE_SOURCE = """
         dst[i + 1] = static_cast<T>(n1 * c[i + 1] + n0 * sn[i + 1]);
     }
 """
-_norm_rope_kernel = []
-_eps_arrays = {}
 
 
+@functools.cache
+def _norm_rope_kernel():
+    return mx.fast.cuda_kernel(name="mlxdiff_norm_rope", input_names=["xt", "xi", "wt", "wi", "cos", "sin", "eps"],
+                               output_names=["out"], source=_NORM_ROPE_SOURCE)
+
+
+@functools.cache
 def _eps_array(eps):
     """The kernel's eps input, made once per value (not a new device scalar per block call)."""
-    if eps not in _eps_arrays:
-        _eps_arrays[eps] = mx.array(eps, mx.float32)
-    return _eps_arrays[eps]
+    return mx.array(eps, mx.float32)
+
+
 _KERNELS_OFF = os.environ.get("MLXDIFF_CUDA_KERNELS") == "0"
 
 
@@ -212,25 +217,20 @@ def norm_rope(parts, cos, sin, rope):
     """parts: [(x (B, S_i, H, hd), RMSNorm), ...], joined along the tokens in this order -> each part RMS-normed by
     its own norm, RoPE'd with cos/sin (S, hd) float32 of the joined sequence -> (B, H, S, hd). `rope(x, cos, sin)` is
     the model's MLX-ops rotation, for the reference path."""
-    xs = [x for x, _ in parts]
     x0, norm0 = parts[0]
     b, _, h, hd = x0.shape
-    same = all(x.shape[0] == b and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype for x in xs) and \
-        all(n.eps == norm0.eps for _, n in parts)
+    same = all(x.shape[0] == b and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype and n.eps == norm0.eps
+               for x, n in parts)
     if len(parts) > 2 or not same or hd % 64 or x0.dtype not in (mx.bfloat16, mx.float16, mx.float32) \
             or not cuda_kernels():
         normed = [n(x) for x, n in parts]
         joined = normed[0] if len(normed) == 1 else mx.concatenate(normed, axis=1)
         return rope(joined.transpose(0, 2, 1, 3), cos, sin)
-    if not _norm_rope_kernel:
-        _norm_rope_kernel.append(mx.fast.cuda_kernel(
-            name="mlxdiff_norm_rope", input_names=["xt", "xi", "wt", "wi", "cos", "sin", "eps"],
-            output_names=["out"], source=_NORM_ROPE_SOURCE))
     (xt, nt), (xi, ni) = parts if len(parts) == 2 else ((x0, norm0), (x0, norm0))
     st = xt.shape[1] if len(parts) == 2 else 0
     si = xi.shape[1]
     rows = b * (st + si) * h
-    return _norm_rope_kernel[0](
+    return _norm_rope_kernel()(
         inputs=[xt, xi, nt.weight.astype(x0.dtype), ni.weight.astype(x0.dtype), cos, sin, _eps_array(norm0.eps)],
         template=[("T", x0.dtype), ("HD", hd), ("NH", h), ("ST", st), ("SI", si), ("NB", b)],
         grid=(rows * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(b, h, st + si, hd)],

@@ -59,7 +59,7 @@ class Result:
         """The per-phase memory table (--report-memory): the phase's weights (its floor: the largest model it
         held), its MLX peak, the overhead above the floor, and what remains after it. Its size columns are
         MEMORY_COLUMNS, in that order (mlxdiff.footprint reads them by name)."""
-        widths = (10, 10, 10, 10, 13, 14)
+        widths = [max(10, len(c) + 1) for c in MEMORY_COLUMNS]
         rows = [f"{'phase':<9} {'load s':>7} " + " ".join(f"{c:>{w}}" for c, w in zip(MEMORY_COLUMNS, widths))]
         loads = {"denoise": self.load_seconds.get("transformer"), "decode": self.load_seconds.get("vae")}
         for name in self.timings:

@@ -12,6 +12,7 @@ statistics are reset when the phase starts).
 """
 
 import gc
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -22,7 +23,6 @@ def mark(phase, event):
 
 
 def device() -> str:
-    import os
     import torch
     if os.environ.get("MLXDIFF_DEVICE") == "cpu":    # as mlxdiff/backend.py: the CPU on a machine with a GPU
         return "cpu"
