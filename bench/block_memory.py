@@ -110,7 +110,7 @@ def main():
     measure("double block, whole", lambda a, b: double(a, b, (m1, m2), (m3, m4), cos, sin), ximg, xtxt)
 
     from mlxdiff import pacing
-    from mlxdiff.pipelines.matmul import use_strategy
+    from mlxdiff.loading.matmul import use_strategy
     for strategy, in_flight in (("qmm", 2), ("dequantize", 1), ("dequantize", 2), ("dequantize", 4)):
         pacing.IN_FLIGHT = in_flight
         for block in (single, double):

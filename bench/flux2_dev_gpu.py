@@ -96,7 +96,7 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     out["load_s"], out["load_peak_gb"] = time.perf_counter() - t, mx.get_peak_memory() / GB
     out["steady_gb"] = mx.get_active_memory() / GB
     if strategy != "qmm":
-        from mlxdiff.pipelines.matmul import use_strategy
+        from mlxdiff.loading.matmul import use_strategy
         use_strategy(model, strategy)
     img, txt, img_ids, txt_ids = (mx.array(a) for a in inputs(size))
     img, txt = img.astype(mx.bfloat16), txt.astype(mx.bfloat16)

@@ -104,7 +104,7 @@ def run_mlxdiff(path, strategy, size, text_len):
     import mlx.core as mx
     from mlxdiff import backend
     from mlxdiff.loading import sources
-    from mlxdiff.pipelines.matmul import strategy_of, use_strategy
+    from mlxdiff.loading.matmul import strategy_of, use_strategy
     from mlxdiff.loading.quantize import materialize
     from mlxdiff.models import flux2
     dtype = backend.compute_dtype()

@@ -23,7 +23,7 @@ import mlx.core as mx  # noqa: E402
 from gguf import GGMLQuantizationType as T  # noqa: E402
 from gguf_helpers import random_blocks, write_gguf  # noqa: E402
 from mlxdiff.formats.gguf import RawLinear, load_gguf  # noqa: E402
-from mlxdiff.pipelines.matmul import DequantizedLinear  # noqa: E402
+from mlxdiff.loading.matmul import DequantizedLinear  # noqa: E402
 
 TYPES = (T.Q4_0, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
 

@@ -16,7 +16,7 @@ import numpy as np
 import mlxdiff
 import mlx.core as mx
 from mlxdiff.loading import sources
-from mlxdiff.pipelines.matmul import use_strategy
+from mlxdiff.loading.matmul import use_strategy
 from mlxdiff.pipelines.phases import evaluate_each_block
 from mlxdiff.loading.quantize import materialize
 from mlxdiff.models import mmdit

@@ -56,19 +56,9 @@ FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2"}
 TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
 
 
-def physical_memory_gb() -> float:
-    try:
-        import mlx.core as mx
-        size = mx.device_info().get("memory_size")
-        if size:
-            return int(size) / 2 ** 30
-    except Exception:  # device_info is backend specific
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-
-
 def memory_cap_gb() -> float:
-    return MEMORY_FACTOR * physical_memory_gb()
+    from .backend import physical_memory
+    return MEMORY_FACTOR * physical_memory() / 2 ** 30
 
 
 def _fmt(x) -> str:

@@ -5,9 +5,12 @@ Debian's OpenBLAS only takes over when it is loaded into the global symbol names
 """
 
 import ctypes
+import functools
 import os
 import sys
 import warnings
+
+from . import switches
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -16,54 +19,47 @@ OPENBLAS_CANDIDATES = (
     "/usr/lib/libopenblas.so.0",
 )
 
-openblas_path = None  # the OpenBLAS library in use, or None
+_EARLY = {name: value for name, value in switches.read().items() if name in switches.EARLY}
 
 
 def _preload_openblas():
-    global openblas_path
-    if not sys.platform.startswith("linux") or os.environ.get("MLXDIFF_NO_OPENBLAS"):
-        return
+    """The OpenBLAS library loaded, or None."""
+    if not sys.platform.startswith("linux") or "MLXDIFF_NO_OPENBLAS" in _EARLY:
+        return None
     for path in OPENBLAS_CANDIDATES:
         if os.path.exists(path):
             if "mlx.core" in sys.modules:
                 warnings.warn("mlx.core was imported before mlxdiff; OpenBLAS cannot take over mlx-cpu's BLAS. "
                               "Import mlxdiff first.", stacklevel=3)
-                return
+                return None
             ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            openblas_path = path
-            return
+            return path
+    return None
 
 
-_preload_openblas()
+openblas_path = _preload_openblas()  # the OpenBLAS library in use, or None
 
 import mlx.core as mx  # noqa: E402  (after the preload on purpose)
 
 # MLXDIFF_DEVICE=cpu runs MLX on the CPU on a machine with a GPU (and the PyTorch references too:
-# mlxdiff/reference/common.py), e.g. for CPU footprint comparisons on a GPU host.
-# A bad value is reported by check_settings() (the CLI's first step, and compute_dtype()), as one line.
-_DEVICE = os.environ.get("MLXDIFF_DEVICE")
-if _DEVICE in ("cpu", "gpu"):
-    mx.set_default_device(mx.cpu if _DEVICE == "cpu" else mx.gpu)
-
-
-def check_settings():
-    if _DEVICE not in (None, "", "cpu", "gpu"):
-        from .errors import MlxdiffError
-        raise MlxdiffError(f"MLXDIFF_DEVICE={_DEVICE!r:.40}: expected cpu or gpu (or leave it unset)")
-
-_warned_blas = False
-
+# mlxdiff/reference/common.py), e.g. for CPU footprint comparisons on a GPU host. It acts here, at import, because
+# MLX's default device is process state that every array made afterwards lives on; a bad value is reported as one
+# line when a pipeline or command starts (policy.from_switches).
+if _EARLY.get("MLXDIFF_DEVICE") in ("cpu", "gpu"):
+    mx.set_default_device(mx.cpu if _EARLY["MLXDIFF_DEVICE"] == "cpu" else mx.gpu)
 
 def on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
 def warn_if_slow_blas():
-    """Once per process: on Linux CPU without OpenBLAS, say how to get the 50x faster BLAS."""
-    global _warned_blas
-    if _warned_blas or openblas_path or not sys.platform.startswith("linux") or not on_cpu():
-        return
-    _warned_blas = True
+    """On Linux CPU without OpenBLAS, say (once per process) how to get the 50x faster BLAS."""
+    if not openblas_path and sys.platform.startswith("linux") and on_cpu():
+        _warn_slow_blas()
+
+
+@functools.cache
+def _warn_slow_blas():
     print("mlxdiff: warning: OpenBLAS not found; mlx-cpu's built-in BLAS is about 50x slower. "
           "Install it with: sudo apt-get install libopenblas0-pthread", file=sys.stderr)
 
@@ -78,7 +74,6 @@ def compute_dtype(requested=None) -> mx.Dtype:
     On the CPU the default is float32: bf16 matmuls there accumulate in bf16 and quantized bf16 matmuls lose
     up to 11% at K=4096 (see bench/). On Metal and CUDA the default is bfloat16.
     """
-    check_settings()
     if requested is None:
         return mx.float32 if on_cpu() else mx.bfloat16
     if isinstance(requested, mx.Dtype):
@@ -91,13 +86,23 @@ def compute_dtype(requested=None) -> mx.Dtype:
 
 
 def default_matmul_strategy() -> str:
-    """How layers kept quantized multiply (mlxdiff.pipelines.matmul), chosen from measurements (bench/RESULTS.md):
+    """How layers kept quantized multiply (mlxdiff/loading/matmul.py), chosen from measurements (bench/RESULTS.md):
     "dequantize" (one layer dequantized just before an ordinary matmul) on CUDA, where MLX's quantized_matmul is
     about ten times slower at prompt-like sizes, and on the CPU, where the matmul then runs in OpenBLAS; "qmm", MLX's
-    quantized kernels, on Metal (the design point; not measurable here). MLXDIFF_MATMUL=qmm|dequantize overrides."""
-    forced = os.environ.get("MLXDIFF_MATMUL")
-    if forced:
-        return forced
+    quantized kernels, on Metal (the design point; not measurable here). MLXDIFF_MATMUL (the run policy) overrides."""
     if on_cpu() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
         return "dequantize"
     return "qmm"
+
+
+def physical_memory(working_set=False) -> int:
+    """The machine's memory in bytes; `working_set`: on Metal the recommended working set instead (what the GPU may
+    use), for keep="auto" without a memory limit."""
+    try:
+        info = mx.device_info()
+        size = (working_set and info.get("max_recommended_working_set_size")) or info.get("memory_size")
+        if size:
+            return int(size)
+    except Exception:  # device_info is backend specific
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -22,9 +22,9 @@ class ArgumentParser(argparse.ArgumentParser):
 def run(work, interrupted="interrupted") -> int:
     """work() -> exit code, with a user mistake as one line and 2, Ctrl-C as one line and 130. `interrupted`: the
     line's text, or a function that says it (what was written by then)."""
-    from .backend import check_settings
+    from .policy import from_switches
     try:
-        check_settings()
+        from_switches()     # every MLXDIFF_* switch checked before any work
         return work()
     except MlxdiffError as e:
         print("mlxdiff: error: " + " ".join(str(e).splitlines()), file=sys.stderr)   # one line, whatever it says

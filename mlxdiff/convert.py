@@ -24,13 +24,13 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
     import mlxdiff
     from mlx.utils import tree_flatten
     import mlx.core as mx
-    from .default_model import WEIGHTS_DIR
+    from .default_model import weights_dir
     from .loading.sources import NATIVE_KEY, class_name_of, resolve_path
     from .loading.quantize import materialize
 
     dest = Path(dest)
     if not dest.is_absolute() and not dest.parent.parts:
-        dest = WEIGHTS_DIR / dest
+        dest = weights_dir() / dest
     if dest.exists():
         raise MlxdiffError(f"{dest}: destination already exists; choose a new name or delete it first")
     if not dest.parent.is_dir():

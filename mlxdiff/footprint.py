@@ -96,7 +96,7 @@ def report_peaks(stdout: str) -> dict:
     """From mlxdiff.generate's phase table (--report-memory; its size columns are phases.MEMORY_COLUMNS):
     {"mlx": {phase: MLX peak bytes}, "process": {phase: process peak bytes}} (sizes as printed, to 0.01 GB or
     0.1 MB; a "-" is left out)."""
-    from .pipelines.phases import MEMORY_COLUMNS
+    from .pipelines.report import MEMORY_COLUMNS
     columns = {"mlx": MEMORY_COLUMNS.index("MLX peak"), "process": MEMORY_COLUMNS.index("process peak")}
     out = {"mlx": {}, "process": {}}
     for line in stdout.splitlines():

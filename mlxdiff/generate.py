@@ -133,9 +133,7 @@ def generate(args, written) -> int:
     text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
     loras = parse_loras(args.lora)
     image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
-    if args.memory_limit is not None:
-        from .memory import set_memory_limit
-        set_memory_limit(args.memory_limit)
+    check_number("memory_limit", args.memory_limit)
 
     import mlxdiff
     model = args.model
@@ -152,7 +150,7 @@ def generate(args, written) -> int:
     pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
                         text_encoder=text_encoder, text_encoders=text_encoders, vae=args.vae,
                         tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
-                        keep=args.keep or ("auto" if count > 1 else "none"))
+                        keep=args.keep or ("auto" if count > 1 else "none"), memory_limit=args.memory_limit)
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if layers is not None:

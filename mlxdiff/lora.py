@@ -3,7 +3,7 @@ mlxdiff's layers, the low-rank wrapper, apply and remove.
 
 A LoRA adds, to a linear layer y = base(x), the low-rank term scale * (x @ A^T) @ B^T with
 scale = user scale * alpha / rank (alpha / sqrt(rank) for rsLoRA). It is added in the forward (`LoRALinear`), so
-any base works unchanged: nn.Linear, nn.QuantizedLinear, the dequantize-per-call layer (pipelines/matmul.py), GGUF's
+any base works unchanged: nn.Linear, nn.QuantizedLinear, the dequantize-per-call layer (loading/matmul.py), GGUF's
 RawLinear and Fp8Linear; a 4-bit base is never dequantized, and the model grows by the LoRA's own bytes. Several
 LoRAs on one layer each keep their own scale.
 

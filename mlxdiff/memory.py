@@ -13,6 +13,10 @@ from dataclasses import dataclass, replace
 from . import backend  # noqa: F401
 import mlx.core as mx
 
+from .errors import MlxdiffError
+from .formats import is_gguf
+from .policy import RunPolicy
+
 GB = 1024 ** 3
 
 
@@ -76,22 +80,7 @@ def fmt_gb(n) -> str:
     return f"{n / GB:.2f} GB" if n >= GB / 10 else f"{n / 2**20:.1f} MB"
 
 
-# -- limits -------------------------------------------------------------------------------------------------------
-
-memory_limit = None  # bytes, set by set_memory_limit (--memory-limit); None: only the machine's free memory counts
-
-
-def set_memory_limit(gb: float):
-    """Cap MLX's memory and cache, and make every phase check that its weights fit before loading them."""
-    from .arguments import check_number
-    from .errors import MlxdiffError
-    global memory_limit
-    if gb is None:
-        raise MlxdiffError("memory_limit=None: give a number of GB")
-    memory_limit = int(check_number("memory_limit", gb) * GB)   # finite, positive, at most 2 x physical memory
-    mx.set_memory_limit(memory_limit)
-    mx.set_cache_limit(min(memory_limit, mx.get_cache_memory() + memory_limit // 4))
-
+# -- the budget's decisions (each reads the run policy it is given: mlxdiff/policy.py) ----------------------------
 
 def available_bytes():
     """Memory the next phase may use: MemAvailable on Linux, the recommended working set on Metal, else None."""
@@ -110,35 +99,34 @@ def available_bytes():
         return None
 
 
-def budget_bytes():
-    """What a phase may use: the memory limit, else the free memory, else unbounded."""
-    budget = [b for b in (memory_limit, available_bytes()) if b]
+def budget_bytes(policy: RunPolicy):
+    """What a phase may use: the policy's memory limit, else the free memory, else unbounded."""
+    budget = [b for b in (policy.memory_limit, available_bytes()) if b]
     return min(budget) if budget else float("inf")
 
 
 IN_FLIGHT_ROOM = 4 * GB   # free memory above a loaded phase that buys a second piece of work in flight
 
 
-def in_flight_for() -> int:
+def in_flight_for(policy: RunPolicy) -> int:
     """How many paced pieces of work (mlxdiff/pacing.py) a phase may queue, decided once its weights are loaded: 2 on
     a GPU while the budget keeps IN_FLIGHT_ROOM free above what is loaded (a second piece costs about one piece's
-    transient: +0.4 GiB for FLUX.2-dev and klein-4B at 1024x1024, bench/RESULTS.md), else 1, the floor (where FLUX.2's
-    SwiGLU also runs in two ranges of its hidden axis, flux2.swiglu_rows). On the CPU 1:
-    graph building and compute share the same cores there, so queueing more buys little."""
+    transient, bench/RESULTS.md), else 1, the floor (where FLUX.2's SwiGLU also runs in two ranges of its hidden
+    axis, flux2.swiglu_rows). On the CPU 1: graph building and compute share the same cores there, so queueing
+    more buys little."""
     if mx.default_device() == mx.cpu:
         return 1
-    return 2 if budget_bytes() - mx.get_active_memory() >= IN_FLIGHT_ROOM else 1
+    return 2 if budget_bytes(policy) - mx.get_active_memory() >= IN_FLIGHT_ROOM else 1
 
 
-def compile_blocks_for(model) -> bool:
+def compile_blocks_for(model, in_flight: int) -> bool:
     """Whether a phase runs its transformer blocks compiled whole (models/fused.compiled_block): on a GPU with room
-    to spare (as in_flight_for), and only for models with no layer that decodes its weight per call (GGUF raw,
-    fp8, the dequantize strategy): compiled, a block's decoded weights are no longer paced one at a time (FLUX.2-dev
-    Q4_K_M, H200: 23.2 against 21.5 GiB), and not for a model whose eager blocks are faster (`eager_is_faster()`:
-    FLUX.2 with its fused CUDA norm+RoPE kernel, klein-4B forward 0.068 s / +0.73 GiB eager against 0.075 s /
-    +1.52 GiB compiled). Where it runs, it pays: H200, 1024x1024, 4 steps, s/step SD3.5 Medium 0.070 against 0.087
-    eager (torch 0.084) (bench/RESULTS.md, "Speed"). Not on the CPU, where the time is in the matmuls."""
-    if mx.default_device() == mx.cpu or in_flight_for() < 2:
+    to spare (two pieces in flight), and only for models with no layer that decodes its weight per call (GGUF raw,
+    fp8, the dequantize strategy): compiled, a block's decoded weights are no longer paced one at a time, and not
+    for a model whose eager blocks are faster (`eager_is_faster()`: FLUX.2 with its fused CUDA norm+RoPE kernel).
+    Where it runs, it pays (SD3.5 on the H200: bench/RESULTS.md, "Speed"). Not on the CPU, where the time is in the
+    matmuls."""
+    if mx.default_device() == mx.cpu or in_flight < 2:
         return False
     if getattr(model, "eager_is_faster", lambda: False)():
         return False
@@ -148,35 +136,39 @@ def compile_blocks_for(model) -> bool:
 CPU_CONV_BAND = 256 << 20   # mlx-cpu unfolds a convolution's input: band it above this working buffer
 
 
-def conv_band_bytes():
+def conv_band_bytes(policy: RunPolicy):
     """The largest convolution working buffer a VAE may build before it runs in row bands: on the CPU, where the
     convolution unfolds its input, CPU_CONV_BAND (or a sixteenth of a smaller memory limit); on GPUs only under a
-    memory limit. None: no bands. MLXDIFF_CONV_BAND=bytes (0: never) overrides it, for measurements."""
-    forced = os.environ.get("MLXDIFF_CONV_BAND")
-    if forced is not None:
-        return int(forced) or None
+    memory limit. None: no bands."""
+    limit = policy.memory_limit
     if mx.default_device() == mx.cpu:
-        return min(CPU_CONV_BAND, memory_limit // 16) if memory_limit else CPU_CONV_BAND
-    return memory_limit // 16 if memory_limit else None
+        return min(CPU_CONV_BAND, limit // 16) if limit else CPU_CONV_BAND
+    return limit // 16 if limit else None
 
 
-def check_fits(spec, compute_dtype=None):
+def decide(policy: RunPolicy, model) -> RunPolicy:
+    """The policy of a phase whose weights (`model`) are loaded: pieces in flight, block compilation and convolution
+    bands from the budget; what a switch fixed (policy.fixed) stays."""
+    depth = in_flight_for(policy)
+    return policy.refined(in_flight=depth, compile_blocks=compile_blocks_for(model, depth),
+                          conv_band=conv_band_bytes(policy))
+
+
+def check_fits(spec, policy: RunPolicy, compute_dtype=None):
     """Before a component loads: the spec to load, or a refusal, with a line saying what would fit, if its weights
     exceed the budget (the memory limit, else the free memory). A GGUF component whose default layout does not
     fit but whose raw blocks do (formats/gguf.py: the file's own size, decoded a layer at a time) gets the raw
-    layout, unless MLXDIFF_GGUF_LAYOUT or the spec fixes one."""
-    from .errors import MlxdiffError
-    budget = [b for b in (memory_limit, available_bytes()) if b]
+    layout, unless the spec (or MLXDIFF_GGUF_LAYOUT, through the policy) fixes one."""
+    budget = [b for b in (policy.memory_limit, available_bytes()) if b]
     if not budget:
         return spec
     need, budget = spec.loaded_nbytes(compute_dtype=compute_dtype), min(budget)
     if need <= budget:
         return spec
-    from .formats import is_gguf
     gguf = any(is_gguf(f) for f in spec.files)
     if gguf:
         hint = "use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K) or a machine with more memory"
-        if spec.gguf_layout is None and not os.environ.get("MLXDIFF_GGUF_LAYOUT"):
+        if spec.gguf_layout is None:
             raw = replace(spec, gguf_layout="raw")
             if raw.loaded_nbytes(compute_dtype=compute_dtype) <= budget:
                 return raw
@@ -187,5 +179,5 @@ def check_fits(spec, compute_dtype=None):
             if estimate <= budget:
                 hint = f"quantize it: --quantize {spec.name}={bits} (about {fmt_gb(estimate)})"
                 break
-    limit = "the memory limit" if memory_limit and budget == memory_limit else "the free memory"
+    limit = "the memory limit" if policy.memory_limit and budget == policy.memory_limit else "the free memory"
     raise MlxdiffError(f"{spec.name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")

@@ -30,7 +30,7 @@ from mlxdiff.formats import gguf as gguf_reader
 from mlxdiff.loading import sources
 from mlxdiff.loading.quantize import materialize
 from mlxdiff.formats.gguf import RawLinear
-from mlxdiff.pipelines.matmul import DequantizedLinear, strategy_of, use_strategy
+from mlxdiff.loading.matmul import DequantizedLinear, strategy_of, use_strategy
 from mlxdiff.models import flux2, mmdit
 from twins import H, SEQ, TAPS, W, build_pipeline, flux2_to_bfl, sd3_to_sai
 

@@ -554,7 +554,7 @@ def test_lora_on_quantized_base_adds_only_its_bytes(gguf_klein):
     from mlxdiff.formats.gguf import RawLinear
     from mlxdiff.loading import sources
     from mlxdiff.loading.quantize import materialize, setting
-    from mlxdiff.pipelines.matmul import DequantizedLinear, use_strategy
+    from mlxdiff.loading.matmul import DequantizedLinear, use_strategy
     folder, path, bfl = gguf_klein
     lora_bytes = lora.lora_nbytes(bfl)
     base_config = json.loads((folder / "transformer" / "config.json").read_text())
@@ -703,7 +703,7 @@ def test_layer_kinds_and_row_views():
     from mlxdiff.formats.fp8 import Fp8Linear
     from mlxdiff.formats.gguf import RawLinear
     from mlxdiff.models.flux2 import linear_rows
-    from mlxdiff.pipelines.matmul import to_dequantized
+    from mlxdiff.loading.matmul import to_dequantized
     dense = nn.Linear(128, 96, bias=False)
     quantized = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=4)
     for layer in (dense, quantized, to_dequantized(quantized), RawLinear(256, 96, "Q4_K"), Fp8Linear(128, 96)):

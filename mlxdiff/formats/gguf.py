@@ -35,7 +35,6 @@ compute dtype's 16-bit type; a tensor whose 16-bit scales would overflow keeps f
 
 import math
 import mmap
-import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -419,7 +418,7 @@ REQUANTIZED = {"Q2_K": (_q2_k_float, 4, 64)}
 # GGUF type -> float32 decoder of its blocks: the raw layout, decoded one layer at a time before its matmul
 FLOAT = {**{name: _affine_float(decode) for name, (decode, _, _) in AFFINE.items()},
          "Q6_K": _q6_k_float, "Q2_K": _q2_k_float}
-# The layout of quantized tensors ("auto" unless load_gguf or MLXDIFF_GGUF_LAYOUT says otherwise):
+# The layout of quantized tensors ("auto" unless the spec says otherwise; MLXDIFF_GGUF_LAYOUT through the policy):
 # - "raw": the file's blocks, decoded per layer before the matmul: exact, at the file's size, for every type;
 # - "affine": MLX affine triplets, which Metal's and CUDA's quantized kernels read (Q6_K near-exact, Q2_K
 #   requantized, Q3_K exact only at 8.5 bits per weight);
@@ -581,8 +580,9 @@ def use_raw_layers(model, layers: dict, compute_dtype=None) -> None:
 
 
 def _forms(layout, compute_dtype):
-    """(scale dtype, the GGUF types kept as raw blocks) for a layout (None: MLXDIFF_GGUF_LAYOUT, else "auto")."""
-    layout = layout or os.environ.get("MLXDIFF_GGUF_LAYOUT", "auto")
+    """(scale dtype, the GGUF types kept as raw blocks) for a layout (None: "auto"; the run policy passes
+    MLXDIFF_GGUF_LAYOUT as the spec's layout)."""
+    layout = layout or "auto"
     if layout not in LAYOUTS:
         raise MlxdiffError(f"GGUF layout {layout!r}: use one of {', '.join(LAYOUTS)}")
     sdtype = scale_dtype(backend.compute_dtype(compute_dtype))

@@ -197,14 +197,13 @@ def quantized_predicate(layers: dict):
 
 CHUNK_WEIGHTS = 1 << 20   # weights a layer decodes at a time on the CPU (whole rows) ...
 MIN_ROWS = 256            # ... but at least this many rows: thinner output tiles make the matmul slow
-CHUNK_ON_GPU = False      # chunks on the CPU only (see chunk_rows)
 
 
 def chunk_rows() -> bool:
     """Row chunks on the CPU only: there mx.dequantize's transient is 2-5x its output and chunks cost no speed; on
     CUDA the transient is the output alone and chunks cost speed and memory (figures: bench/RESULTS.md), so a GPU
     decodes whole layers (still after their input, mx.depends)."""
-    return CHUNK_ON_GPU or mx.default_device() == mx.cpu
+    return mx.default_device() == mx.cpu
 
 
 def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
@@ -212,7 +211,7 @@ def chunked_matmul(x, rows: int, in_dims: int, weight_rows: Callable, dtype):
     `after` so that MLX decodes it only once the input, or the previous chunk's product, exists; lazily it would
     decode every layer's weights first and hold them all). On the CPU in chunks of whole rows: CHUNK_WEIGHTS'
     worth, at least MIN_ROWS and at least as many rows as the input has tokens, so the transient is a few chunks.
-    On a GPU whole layers, each paced (mlxdiff/pacing.py): at most IN_FLIGHT decoded weights alive."""
+    On a GPU whole layers, each paced (mlxdiff/pacing.py): at most the policy's in_flight decoded weights alive."""
     on_cpu = chunk_rows()
     step = max(MIN_ROWS, CHUNK_WEIGHTS // in_dims, x.size // max(in_dims, 1)) if on_cpu else rows
     parts, after = [], x

@@ -22,8 +22,8 @@ import mlx.nn as nn
 from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, positive
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
-from .. import pacing
 from ..pacing import pace
+from ..policy import current
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .fused import (attention as fused_attention, compiled_block, cuda_kernels, fused, gated_residual, norm_rope,
                     scale_shift)
@@ -185,9 +185,10 @@ def swiglu_rows(layer, x, start: int, hidden: int) -> list:
     """SwiGLU of `layer`'s output rows start : start + 2 * hidden (gate rows, then value rows), as a list of pieces
     along the hidden axis. At the memory floor (one piece of work in flight, mlxdiff/pacing.py) in two ranges of
     the hidden, each paced: one range's gate and value rows are decoded and multiplied before the next, so the
-    whole SwiGLU input and the whole decoded weight never exist at once (FLUX.2-dev, 4608 tokens: 340 MB of input
-    and 450 MB of bf16 weight). With room to spare, one wider matmul (faster)."""
-    if pacing.IN_FLIGHT > 1:
+    whole SwiGLU input and the whole decoded weight never exist at once (at FLUX.2-dev's sizes both are hundreds of
+    MB). With room to spare, or with no policy installed, one wider matmul (faster); the numbers are the same."""
+    policy = current()
+    if policy is None or not policy.split_swiglu:
         return [swiglu((layer if start == 0 else linear_rows(layer, start, start + 2 * hidden))(x))]
     half = hidden // 2
     return [pace(silu_gate(linear_rows(layer, start + a, start + b)(x),

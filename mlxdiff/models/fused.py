@@ -5,36 +5,23 @@ SwiGLU's silu-times-value, and the lazy graph keeps several alive at once; compi
 and reads its inputs once (figures: bench/RESULTS.md, "Memory floor"). Compiled and plain forms compute the same
 ops in the same dtypes, so they give the same numbers (tests run both).
 
-`fused(fn)` returns fn compiled, or fn itself while fusion is off: `set_fusion(False)` or MLXDIFF_FUSE=0 (the plain
-MLX-ops reference).
+`fused(fn)` returns fn compiled, or fn itself where the installed run policy turns fusion off (`fuse=False`,
+MLXDIFF_FUSE=0: the plain MLX-ops reference). With no policy installed the pieces are compiled.
 
-`compiled_block(block, *args)`: a whole transformer block compiled for the shapes of a run. The pacing points inside
-the block are not scheduled while it is traced, so the block's outputs, paced by the caller (after_block), are the
-unit of work. The pipelines turn it on per phase where it pays and memory allows (memory.compile_blocks_for);
-MLXDIFF_COMPILE_BLOCKS=0/1 fixes it.
+`compiled_block(block, *args)`: a whole transformer block compiled for the shapes of a run, where the installed
+policy says so (`compile_blocks`: memory.decide turns it on per phase where it pays and memory allows;
+MLXDIFF_COMPILE_BLOCKS=0/1 fixes it). The pacing points inside the block are not scheduled while it is traced, so
+the block's outputs, paced by the caller (after_block), are the unit of work.
 """
 
 import functools
-import os
 import weakref
+from dataclasses import replace
 
 import mlx.core as mx
 
 from .. import pacing
-
-_enabled = os.environ.get("MLXDIFF_FUSE", "1") != "0"
-_COMPILE_FIXED = os.environ.get("MLXDIFF_COMPILE_BLOCKS")
-_compile_blocks = _COMPILE_FIXED == "1"
-
-
-def set_block_compilation(enabled: bool, policy=False) -> bool:
-    """Compile whole blocks (compiled_block) or not; returns the previous setting. `policy`: a pipeline's
-    choice, which MLXDIFF_COMPILE_BLOCKS overrides when set."""
-    global _compile_blocks
-    previous = _compile_blocks
-    if not (policy and _COMPILE_FIXED is not None):
-        _compile_blocks = bool(enabled)
-    return previous
+from ..policy import current, installed
 
 
 def forget_compiled(model):
@@ -77,7 +64,8 @@ def _unflatten(flat, layout):
 def compiled_block(block, *args):
     """block(*args), through one mx.compile per block object when block compilation is on. The compiled function
     lives on the block, so it (and the weights its graph holds as constants) goes when the model does."""
-    if not _compile_blocks:
+    policy = current()
+    if policy is None or not policy.compile_blocks:
         return block(*args)
     flat, layout = _flatten(args)
     cache = block.__dict__.setdefault("_compiled", {})
@@ -86,31 +74,22 @@ def compiled_block(block, *args):
         owner = weakref.ref(block)    # no cycle block -> cache -> traced -> block
 
         def traced(*flat_args):
-            pacing._suspended[0] += 1
-            try:
+            with installed(replace(current(), paced=False)):
                 return owner()(*_unflatten(list(flat_args), layout))
-            finally:
-                pacing._suspended[0] -= 1
         cache[key] = mx.compile(traced)
     return cache[key](*flat)
 
 
-def set_fusion(enabled: bool) -> bool:
-    """Turn compiled elementwise pieces on or off; returns the previous setting."""
-    global _enabled
-    previous, _enabled = _enabled, bool(enabled)
-    return previous
-
-
-def fusion_enabled() -> bool:
-    return _enabled
+def fusion_on() -> bool:
+    policy = current()
+    return policy is None or policy.fuse
 
 
 def fused(fn):
     compiled = mx.compile(fn)
 
     def call(*args):
-        return compiled(*args) if _enabled else fn(*args)
+        return compiled(*args) if fusion_on() else fn(*args)
 
     call.__name__, call.__doc__, call.plain = fn.__name__, fn.__doc__, fn
     return call
@@ -155,7 +134,8 @@ def attention(q, k, v, scale):
 # transpose to SDPA's (B, H, S, hd) layout in registers, and joins the text and image parts of a double block without
 # a concatenation. It rounds where the MLX-ops path rounds (the norm's output to the input dtype, then times the
 # weight, then the float32 rotation cast back), so the two agree to within a rounding of the input dtype (checked on
-# the GPU by bench/block_ops_gpu.py). Every other backend, and MLXDIFF_FUSE=0, takes the MLX-ops path.
+# the GPU by bench/block_ops_gpu.py). Every other backend, and a policy without fusion or CUDA kernels
+# (MLXDIFF_FUSE=0, MLXDIFF_CUDA_KERNELS=0), takes the MLX-ops path.
 
 _NORM_ROPE_SOURCE = """
     constexpr int PER = HD / 32;              // consecutive values per lane: whole rotated pairs
@@ -202,12 +182,11 @@ def _eps_array(eps):
     return mx.array(eps, mx.float32)
 
 
-_KERNELS_OFF = os.environ.get("MLXDIFF_CUDA_KERNELS") == "0"
-
-
 def cuda_kernels() -> bool:
-    """Whether the fused CUDA kernels of this module run (CUDA default device, fusion on, MLXDIFF_CUDA_KERNELS!=0)."""
-    if _KERNELS_OFF or not _enabled or mx.default_device() != mx.gpu:
+    """Whether the fused CUDA kernels of this module run: the CUDA default device, and fusion and the kernels on in
+    the installed policy (with none installed, on)."""
+    policy = current()
+    if (policy is not None and not (policy.fuse and policy.cuda_kernels)) or mx.default_device() != mx.gpu:
         return False
     cuda = getattr(mx, "cuda", None)
     return bool(cuda and cuda.is_available())

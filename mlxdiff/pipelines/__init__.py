@@ -6,7 +6,7 @@ from ..loading.resolve import resolve
 
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
-         text_encoder=None, vae=None, tokenizer=None, loras=None):
+         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
     FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; loading/flux2_files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
@@ -22,16 +22,22 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     "auto" (while they fit the budget together with the largest other component) or "all" (phases.Residency).
     Prompts already encoded with the same settings are not encoded again (a cache of the last 16).
     `loras`: [(file, scale), ...] (or files, scale 1) added to the transformer (Pipeline.load_lora, mlxdiff/lora.py).
+    `memory_limit`: GB this pipeline's runs may use (MLX's allocator is capped for the length of each run, every
+    phase checks before loading that its weights fit, and the budget decides pacing, block compilation, VAE bands
+    and tiles, GGUF layouts and keep="auto"); None: the free memory is the budget. The pipeline's run policy
+    (mlxdiff/policy.py) is built here, from it and the MLXDIFF_* switches.
     """
     from ..arguments import check_load
     from .flux2 import Flux2Pipeline
-    from .matmul import STRATEGIES
+    from ..arguments import check_number
+    from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
     from .sd3 import SD3Pipeline
     # checked here too, for calls as mlxdiff.pipelines.load
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer,
                loras=loras)
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
+    policy = from_switches(check_number("memory_limit", memory_limit))
     found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder, vae=vae,
                     tokenizer=tokenizer)
     quantization.plan(found.components, quantize)
@@ -39,7 +45,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline}[found.family]
-    pipe = family(found, dtype, keep)
+    pipe = family(found, dtype, keep, policy)
     from ..arguments import check_loras
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)

@@ -21,8 +21,8 @@ from ..arguments import check_generate, check_images
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize_dev, tokenize_klein
 from . import image_inputs
-from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
-                     new_run)
+from .base import Pipeline, as_numpy, decode, denoise, evaluate_each_block, initial_latents
+from .report import Result, finish, new_run
 
 
 @dataclass
@@ -37,8 +37,8 @@ class Flux2Pipeline(Pipeline):
     family = "flux2"
     patch_size = 2      # the latents are patchified 2x2 before the transformer
 
-    def __init__(self, sources, dtype=None, keep="none"):
-        super().__init__(sources, dtype, keep)
+    def __init__(self, sources, dtype=None, keep="none", policy=None):
+        super().__init__(sources, dtype, keep, policy)
         self.is_klein = self.pipeline_class == "Flux2KleinPipeline"
         self.is_distilled = self.options.get("is_distilled", False)
         self.sample_size = self.options.get("sample_size")   # default image size in pixels (diffusers: 128 * factor)
@@ -104,7 +104,7 @@ class Flux2Pipeline(Pipeline):
             latents=latents, max_sequence_length=max_sequence_length)
         start = self._img2img_start(steps, strength) if img2img else 0      # the first step run
         cfg = self.is_klein and not self.is_distilled and guidance > 1
-        result, phase = new_run()
+        result, phase = new_run(self.policy.phase_markers)
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
             prompt, negative_prompt, do_classifier_free_guidance=cfg, max_sequence_length=max_sequence_length,
             text_encoder_out_layers=text_encoder_out_layers),

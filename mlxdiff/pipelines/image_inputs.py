@@ -20,6 +20,10 @@ import numpy as np
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
+from ..memory import budget_bytes
+from ..pacing import pace
+from ..policy import RunPolicy, current
+
 REFERENCE_MAX_AREA = 1024 * 1024      # diffusers' Flux2Pipeline: larger references are scaled to this area
 REFERENCE_T_OFFSET = 10               # the time-axis position of reference i: 10 + 10 i (_prepare_image_ids)
 
@@ -66,18 +70,16 @@ def encode_tiling(vae, pixels_shape, dtype) -> bool:
     """Whether an encode must tile: only when an untiled one would not fit the memory budget (diffusers never tiles
     unless asked; the estimate is decode_bytes' for the same latent size, the encoder's widest full-resolution
     activations being of the same order)."""
-    from ..memory import budget_bytes
     factor = 2 ** (len(vae.args.block_out_channels) - 1)
     b, _, h, w = pixels_shape
-    return vae.decode_bytes((b, vae.args.latent_channels, h // factor, w // factor), dtype) > budget_bytes()
+    return vae.decode_bytes((b, vae.args.latent_channels, h // factor, w // factor), dtype) > \
+        budget_bytes(current() or RunPolicy())
 
 
 def encode_moments(vae, pixels, dtype):
     """VAE (mean, logvar) of [1, 3, H, W] pixels in [-1, 1], within the memory budget (stage by stage, exact conv
     row bands where large; tiles only when even that does not fit)."""
-    from ..memory import conv_band_bytes
-    from .phases import evaluate_each_block
-    vae.set_memory_policy(after_stage=evaluate_each_block, band_bytes=conv_band_bytes())
+    vae.set_memory_policy(after_stage=pace, band_bytes=(current() or RunPolicy()).conv_band)
     x = mx.array(pixels).astype(dtype)
     mean, logvar = vae.encode_moments(x, tiling=encode_tiling(vae, pixels.shape, dtype))
     mx.eval(mean, logvar)

@@ -17,8 +17,8 @@ from ..arguments import check_generate, check_images, check_latents, check_layer
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
 from . import image_inputs
-from .phases import (Pipeline, Result, as_numpy, decode, denoise, evaluate_each_block, finish, initial_latents,
-                     new_run)
+from .base import Pipeline, as_numpy, decode, denoise, evaluate_each_block, initial_latents
+from .report import Result, finish, new_run
 
 
 @dataclass
@@ -146,7 +146,7 @@ class SD3Pipeline(Pipeline):
                 raise MlxdiffError(f"image_noise has shape {tuple(image_noise.shape)}, expected {expected} (the VAE "
                                    "latents of the output size)")
         cfg = guidance > 1
-        result, phase = new_run()
+        result, phase = new_run(self.policy.phase_markers)
         conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
             prompt, negative_prompt, do_classifier_free_guidance=cfg, clip_skip=clip_skip,
             max_sequence_length=max_sequence_length), (repr(negative_prompt), clip_skip, max_sequence_length), result)

@@ -12,7 +12,6 @@ statistics are reset when the phase starts).
 """
 
 import gc
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -24,7 +23,8 @@ def mark(phase, event):
 
 def device() -> str:
     import torch
-    if os.environ.get("MLXDIFF_DEVICE") == "cpu":    # as mlxdiff/backend.py: the CPU on a machine with a GPU
+    from mlxdiff import switches
+    if switches.read().get("MLXDIFF_DEVICE") == "cpu":    # as mlxdiff/backend.py: the CPU on a machine with a GPU
         return "cpu"
     if torch.cuda.is_available():
         return "cuda"

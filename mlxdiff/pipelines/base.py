@@ -1,18 +1,11 @@
-"""The skeleton every pipeline shares: phases that load a model, use it and free it; the denoise loop; the decode
-tail; the Result; progress; the request checks and defaults.
+"""The skeleton every pipeline shares: the Pipeline base (specs, the run policy, residency, the prompt cache, the
+request checks and defaults), the denoise loop and the decode tail.
 
 A run is encode -> free -> denoise -> free -> decode. Each model lives only inside `Pipeline.use(...)`, so the peak is
 the largest phase, not the sum. On leaving, the module is emptied in place (a reference the caller still holds
 becomes an empty shell) and MLX's buffer cache is returned, so the next phase starts from near zero. A family
 (sd3.py, flux2.py) supplies only what is its own: prompt encoding, its velocity and its latent packing.
 """
-
-import gc
-import os
-import sys
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -22,199 +15,12 @@ import mlx.core as mx
 from .. import schedulers
 from ..arguments import check_generate, check_options
 from ..errors import MlxdiffError
-from ..loading.quantize import materialize
-from ..models.fused import forget_compiled, set_block_compilation
-from ..pacing import pace, set_in_flight, settle
-from .. import memory as memory_module
-from ..memory import budget_bytes, check_fits, conv_band_bytes, fmt_gb, reset_footprint_peak, snapshot
+from ..memory import budget_bytes
+from ..models.fused import forget_compiled
+from ..pacing import pace, settle
+from ..policy import RunPolicy, current
 from .images import to_pil
-from .matmul import use_strategy
-
-
-# the size columns of Result.memory_report, in order
-MEMORY_COLUMNS = ("weights", "MLX peak", "overhead", "MLX after", "process peak", "process after")
-
-
-@dataclass
-class Result:
-    image: object                 # PIL.Image.Image (the first image of the batch)
-    latents: np.ndarray           # final latents, diffusers layout (before the VAE's scaling is undone)
-    timings: dict = field(default_factory=dict)   # phase -> seconds
-    memory: dict = field(default_factory=dict)    # phase -> {"peak": bytes, "after": bytes, ...}
-    images: list = field(default_factory=list)    # every image of the batch
-    load_seconds: dict = field(default_factory=dict)  # component -> seconds to map and read its weights
-    reused: list = field(default_factory=list)    # what came from an earlier call: components kept loaded
-                                                  # (keep=), "conditioning" (the prompt cache)
-    notes: list = field(default_factory=list)     # choices the memory budget made (e.g. a GGUF layout)
-
-    def summary(self) -> str:
-        """Time and peak memory per phase (what the CLI prints)."""
-        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'process peak':>13}"]
-        for name, seconds in self.timings.items():
-            m = self.memory.get(name, {})
-            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('footprint_peak')):>13}")
-        return "\n".join(rows + [f"note: {n}" for n in self.notes])
-
-    def memory_report(self) -> str:
-        """The per-phase memory table (--report-memory): the phase's weights (its floor: the largest model it
-        held), its MLX peak, the overhead above the floor, and what remains after it. Its size columns are
-        MEMORY_COLUMNS, in that order (mlxdiff.footprint reads them by name)."""
-        widths = [max(10, len(c) + 1) for c in MEMORY_COLUMNS]
-        rows = [f"{'phase':<9} {'load s':>7} " + " ".join(f"{c:>{w}}" for c, w in zip(MEMORY_COLUMNS, widths))]
-        loads = {"denoise": self.load_seconds.get("transformer"), "decode": self.load_seconds.get("vae")}
-        for name in self.timings:
-            m = self.memory.get(name, {})
-            load = loads.get(name)
-            floor, peak = m.get("floor"), m.get("peak")
-            overhead = None if floor is None or peak is None else max(peak - floor, 0)
-            sizes = (floor, peak, overhead, m.get("after"), m.get("footprint_peak"), m.get("footprint"))
-            rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} "
-                        + " ".join(f"{fmt_gb(v):>{w}}" for v, w in zip(sizes, widths)))
-        return "\n".join(rows + [f"note: {n}" for n in self.notes])
-
-
-def new_run():
-    """(Result, PhaseLog) for one generate() call."""
-    result = Result(image=None, latents=None)
-    return result, PhaseLog(result)
-
-
-class PhaseLog:
-    """Records seconds and memory per phase into a Result."""
-
-    def __init__(self, result: Result):
-        self.result = result
-
-    @contextmanager
-    def __call__(self, name):
-        _phase_floor[0] = 0
-        mark_phase(name, "start")
-        mx.reset_peak_memory()
-        reset_footprint_peak()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            mx.synchronize()
-            peak = mx.get_peak_memory()
-            footprint_peak = snapshot().footprint_peak
-            mx.clear_cache()   # a freed model was collected where it was freed (Residency.use); gc.collect here
-                               # cost ~66 ms per phase on this CPU and found nothing
-            snap = snapshot()
-            self.result.timings[name] = time.perf_counter() - start
-            self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
-                                        "footprint_peak": footprint_peak, "floor": _phase_floor[0]}
-            mark_phase(name, "end")
-
-
-_phase_floor = [0]   # the largest weights loaded in the current phase (its floor)
-
-
-def mark_phase(name, event):
-    """For `python -m mlxdiff.footprint`, which samples this process from outside: a marker line on stderr."""
-    if os.environ.get("MLXDIFF_PHASE_MARKERS"):
-        print(f"MLXDIFF_PHASE {name} {event} {time.time():.3f}", file=sys.stderr, flush=True)
-
-
-def release():
-    gc.collect()
-    mx.clear_cache()
-
-
-def build_model(spec, compute_dtype, result: Result | None = None):
-    """(model, resident bytes): the model a ComponentSpec describes, checked against the budget before anything is
-    read, built, given its matmul strategy and evaluated one module at a time."""
-    fitted = check_fits(spec, compute_dtype)  # refuse before loading anything that cannot fit
-    if fitted.gguf_layout != spec.gguf_layout and result is not None:
-        result.notes.append(f"{spec.name}: GGUF weights kept as the file's {fitted.gguf_layout} blocks "
-                            f"({fmt_gb(fitted.loaded_nbytes(compute_dtype=compute_dtype))}) to fit the memory budget")
-    spec = fitted
-    start, before = time.perf_counter(), mx.get_active_memory()
-    model = spec.build(compute_dtype)
-    use_strategy(model, spec.matmul or backend.default_matmul_strategy())
-    materialize(model)  # one module at a time: bounded peak, also when quantizing while loading
-    nbytes = mx.get_active_memory() - before
-    _phase_floor[0] = max(_phase_floor[0], nbytes)
-    if result is not None:
-        result.load_seconds[spec.name] = time.perf_counter() - start
-    return model, nbytes
-
-
-KEEP_POLICIES = ("none", "auto", "all")
-AUTO_SHARE = 0.75   # keep="auto" without a memory limit: components stay while they fit in this share of memory
-
-
-def physical_memory() -> int:
-    """The machine's memory (Metal: the recommended working set), for keep="auto" without a memory limit."""
-    try:
-        info = mx.device_info()
-        size = info.get("max_recommended_working_set_size") or info.get("memory_size")
-        if size:
-            return int(size)
-    except Exception:  # device_info is backend specific
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-class Residency:
-    """Which components a pipeline keeps loaded across generate() calls (keep=):
-    - "none": load, use, free in every phase (the peak is the largest phase);
-    - "all": keep every component once loaded (repeated calls load nothing);
-    - "auto": keep a component while it, the others kept, and the largest other component together fit the
-      budget (memory_limit, else AUTO_SHARE of physical memory), so that any next phase still fits; otherwise
-      free it as "none" does. A run that does not fit behaves as "none"."""
-
-    def __init__(self, keep="none"):
-        if keep not in KEEP_POLICIES:
-            raise MlxdiffError(f"keep={keep!r}: use one of {', '.join(KEEP_POLICIES)}")
-        self.keep = keep
-        self.models = {}    # spec key -> (model, resident bytes)
-
-    @staticmethod
-    def key(spec):
-        return (spec.name, tuple(str(f) for f in spec.files), repr(sorted(spec.config.items())), repr(spec.quantize),
-                spec.matmul, tuple(getattr(spec, "loras", ())))
-
-    def held_bytes(self) -> int:
-        return sum(n for _, n in self.models.values())
-
-    def keeps(self, nbytes, largest_other) -> bool:
-        if self.keep != "auto":
-            return self.keep == "all"
-        budget = memory_module.memory_limit or AUTO_SHARE * physical_memory()
-        return self.held_bytes() + nbytes + largest_other <= budget
-
-    @contextmanager
-    def use(self, spec, compute_dtype, result=None, largest_other=0):
-        """The model of `spec`: kept from an earlier call, else built as `loaded` builds it; kept or emptied on
-        leaving by the policy."""
-        key = self.key(spec)
-        held = self.models.pop(key, None)
-        if held is not None:
-            model, nbytes = held
-            if result is not None and spec.name not in result.reused:   # SD3.5's CLIPs serve two prompts
-                result.reused.append(spec.name)
-        else:
-            model, nbytes = build_model(spec, compute_dtype, result)
-        depth = set_in_flight(memory_module.in_flight_for())   # with this phase's weights in memory
-        set_block_compilation(memory_module.compile_blocks_for(model), policy=True)
-        if result is not None and depth > 1:
-            result.notes.append(f"{spec.name}: {depth} pieces of work in flight (memory to spare)")
-        try:
-            yield model
-        finally:
-            if self.keeps(nbytes, largest_other):
-                self.models[key] = (model, nbytes)
-            else:
-                model.clear()
-                del model
-                release()
-
-    def clear(self):
-        for model, _ in self.models.values():
-            model.clear()
-        self.models.clear()
-        release()
+from .residency import Residency
 
 
 def progress(iterable, total, desc, enabled=True):
@@ -256,10 +62,12 @@ def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
 
 
 def decode_array(vae, z, dtype):
-    """vae.decode(z) within the memory budget: evaluated stage by stage, convolutions in exact row bands where their
-    working buffer would be large (memory.conv_band_bytes), tiles only when even that does not fit the budget."""
-    vae.set_memory_policy(after_stage=evaluate_each_block, band_bytes=conv_band_bytes())
-    return vae.decode(z, tiling=vae.decode_bytes(z.shape, dtype) > budget_bytes())
+    """vae.decode(z) within the installed policy's budget: evaluated stage by stage, convolutions in exact row bands
+    where their working buffer would be large (the policy's conv_band, memory.conv_band_bytes), tiles only when even
+    that does not fit the budget."""
+    policy = current() or RunPolicy()
+    vae.set_memory_policy(after_stage=evaluate_each_block, band_bytes=policy.conv_band)
+    return vae.decode(z, tiling=vae.decode_bytes(z.shape, dtype) > budget_bytes(policy))
 
 
 def decode(vae, latents, dtype) -> list:
@@ -278,13 +86,14 @@ class Pipeline:
 
     PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
 
-    def __init__(self, sources, dtype=None, keep="none"):
+    def __init__(self, sources, dtype=None, keep="none", policy: RunPolicy | None = None):
         self.pipeline_class = sources.pipeline_class
         self.components = sources.components     # name -> ComponentSpec (or None for an absent text_encoder_3)
         self.tokenizers = sources.tokenizers
         self.scheduler_config = sources.scheduler_config
         self.options = sources.options
         self.dtype = backend.compute_dtype(dtype)
+        self.policy = policy or RunPolicy()     # how runs spend memory and time (mlxdiff/policy.py)
         self.residency = Residency(keep)
         self._prompts = {}       # encode settings -> Conditioning, most recent last
         self._sizes = {}         # spec key -> loaded bytes (for keep="auto")
@@ -299,7 +108,7 @@ class Pipeline:
         if self.residency.keep == "auto":
             others = max((self._loaded_nbytes(s) for s in self.components.values()
                           if s is not None and s.name != spec.name), default=0)
-        return self.residency.use(spec, self.dtype, result, others)
+        return self.residency.use(spec, self.dtype, self.policy, result, others)
 
     def _loaded_nbytes(self, spec):
         key = Residency.key(spec)
@@ -407,13 +216,6 @@ class Pipeline:
             if cfg and conditioning.negative_prompt_embeds is None:
                 raise MlxdiffError("guidance > 1 needs a conditioning encoded with do_classifier_free_guidance=True")
             return conditioning
-
-
-def finish(result: Result, images: list, latents) -> Result:
-    result.latents = np.array(latents)
-    result.images = images
-    result.image = images[0]
-    return result
 
 
 def as_numpy(conditioning) -> dict:

@@ -1,0 +1,40 @@
+"""One path from a ComponentSpec to a loaded model, for every component alike: check that it fits the budget, build
+it (lazily mapped weights, quantized checkpoints, GGUF layers, LoRAs: ComponentSpec.build), give its quantized layers
+their matmul strategy, and evaluate it one module at a time (quantize.materialize), so the peak stays about one
+layer above the model."""
+
+import time
+from dataclasses import dataclass, field, replace
+
+from .. import backend
+import mlx.core as mx
+
+from ..memory import check_fits, fmt_gb
+from ..policy import RunPolicy
+from .matmul import use_strategy
+from .quantize import materialize
+
+
+@dataclass
+class Loaded:
+    model: object
+    nbytes: int                 # resident bytes it added
+    seconds: float              # to map and read its weights
+    notes: list = field(default_factory=list)   # what the budget chose (e.g. a GGUF layout)
+
+
+def load_component(spec, compute_dtype, policy: RunPolicy) -> Loaded:
+    """The model of `spec`, loaded under `policy` (its memory limit, GGUF layout and matmul strategy); refused, in one
+    line, before anything is read if it cannot fit."""
+    if policy.gguf_layout and spec.gguf_layout is None:
+        spec = replace(spec, gguf_layout=policy.gguf_layout)
+    fitted = check_fits(spec, policy, compute_dtype)
+    notes = []
+    if fitted.gguf_layout != spec.gguf_layout:
+        notes.append(f"{spec.name}: GGUF weights kept as the file's {fitted.gguf_layout} blocks "
+                     f"({fmt_gb(fitted.loaded_nbytes(compute_dtype=compute_dtype))}) to fit the memory budget")
+    start, before = time.perf_counter(), mx.get_active_memory()
+    model = fitted.build(compute_dtype)
+    use_strategy(model, fitted.matmul or policy.matmul or backend.default_matmul_strategy())
+    materialize(model)
+    return Loaded(model, mx.get_active_memory() - before, time.perf_counter() - start, notes)

@@ -1,0 +1,123 @@
+"""The run policy: every choice of how a run spends memory and time, in one frozen object, passed explicitly.
+
+A pipeline holds one `RunPolicy`, built once by `from_switches` from `mlxdiff.load(memory_limit=)` / `--memory-limit`
+and the MLXDIFF_* switches (mlxdiff/switches.py). Each phase refines it for its component once the weights are
+loaded (memory.decide: pieces in flight, block compilation, convolution bands) and installs it for the length of the
+phase with `installed(policy)`, a scoped, restorable context as mlx-lm's `use_attention_backend`. The code that
+computes reads the installed policy (`current()`): the pacing points (mlxdiff/pacing.py), the compiled blocks and
+fused pieces (models/fused.py), FLUX.2's SwiGLU ranges. Outside any installed policy nothing is paced and a model
+is plain MLX: the caller evaluates.
+
+The policy stack here and the running phase's pacing queue (pacing.py) are the only mutable module state.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
+from . import switches
+from .errors import MlxdiffError
+
+GB = 1024 ** 3
+GGUF_LAYOUTS = ("auto", "raw", "affine")
+MATMUL_STRATEGIES = ("qmm", "dequantize")
+
+
+@dataclass(frozen=True)
+class RunPolicy:
+    memory_limit: int | None = None   # bytes; None: the free memory is the budget (memory.budget_bytes)
+    in_flight: int = 1                # paced pieces of work queued at once (pacing.py); 1 is the memory floor
+    compile_blocks: bool = False      # transformer blocks compiled whole (models/fused.compiled_block)
+    conv_band: int | None = None      # a VAE convolution's largest working buffer before row bands; None: no bands
+    fuse: bool = True                 # the blocks' elementwise chains compiled (models/fused.py)
+    cuda_kernels: bool = True         # mlxdiff's CUDA kernels where they apply (models/fused.norm_rope)
+    gguf_layout: str | None = None    # how GGUF tensors are kept; None: the spec's, else "auto" (formats/gguf.py)
+    matmul: str | None = None         # how quantized layers multiply; None: the spec's, else per backend
+    phase_markers: bool = False       # marker lines on stderr for mlxdiff.footprint
+    paced: bool = True                # False while a compiled block is traced: the block is the unit of work
+    fixed: frozenset = field(default=frozenset())   # fields a switch fixed: no phase decision changes them
+
+    @property
+    def split_swiglu(self) -> bool:
+        """FLUX.2's SwiGLU in two ranges of its hidden axis: at the memory floor (one piece in flight)."""
+        return self.paced and self.in_flight == 1
+
+    def refined(self, **decided) -> "RunPolicy":
+        """This policy with a phase's decisions, except where a switch fixed the field."""
+        return replace(self, **{k: v for k, v in decided.items() if k not in self.fixed})
+
+
+def _flag(name, value) -> bool:
+    if value not in ("0", "1"):
+        raise MlxdiffError(f"{name}={value!r:.40}: expected 0 or 1 (or leave it unset)")
+    return value == "1"
+
+
+def _choice(name, value, allowed) -> str:
+    if value not in allowed:
+        raise MlxdiffError(f"{name}={value!r:.40}: expected one of {', '.join(allowed)} (or leave it unset)")
+    return value
+
+
+def _whole(name, value, low, high) -> int:
+    if not value.isdigit() or not low <= int(value) <= high:
+        raise MlxdiffError(f"{name}={value!r:.40}: expected a whole number from {low} to {high} (or leave it unset)")
+    return int(value)
+
+
+def from_switches(memory_limit_gb=None, environ=None) -> RunPolicy:
+    """The base policy of a pipeline: `memory_limit_gb` (already checked, arguments.check_number) and the MLXDIFF_*
+    switches that are set, each checked (a bad value is one MlxdiffError line)."""
+    given = switches.read(environ)
+    fields = {}
+    if "MLXDIFF_IN_FLIGHT" in given:
+        fields["in_flight"] = _whole("MLXDIFF_IN_FLIGHT", given["MLXDIFF_IN_FLIGHT"], 1, 64)
+    if "MLXDIFF_COMPILE_BLOCKS" in given:
+        fields["compile_blocks"] = _flag("MLXDIFF_COMPILE_BLOCKS", given["MLXDIFF_COMPILE_BLOCKS"])
+    if "MLXDIFF_FUSE" in given:
+        fields["fuse"] = _flag("MLXDIFF_FUSE", given["MLXDIFF_FUSE"])
+    if "MLXDIFF_CUDA_KERNELS" in given:
+        fields["cuda_kernels"] = _flag("MLXDIFF_CUDA_KERNELS", given["MLXDIFF_CUDA_KERNELS"])
+    if "MLXDIFF_CONV_BAND" in given:
+        fields["conv_band"] = _whole("MLXDIFF_CONV_BAND", given["MLXDIFF_CONV_BAND"], 0, 1 << 50) or None
+    if "MLXDIFF_GGUF_LAYOUT" in given:
+        fields["gguf_layout"] = _choice("MLXDIFF_GGUF_LAYOUT", given["MLXDIFF_GGUF_LAYOUT"], GGUF_LAYOUTS)
+    if "MLXDIFF_MATMUL" in given:
+        fields["matmul"] = _choice("MLXDIFF_MATMUL", given["MLXDIFF_MATMUL"], MATMUL_STRATEGIES)
+    if "MLXDIFF_DEVICE" in given:     # applied at import (backend.py); checked here
+        _choice("MLXDIFF_DEVICE", given["MLXDIFF_DEVICE"], ("cpu", "gpu"))
+    if "MLXDIFF_PHASE_MARKERS" in given:
+        fields["phase_markers"] = True
+    limit = None if memory_limit_gb is None else int(memory_limit_gb * GB)
+    return RunPolicy(memory_limit=limit, fixed=frozenset(fields), **fields)
+
+
+# -- the installed policy ----------------------------------------------------------------------------------------
+
+_stack = []   # installed policies, innermost last
+
+
+def current() -> RunPolicy | None:
+    """The policy installed for the running phase, or None (a model called on its own: nothing is paced)."""
+    return _stack[-1] if _stack else None
+
+
+@contextmanager
+def installed(policy: RunPolicy):
+    """`policy` in force for the block, restored on leaving. A memory limit also caps MLX's allocator and buffer
+    cache for that long (a limit that the enclosing policy already set is not set again)."""
+    outer = current()
+    limits = None
+    if policy.memory_limit and (outer is None or outer.memory_limit != policy.memory_limit):
+        limits = (mx.set_memory_limit(policy.memory_limit),
+                  mx.set_cache_limit(min(policy.memory_limit, mx.get_cache_memory() + policy.memory_limit // 4)))
+    _stack.append(policy)
+    try:
+        yield policy
+    finally:
+        _stack.pop()
+        if limits is not None:
+            mx.set_memory_limit(limits[0])
+            mx.set_cache_limit(limits[1])
