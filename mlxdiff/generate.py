@@ -159,9 +159,8 @@ def generate(args, written) -> int:
     if images:
         check_images(images, strength, pipe.family)     # how this family takes them, before anything is loaded
         options.update(image=images, strength=strength)
-        if pipe.family == "sd3" and strength is None:
-            strength = pipe.IMG2IMG_STRENGTH
-        if pipe.family == "flux2" and strength is None:     # references: the size defaults to the first one's
+        strength = pipe.IMG2IMG_STRENGTH if strength is None else strength
+        if strength is None:     # references: the size defaults to the first one's
             options.update(width=args.width, height=args.height)
     base = {"negative_prompt": args.negative_prompt or "", "model": str(model or ""),
             "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),

@@ -7,19 +7,22 @@ becomes an empty shell) and MLX's buffer cache is returned, so the next phase st
 (sd3.py, flux2.py) supplies only what is its own: prompt encoding, its velocity and its latent packing.
 """
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from .. import backend
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_options
+from ..arguments import check_generate, check_images, check_options
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..models.fused import forget_compiled
 from ..pacing import pace, settle
-from ..policy import RunPolicy, current
+from ..policy import RunPolicy, current, installed
 from .images import to_pil
+from .report import Result, finish, new_run
 from .residency import Residency
 
 
@@ -79,10 +82,43 @@ def decode(vae, latents, dtype) -> list:
     return to_pil(np.array(image))
 
 
+@dataclass(eq=False)
+class Run:
+    """One generate() call as the template fills it in, step by step: the checked request first, then what each step
+    adds. A family's hooks may keep their own state on it (position ids, reference tokens, ...)."""
+    prompt: object
+    negative_prompt: object
+    seed: int
+    image_names: list
+    images: list                  # PIL images: img2img's init image, or FLUX.2's reference images
+    strength: float | None        # image-to-image when not None
+    options: dict                 # the family's own generate() keywords (Pipeline.OPTIONS), checked
+    width: int | None = None      # None until the request fills in the default (a family may first: references)
+    height: int | None = None
+    steps: int = 0
+    guidance: float = 0.0
+    cfg: bool = False             # two forwards per step: against the negative prompt
+    start: int = 0                # the first step run (image-to-image starts later in the schedule)
+    conditioning: object = None
+    batch: int = 1
+    sigmas: object = None
+    timesteps: object = None
+    result: Result = None
+    state: dict = field(default_factory=dict)    # the family's own, between its hooks
+
+    @property
+    def img2img(self) -> bool:
+        return bool(self.images) and self.strength is not None
+
+
 class Pipeline:
-    """What both families hold and check: specs (no weights), tokenizers, scheduler settings, the compute dtype."""
+    """What every family holds and runs: specs (no weights), tokenizers, scheduler settings, the compute dtype, the
+    run policy, and `generate`, the one template of a run. A family supplies its hooks (the methods that raise
+    NotImplementedError here) and the generate() keywords only it has (OPTIONS)."""
     family = ""
     patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
+    OPTIONS = {}                        # generate() keywords of this family only -> their defaults
+    IMG2IMG_STRENGTH = None             # the strength when an init image is given without one (None: references)
 
     PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
 
@@ -216,6 +252,108 @@ class Pipeline:
             if cfg and conditioning.negative_prompt_embeds is None:
                 raise MlxdiffError("guidance > 1 needs a conditioning encoded with do_classifier_free_guidance=True")
             return conditioning
+
+
+    # -- the template ------------------------------------------------------------------------------------------
+    def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
+                 guidance=None, seed=0, latents=None, image=None, strength=None, callback=None, progress_bar=True,
+                 **options) -> Result:
+        """One image (or a batch of prompts): the steps in order; see the family's docstring for its keywords.
+        `latents`: the initial noise in diffusers' layout; `image`: a PIL image or file (or a list): the init image
+        of image-to-image with `strength`, FLUX.2's reference images without."""
+        # 1. check: the images and the family's own keywords, before anything is loaded
+        names, images = check_images(image, strength, self.family)
+        run = Run(prompt, negative_prompt, seed, names, images, strength, self.family_options(options), width, height)
+        if images and strength is None:
+            run.strength = self.IMG2IMG_STRENGTH
+        self.check_inputs(run)
+        # 2. request: every argument checked, None filled in with the defaults
+        run.width, run.height, run.steps, run.guidance = self.request(
+            run.width, run.height, steps, guidance, options, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
+            latents=latents, **run.options)
+        # 3. where the schedule starts (image-to-image: later), whether the step runs CFG
+        run.start = self.img2img_start(run.steps, run.strength) if run.img2img else 0
+        if run.start >= run.steps:
+            raise MlxdiffError(f"strength={run.strength:g} with {run.steps} steps denoises no step; raise the "
+                               "strength or the steps")
+        run.cfg = self.uses_cfg(run)
+        self.check_run(run)
+        run.result, phase = new_run(self.policy.phase_markers)
+        with installed(self.policy):
+            # 4. encode phase: the prompt cache, else the family's encoders
+            run.conditioning = self.encode_phase(phase, prompt, conditioning, run.cfg, lambda: self.encode(run),
+                                                 self.encode_settings(run), run.result)
+            # 5. latents: the noise (and the family's packing, position ids, schedule)
+            x = self.prepare_latents(run, latents)
+            # 6. reference phase: the VAE encodes the input images, and is freed before the transformer loads
+            if images:
+                with phase("reference"), self.use(self.components["vae"], run.result) as vae:
+                    x = self.encode_images(run, vae, x)
+                run.result.notes.append(self.images_note(run, run.result.timings["reference"]))
+            # 7. denoise
+            with phase("denoise"), self.use(self.components["transformer"], run.result) as transformer:
+                x = denoise(lambda i, x: self.velocity(run, transformer, run.start + i, x), x,
+                            run.sigmas[run.start:], run.timesteps[run.start:], callback, progress_bar)
+            # 8. decode
+            x = self.unpack(run, x)
+            with phase("decode"), self.use(self.components["vae"], run.result) as vae:
+                decoded = decode(vae, x, self.dtype)
+        # 9. finish
+        return finish(run.result, decoded, x)
+
+    def family_options(self, options: dict) -> dict:
+        """The family's own keywords taken out of `options` (what is left is refused by request), defaults filled."""
+        return {name: options.pop(name, default) for name, default in self.OPTIONS.items()}
+
+    def images_note(self, run, seconds) -> str:
+        """Result.notes' line for the reference phase (a family with reference images says more)."""
+        return (f"image-to-image from {run.image_names[0]}: strength {run.strength:g}, steps {run.start + 1} to "
+                f"{run.steps} of {run.steps} run (init image encoded in {seconds:.2f} s)")
+
+    def steps_run(self, steps, strength=None) -> int:
+        """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule)."""
+        return steps if strength is None else steps - self.img2img_start(steps, strength)
+
+    # -- the family's hooks ------------------------------------------------------------------------------------
+    def check_inputs(self, run):
+        """Step 1: the family's keywords and images, before the request (may set run.state, and run.width/height
+        where the caller gave none)."""
+
+    def img2img_start(self, steps, strength) -> int:
+        """The index of the first step image-to-image runs."""
+        raise NotImplementedError
+
+    def uses_cfg(self, run) -> bool:
+        raise NotImplementedError
+
+    def check_run(self, run):
+        """Step 3: checks that need the request (sizes, steps)."""
+
+    def encode(self, run):
+        """Step 4: the conditioning of run.prompt (the family's encode_prompt with the run's settings)."""
+        raise NotImplementedError
+
+    def encode_settings(self, run) -> tuple:
+        """Every encode setting besides the prompt and CFG: the prompt cache's key."""
+        raise NotImplementedError
+
+    def prepare_latents(self, run, latents):
+        """Step 5: the initial latents (from `latents` or run.seed) in the transformer's layout; sets run.batch,
+        run.sigmas, run.timesteps."""
+        raise NotImplementedError
+
+    def encode_images(self, run, vae, x):
+        """Step 6: the input images through the VAE: img2img's noised init latents (returned in x's place) or
+        reference tokens (kept on run.state; x returned)."""
+        raise NotImplementedError
+
+    def velocity(self, run, transformer, i, x):
+        """Step 7: the family's prediction at schedule index i (CFG, guidance, references included)."""
+        raise NotImplementedError
+
+    def unpack(self, run, x):
+        """Step 8: denoised latents in the transformer's layout -> the VAE's (diffusers' `latents` layout)."""
+        return x
 
 
 def as_numpy(conditioning) -> dict:

@@ -17,12 +17,11 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_images
+from ..arguments import check_generate
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize_dev, tokenize_klein
 from . import image_inputs
-from .base import Pipeline, as_numpy, decode, denoise, evaluate_each_block, initial_latents
-from .report import Result, finish, new_run
+from .base import Pipeline, as_numpy, evaluate_each_block, initial_latents
 
 
 @dataclass
@@ -34,8 +33,14 @@ class Conditioning:
 
 
 class Flux2Pipeline(Pipeline):
+    """`generate(..., image=)`: a PIL image, an image file or a list of them. Without `strength` they are reference
+    images (editing, as diffusers' FLUX.2 pipelines; the output size defaults to the first one's prepared size);
+    with `strength` (0 < strength <= 1) the one image is the init image of image-to-image, by mflux's recipe
+    (image_inputs.flux2_img2img_start: strength keeps diffusers' sense, mflux's image strength is 1 - strength).
+    `latents`: the noise (img2img: the noise mixed into the init image)."""
     family = "flux2"
     patch_size = 2      # the latents are patchified 2x2 before the transformer
+    OPTIONS = {"max_sequence_length": None, "text_encoder_out_layers": None}
 
     def __init__(self, sources, dtype=None, keep="none", policy=None):
         super().__init__(sources, dtype, keep, policy)
@@ -44,10 +49,6 @@ class Flux2Pipeline(Pipeline):
         self.sample_size = self.options.get("sample_size")   # default image size in pixels (diffusers: 128 * factor)
         self.max_sequence_length = self.options.get("max_sequence_length", 512)
         self.tokenizer = self.tokenizers["tokenizer"]
-
-    def steps_run(self, steps, strength=None) -> int:
-        """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule)."""
-        return steps if strength is None else steps - image_inputs.flux2_img2img_start(steps, strength)
 
     def defaults(self):
         if self.is_klein and self.is_distilled:
@@ -84,103 +85,91 @@ class Flux2Pipeline(Pipeline):
             return Conditioning(embeds[:len(prompts)], embeds[len(prompts):])
         return Conditioning(self._encode(prompts, max_sequence_length, text_encoder_out_layers))
 
-    def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
-                 guidance=None, seed=0, latents=None, max_sequence_length=None, text_encoder_out_layers=None,
-                 image=None, strength=None, callback=None, progress_bar=True, **options) -> Result:
-        """`image`: a PIL image, an image file or a list of them. Without `strength` they are reference images
-        (editing, as diffusers' FLUX.2 pipelines; the output size defaults to the first one's prepared size); with
-        `strength` (0 < strength <= 1) the one image is the init image of image-to-image, by mflux's recipe
-        (image_inputs.flux2_img2img_start: strength keeps diffusers' sense, mflux's image strength is 1 - strength).
-        `latents`: the noise (img2img: the noise mixed into the init image)."""
-        names, given = check_images(image, strength, self.family)
-        img2img = strength is not None
+    # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
+    def img2img_start(self, steps, strength):
+        return image_inputs.flux2_img2img_start(steps, strength)
+
+    def uses_cfg(self, run):
+        return self.is_klein and not self.is_distilled and run.guidance > 1
+
+    def check_inputs(self, run):
         multiple = self.vae_scale_factor() * self.patch_size
-        references = [] if img2img else [image_inputs.flux2_reference(im, multiple) for im in given]
-        if references:
-            width = references[0].width if width is None else width
-            height = references[0].height if height is None else height
-        width, height, steps, guidance = self.request(
-            width, height, steps, guidance, options, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
-            latents=latents, max_sequence_length=max_sequence_length)
-        start = self._img2img_start(steps, strength) if img2img else 0      # the first step run
-        cfg = self.is_klein and not self.is_distilled and guidance > 1
-        result, phase = new_run(self.policy.phase_markers)
-        conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
-            prompt, negative_prompt, do_classifier_free_guidance=cfg, max_sequence_length=max_sequence_length,
-            text_encoder_out_layers=text_encoder_out_layers),
-            (repr(negative_prompt), max_sequence_length, repr(text_encoder_out_layers)), result)
-        embeds = conditioning.prompt_embeds
-        batch, text_len = embeds.shape[0], embeds.shape[1]
-        targs = self.components["transformer"].args
+        refs = [] if run.img2img else [image_inputs.flux2_reference(im, multiple) for im in run.images]
+        run.state["references"] = refs
+        if refs:     # the output size defaults to the first reference's
+            run.width = refs[0].width if run.width is None else run.width
+            run.height = refs[0].height if run.height is None else run.height
+
+    def encode(self, run):
+        return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
+                                  max_sequence_length=run.options["max_sequence_length"],
+                                  text_encoder_out_layers=run.options["text_encoder_out_layers"])
+
+    def encode_settings(self, run):
+        return (repr(run.negative_prompt), run.options["max_sequence_length"],
+                repr(run.options["text_encoder_out_layers"]))
+
+    def prepare_latents(self, run, latents):
+        embeds, targs = run.conditioning.prompt_embeds, self.components["transformer"].args
         if embeds.shape[-1] != targs.joint_attention_dim:
             raise MlxdiffError(f"the text encoder's taps give {embeds.shape[-1]} features per token but the "
                                f"transformer's joint_attention_dim is {targs.joint_attention_dim}; the encoder and "
                                "transformer do not belong together")
-
+        run.batch, text_len = embeds.shape[0], embeds.shape[1]
         factor = self.vae_scale_factor() * self.patch_size
-        h, w = height // factor, width // factor
-        shape = (batch, targs.in_channels, h, w)
-        x = initial_latents(latents, shape, seed, "diffusers' patchified layout: batch, 4 * latent channels, "
-                            "height/16, width/16")                  # (B, C, h, w)
-        x = x.reshape(batch, shape[1], h * w).transpose(0, 2, 1)      # pack -> (B, h*w, C)
-        img_ids = latent_ids(batch, h, w)
-        txt_ids = text_ids(batch, text_len)
-        sigmas, timesteps = schedulers.flux2_sigmas(steps, h * w, self.scheduler_config)
-        guidance_arr = mx.full((batch,), guidance, dtype=mx.float32) if targs.guidance_embeds else None
-        ref_tokens = None
-        if given:
-            # the VAE encodes in its own phase and is freed (keep= permitting) before the transformer loads
-            with phase("reference"), self.use(self.components["vae"], result) as vae:
-                if img2img:
-                    init = image_inputs.resized(image_inputs.over_white(given[0]), width, height)
-                    clean = image_inputs.flux2_latents(vae, init, self.dtype)       # [1, C, h, w]
-                    clean = mx.broadcast_to(clean, shape).reshape(batch, shape[1], h * w).transpose(0, 2, 1)
-                    x = image_inputs.noised(clean, x, sigmas[start])
-                    mx.eval(x)
-                else:
-                    ref_tokens, ref_ids = image_inputs.reference_tokens(vae, references, batch, self.dtype)
-                    img_ids = mx.concatenate([img_ids, ref_ids], axis=1)
-            seconds = result.timings["reference"]
-            if img2img:
-                result.notes.append(f"image-to-image from {names[0]}: strength {strength:g}, steps {start + 1} to "
-                                    f"{steps} of {steps} run (init image encoded in {seconds:.2f} s)")
-            else:
-                n_ref = ref_tokens.shape[1]
-                result.notes.append(
-                    f"{len(references)} reference image{'s' * (len(references) > 1)} "
-                    f"({', '.join(f'{r.width}x{r.height}' for r in references)}): {n_ref} tokens beside "
-                    f"{h * w} image and {text_len} text tokens, encoded in {seconds:.2f} s "
-                    f"({seconds / len(references):.2f} s each)")
-        n_img = h * w
+        h, w = run.height // factor, run.width // factor
+        run.state.update(shape=(run.batch, targs.in_channels, h, w), img_ids=latent_ids(run.batch, h, w),
+                         txt_ids=text_ids(run.batch, text_len), ref_tokens=None,
+                         guidance=mx.full((run.batch,), run.guidance, dtype=mx.float32) if targs.guidance_embeds
+                         else None)
+        run.sigmas, run.timesteps = schedulers.flux2_sigmas(run.steps, h * w, self.scheduler_config)
+        x = initial_latents(latents, run.state["shape"], run.seed, "diffusers' patchified layout: batch, 4 * latent "
+                            "channels, height/16, width/16")                        # (B, C, h, w)
+        return pack(x)
 
-        with phase("denoise"), self.use(self.components["transformer"], result) as transformer:
-            def velocity(i, x):
-                # diffusers rounds t to the latents' dtype before dividing by 1000 (bf16 runs: about 25% of the
-                # timesteps move one bf16 step); do the same so bf16 runs match it
-                t = mx.full((batch,), timesteps[start + i], dtype=mx.float32).astype(self.dtype) / 1000
-                # reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
-                tokens = x if ref_tokens is None else mx.concatenate([x, ref_tokens], axis=1)
-                v = transformer(tokens.astype(self.dtype), embeds, t, img_ids, txt_ids, guidance=guidance_arr,
-                                after_block=evaluate_each_block)[:, :n_img]
-                if cfg:
-                    v_neg = transformer(tokens.astype(self.dtype), conditioning.negative_prompt_embeds, t, img_ids,
-                                        txt_ids, guidance=None, after_block=evaluate_each_block)[:, :n_img]
-                    v = v_neg + guidance * (v - v_neg)
-                return v
-            x = denoise(velocity, x, sigmas[start:], timesteps[start:], callback, progress_bar)
-        x = x.transpose(0, 2, 1).reshape(batch, shape[1], h, w)       # unpack (ids are a regular grid)
+    def encode_images(self, run, vae, x):
+        if not run.img2img:
+            tokens, ids = image_inputs.reference_tokens(vae, run.state["references"], run.batch, self.dtype)
+            run.state.update(ref_tokens=tokens, img_ids=mx.concatenate([run.state["img_ids"], ids], axis=1))
+            return x
+        init = image_inputs.resized(image_inputs.over_white(run.images[0]), run.width, run.height)
+        clean = mx.broadcast_to(image_inputs.flux2_latents(vae, init, self.dtype), run.state["shape"])
+        x = image_inputs.noised(pack(clean), x, run.sigmas[run.start])
+        mx.eval(x)
+        return x
 
-        with phase("decode"), self.use(self.components["vae"], result) as vae:
-            images = decode(vae, x, self.dtype)
-        return finish(result, images, x)
+    def images_note(self, run, seconds):
+        refs, tokens = run.state["references"], run.state["ref_tokens"]
+        if not refs:
+            return super().images_note(run, seconds)
+        _, _, h, w = run.state["shape"]
+        return (f"{len(refs)} reference image{'s' * (len(refs) > 1)} ({', '.join(f'{r.width}x{r.height}' for r in refs)})"
+                f": {tokens.shape[1]} tokens beside {h * w} image and {run.state['txt_ids'].shape[1]} text tokens, "
+                f"encoded in {seconds:.2f} s ({seconds / len(refs):.2f} s each)")
 
-    @staticmethod
-    def _img2img_start(steps, strength):
-        start = image_inputs.flux2_img2img_start(steps, strength)
-        if start >= steps:
-            raise MlxdiffError(f"strength={strength:g} with {steps} steps denoises no step; raise the strength or "
-                               "the steps")
-        return start
+    def velocity(self, run, transformer, i, x):
+        # diffusers rounds t to the latents' dtype before dividing by 1000 (bf16 runs: about 25% of the timesteps
+        # move one bf16 step); do the same so bf16 runs match it
+        t = mx.full((run.batch,), run.timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
+        # reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
+        refs, n_img, st = run.state["ref_tokens"], x.shape[1], run.state
+        tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
+        v = transformer(tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"],
+                        guidance=st["guidance"], after_block=evaluate_each_block)[:, :n_img]
+        if run.cfg:
+            v_neg = transformer(tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"],
+                                guidance=None, after_block=evaluate_each_block)[:, :n_img]
+            v = v_neg + run.guidance * (v - v_neg)
+        return v
+
+    def unpack(self, run, x):
+        return x.transpose(0, 2, 1).reshape(run.state["shape"])       # (ids are a regular grid)
+
+
+def pack(x):
+    """(B, C, h, w) latents -> (B, h*w, C) tokens, row-major."""
+    b, c, h, w = x.shape
+    return x.reshape(b, c, h * w).transpose(0, 2, 1)
 
 
 def latent_ids(batch, h, w):

@@ -13,12 +13,11 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_images, check_latents, check_layers
+from ..arguments import check_generate, check_latents, check_layers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
 from . import image_inputs
-from .base import Pipeline, as_numpy, decode, denoise, evaluate_each_block, initial_latents
-from .report import Result, finish, new_run
+from .base import Pipeline, as_numpy, evaluate_each_block, initial_latents
 
 
 @dataclass
@@ -33,14 +32,18 @@ class Conditioning:
 
 
 class SD3Pipeline(Pipeline):
+    """`generate(..., image=, strength=)` is image-to-image as diffusers' StableDiffusion3Img2ImgPipeline (strength
+    0 < s <= 1, default 0.6 as there): the image resized to the output size (whose default is the model's, not the
+    image's, as there), a sample of the VAE posterior, noised to the sigma of the first step run, steps
+    int(steps - steps * strength) + 1 to `steps` run. `latents`: the noise (img2img: the noise mixed into the init
+    latents, diffusers' `noise` in prepare_latents); `image_noise`: the posterior sample's standard-normal noise
+    (diffusers draws it first from the generator, in vae.encode(...).latent_dist.sample), shaped like the VAE
+    latents; by default both are drawn from `seed`. The other keywords are diffusers' (OPTIONS)."""
     family = "sd3"
     patch_size = 2
-
+    OPTIONS = {"skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
+               "skip_layer_guidance_stop": 0.2, "clip_skip": None, "max_sequence_length": 256, "image_noise": None}
     IMG2IMG_STRENGTH = 0.6        # StableDiffusion3Img2ImgPipeline's default strength
-
-    def steps_run(self, steps, strength=None) -> int:
-        """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule)."""
-        return steps if strength is None else steps - image_inputs.sd3_start(steps, strength)
 
     def defaults(self):
         return {"steps": 28, "guidance": 7.0}
@@ -108,89 +111,72 @@ class SD3Pipeline(Pipeline):
             return Conditioning(embeds, pooled)
         return Conditioning(embeds[:batch], pooled[:batch], embeds[batch:], pooled[batch:])
 
-    # -- generate -------------------------------------------------------------------------------------------------
-    def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
-                 guidance=None, seed=0, latents=None, skip_guidance_layers=None, skip_layer_guidance_scale=2.8,
-                 skip_layer_guidance_start=0.01, skip_layer_guidance_stop=0.2, clip_skip=None,
-                 max_sequence_length=256, image=None, strength=None, image_noise=None, callback=None,
-                 progress_bar=True, **options) -> Result:
-        """`image` (a PIL image or an image file): image-to-image as diffusers' StableDiffusion3Img2ImgPipeline, with
-        `strength` (0 < strength <= 1, default 0.6 as there): the image resized to the output size (whose default
-        is the model's, not the image's, as there), a sample of the VAE posterior, noised to the sigma of the first
-        step run, steps int(steps - steps * strength) + 1 to `steps` run. `latents`: the noise (img2img: the noise
-        mixed into the init latents, diffusers' `noise` in prepare_latents); `image_noise`: the posterior sample's
-        standard-normal noise (diffusers draws it first from the generator, in vae.encode(...).latent_dist.sample),
-        shaped like the VAE latents; by default both are drawn from `seed`."""
-        names, given = check_images(image, strength, self.family)
-        if given and strength is None:
-            strength = self.IMG2IMG_STRENGTH
-        image_noise = check_latents(image_noise)
-        width, height, steps, guidance = self.request(
-            width, height, steps, guidance, options, seed=seed, prompt=prompt, negative_prompt=negative_prompt,
-            latents=latents, max_sequence_length=max_sequence_length, clip_skip=clip_skip,
-            skip_layer_guidance_scale=skip_layer_guidance_scale, skip_layer_guidance_start=skip_layer_guidance_start,
-            skip_layer_guidance_stop=skip_layer_guidance_stop)
-        skip_guidance_layers = check_layers("skip_guidance_layers", skip_guidance_layers,
-                                            self.components["transformer"].args.num_layers)
-        start = image_inputs.sd3_start(steps, strength) if given else 0      # the first step run
-        if start >= steps:
-            raise MlxdiffError(f"strength={strength:g} with {steps} steps denoises no step; raise the strength or "
-                               "the steps")
-        if image_noise is not None:
-            expected = (1, self.components["transformer"].args.in_channels, height // self.vae_scale_factor(),
-                        width // self.vae_scale_factor())
-            if not given:
-                raise MlxdiffError("image_noise: the VAE posterior's noise of image-to-image; give image= too, or "
-                                   "leave it out")
-            if tuple(image_noise.shape) != expected:
-                raise MlxdiffError(f"image_noise has shape {tuple(image_noise.shape)}, expected {expected} (the VAE "
-                                   "latents of the output size)")
-        cfg = guidance > 1
-        result, phase = new_run(self.policy.phase_markers)
-        conditioning = self.encode_phase(phase, prompt, conditioning, cfg, lambda: self.encode_prompt(
-            prompt, negative_prompt, do_classifier_free_guidance=cfg, clip_skip=clip_skip,
-            max_sequence_length=max_sequence_length), (repr(negative_prompt), clip_skip, max_sequence_length), result)
-        cond, cond_pooled = conditioning.prompt_embeds, conditioning.pooled_prompt_embeds
-        batch = cond.shape[0]
-        embeds, pooled = cond, cond_pooled
-        if cfg:  # diffusers' batch order: [negative, positive]
-            embeds = mx.concatenate([conditioning.negative_prompt_embeds, cond])
-            pooled = mx.concatenate([conditioning.negative_pooled_prompt_embeds, cond_pooled])
+    # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
+    def img2img_start(self, steps, strength):
+        return image_inputs.sd3_start(steps, strength)
 
+    def uses_cfg(self, run):
+        return run.guidance > 1
+
+    def check_inputs(self, run):
+        run.options["image_noise"] = check_latents(run.options["image_noise"])
+        if run.options["image_noise"] is not None and not run.images:
+            raise MlxdiffError("image_noise: the VAE posterior's noise of image-to-image; give image= too, or leave "
+                               "it out")
+
+    def check_run(self, run):
+        run.options["skip_guidance_layers"] = check_layers(
+            "skip_guidance_layers", run.options["skip_guidance_layers"], self.components["transformer"].args.num_layers)
+        noise, factor = run.options["image_noise"], self.vae_scale_factor()
+        expected = (1, self.components["transformer"].args.in_channels, run.height // factor, run.width // factor)
+        if noise is not None and tuple(noise.shape) != expected:
+            raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {expected} (the VAE latents of "
+                               "the output size)")
+
+    def encode(self, run):
+        return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
+                                  clip_skip=run.options["clip_skip"],
+                                  max_sequence_length=run.options["max_sequence_length"])
+
+    def encode_settings(self, run):
+        return repr(run.negative_prompt), run.options["clip_skip"], run.options["max_sequence_length"]
+
+    def prepare_latents(self, run, latents):
+        cond = run.conditioning
+        run.batch = cond.prompt_embeds.shape[0]
+        run.state["embeds"], run.state["pooled"] = cond.prompt_embeds, cond.pooled_prompt_embeds
+        if run.cfg:  # diffusers' batch order: [negative, positive]
+            run.state["embeds"] = mx.concatenate([cond.negative_prompt_embeds, cond.prompt_embeds])
+            run.state["pooled"] = mx.concatenate([cond.negative_pooled_prompt_embeds, cond.pooled_prompt_embeds])
         factor = self.vae_scale_factor()
-        shape = (batch, self.components["transformer"].args.in_channels, height // factor, width // factor)
-        x = initial_latents(latents, shape, seed)
-        sigmas, timesteps = schedulers.sd3_sigmas(steps, self.scheduler_config)
-        if given:
-            # the VAE encodes in its own phase and is freed (keep= permitting) before the transformer loads
-            with phase("reference"), self.use(self.components["vae"], result) as vae:
-                if image_noise is None:      # the posterior's noise: a second stream of the seed
-                    eps = mx.random.normal((1, *shape[1:]), key=mx.random.split(mx.random.key(seed))[1])
-                else:
-                    eps = mx.array(image_noise.astype("float32"))
-                init = image_inputs.sd3_init_latents(vae, given[0], width, height, self.dtype, eps)
-                x = image_inputs.noised(mx.broadcast_to(init, shape), x, sigmas[start])
-                mx.eval(x)
-            result.notes.append(f"image-to-image from {names[0]}: strength {strength:g}, steps {start + 1} to "
-                                f"{steps} of {steps} run (init image encoded in {result.timings['reference']:.2f} s)")
+        run.state["shape"] = shape = (run.batch, self.components["transformer"].args.in_channels,
+                                      run.height // factor, run.width // factor)
+        run.sigmas, run.timesteps = schedulers.sd3_sigmas(run.steps, self.scheduler_config)
+        return initial_latents(latents, shape, run.seed)
 
-        with phase("denoise"), self.use(self.components["transformer"], result) as transformer:
-            def velocity(i, x):
-                i += start        # img2img starts later in the schedule
-                t = mx.full((2 * batch if cfg else batch,), timesteps[i], dtype=mx.float32)
-                v = transformer(mx.concatenate([x, x]).astype(self.dtype) if cfg else x.astype(self.dtype),
-                                embeds, pooled, t, after_block=evaluate_each_block)
-                if not cfg:
-                    return v
-                v_uncond, v_cond = v[:batch], v[batch:]
-                v = v_uncond + guidance * (v_cond - v_uncond)
-                if skip_guidance_layers and steps * skip_layer_guidance_start < i < steps * skip_layer_guidance_stop:
-                    v_skip = transformer(x.astype(self.dtype), cond, cond_pooled, t[:batch],
-                                         skip_layers=list(skip_guidance_layers), after_block=evaluate_each_block)
-                    v = v + (v_cond - v_skip) * skip_layer_guidance_scale
-                return v
-            x = denoise(velocity, x, sigmas[start:], timesteps[start:], callback, progress_bar)
+    def encode_images(self, run, vae, x):
+        shape, noise = run.state["shape"], run.options["image_noise"]
+        if noise is None:      # the posterior's noise: a second stream of the seed
+            eps = mx.random.normal((1, *shape[1:]), key=mx.random.split(mx.random.key(run.seed))[1])
+        else:
+            eps = mx.array(noise.astype("float32"))
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype, eps)
+        x = image_inputs.noised(mx.broadcast_to(init, shape), x, run.sigmas[run.start])
+        mx.eval(x)
+        return x
 
-        with phase("decode"), self.use(self.components["vae"], result) as vae:
-            images = decode(vae, x, self.dtype)
-        return finish(result, images, x)
+    def velocity(self, run, transformer, i, x):
+        batch, cond, o = run.batch, run.conditioning, run.options
+        t = mx.full((2 * batch if run.cfg else batch,), run.timesteps[i], dtype=mx.float32)
+        v = transformer(mx.concatenate([x, x]).astype(self.dtype) if run.cfg else x.astype(self.dtype),
+                        run.state["embeds"], run.state["pooled"], t, after_block=evaluate_each_block)
+        if not run.cfg:
+            return v
+        v_uncond, v_cond = v[:batch], v[batch:]
+        v = v_uncond + run.guidance * (v_cond - v_uncond)
+        layers = o["skip_guidance_layers"]
+        if layers and run.steps * o["skip_layer_guidance_start"] < i < run.steps * o["skip_layer_guidance_stop"]:
+            v_skip = transformer(x.astype(self.dtype), cond.prompt_embeds, cond.pooled_prompt_embeds, t[:batch],
+                                 skip_layers=list(layers), after_block=evaluate_each_block)
+            v = v + (v_cond - v_skip) * o["skip_layer_guidance_scale"]
+        return v
