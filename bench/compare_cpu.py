@@ -27,7 +27,8 @@ t0 = time.perf_counter()
 import mlxdiff
 import numpy as np
 args = json.loads(sys.argv[1])
-pipe = mlxdiff.load(args["model"], quantize=args.get("quantize"))
+from mlxdiff.cli import parse_quantize
+pipe = mlxdiff.load(args["model"], quantize=parse_quantize(args.get("quantize")))
 size, steps = args["size"], args["steps"]
 shape = (1, 16, size // 8, size // 8) if pipe.family == "sd3" else (1, 128, size // 16, size // 16)
 r = pipe.generate("a photo of a fox in the snow", width=size, height=size, steps=steps, guidance=args["guidance"],
@@ -112,9 +113,8 @@ def main():
                                                       "(e.g. text_encoder_3=8)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
-    from mlxdiff.cli import parse_quantize
     args = {"model": str(Path(a.model).resolve()), "size": a.size, "steps": a.steps, "guidance": a.guidance,
-            "quantize": parse_quantize(a.quantize)}
+            "quantize": a.quantize}
     results = {"mlxdiff": run_child(MLXDIFF_CHILD, args)}
     if not a.skip_diffusers:
         results["diffusers"] = run_child(DIFFUSERS_CHILD, args, [str(ROOT)])

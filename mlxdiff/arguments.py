@@ -9,6 +9,7 @@ range), never a default in disguise.
 import math
 import numbers
 import os
+from dataclasses import dataclass
 
 from .errors import MlxdiffError
 
@@ -25,6 +26,11 @@ MAX_REFERENCES = 10      # FLUX.2 reference images: diffusers' pipelines set no 
 IMAGE_FILE_BYTES = 256 << 20   # an input image file read up front; far more than any 4096x4096 PNG
 REFERENCE_MIN_SIDE = 64  # FLUX.2 reference images: diffusers' Flux2ImageProcessor.check_image_input
 REFERENCE_MAX_ASPECT = 8
+
+# quantize=: the bit widths and group sizes of MLX's affine quantization that mlxdiff offers
+SUPPORTED_BITS = (3, 4, 5, 6, 8)
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 64
 
 DEFAULT = "; leave it out for the model's default"
 
@@ -54,6 +60,17 @@ FAMILY_OPTIONS = {"skip_guidance_layers": "sd3", "skip_layer_guidance_scale": "s
 FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2"}
 
 TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
+
+
+@dataclass(frozen=True)
+class QuantizeSetting:
+    """One component's quantize-while-loading setting, checked (made by quantize_setting). `as_dict()` is the form
+    a spec holds and a converted checkpoint's config.json saves: {"bits", "group_size"}."""
+    bits: int
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def as_dict(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size}
 
 
 def memory_cap_gb() -> float:
@@ -250,38 +267,43 @@ def check_generate(**values) -> dict:
     return out
 
 
-def _bits(where, value):
-    from .loading.quantize import GROUP_SIZES, SUPPORTED_BITS
-    bits_only = not isinstance(value, dict)
-    setting = {"bits": value} if bits_only else value
+def quantize_setting(value, where="quantize") -> QuantizeSetting:
+    """The one check of a quantize setting: bits (an integer of SUPPORTED_BITS), {"bits": B[, "group_size": G]}
+    (G of GROUP_SIZES, default DEFAULT_GROUP_SIZE) or a QuantizeSetting (made here already: trusted) ->
+    QuantizeSetting. `where` names the argument in the one-line error (quantize, quantize['transformer'])."""
+    if isinstance(value, QuantizeSetting):
+        return value
+    setting = value if isinstance(value, dict) else {"bits": value}
     allowed = ", ".join(map(str, SUPPORTED_BITS))
     if set(setting) - {"bits", "group_size"} or "bits" not in setting or any(
             isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in setting.values()):
         raise MlxdiffError(f"{where}={value!r}: expected bits as an integer ({allowed}) or "
                            '{"bits": B, "group_size": G}')
-    if setting["bits"] not in SUPPORTED_BITS:
-        raise MlxdiffError(f"{where}={value!r}: {setting['bits']}-bit quantization is not supported; use one of "
-                           f"{allowed}")
-    if setting.get("group_size", GROUP_SIZES[1]) not in GROUP_SIZES:
-        raise MlxdiffError(f"{where}={value!r}: group size {setting['group_size']} is not supported; use one of "
+    bits, group_size = int(setting["bits"]), int(setting.get("group_size", DEFAULT_GROUP_SIZE))
+    if bits not in SUPPORTED_BITS:
+        raise MlxdiffError(f"{where}={value!r}: {bits}-bit quantization is not supported; use one of {allowed}")
+    if group_size not in GROUP_SIZES:
+        raise MlxdiffError(f"{where}={value!r}: group size {group_size} is not supported; use one of "
                            + ", ".join(map(str, GROUP_SIZES)))
+    return QuantizeSetting(bits, group_size)
 
 
 def check_quantize(quantize):
-    """Bits for every component, or {component: bits | {"bits", "group_size"}}; the component names are checked
-    against the pipeline by loading.quantize.plan."""
+    """quantize=: bits for every component, or {component: bits | {"bits", "group_size"}} -> a QuantizeSetting for
+    every component, or {component: QuantizeSetting}; None stays None. Settings already checked pass as they are.
+    The component names are checked against the pipeline by loading.quantize.plan, which trusts these settings."""
     if quantize is None:
         return None
-    if isinstance(quantize, dict):
-        if not quantize:
-            raise MlxdiffError("quantize={}: name at least one component, e.g. {'transformer': 4}")
-        for name, value in quantize.items():
-            if not isinstance(name, str):
-                raise MlxdiffError(f"quantize: component names are str, got {name!r}")
-            _bits(f"quantize[{name!r}]", value)
-    else:
-        _bits("quantize", quantize)
-    return quantize
+    if not isinstance(quantize, dict):
+        return quantize_setting(quantize)
+    if not quantize:
+        raise MlxdiffError("quantize={}: name at least one component, e.g. {'transformer': 4}")
+    settings = {}
+    for name, value in quantize.items():
+        if not isinstance(name, str):
+            raise MlxdiffError(f"quantize: component names are str, got {name!r}")
+        settings[name] = quantize_setting(value, f"quantize[{name!r}]")
+    return settings
 
 
 def _is_path(value) -> bool:

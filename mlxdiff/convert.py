@@ -25,7 +25,8 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
     from mlx.utils import tree_flatten
     import mlx.core as mx
     from .default_model import weights_dir
-    from .loading.sources import NATIVE_KEY, class_name_of, resolve_path
+    from .loading.sources import resolve_path
+    from .loading.spec import NATIVE_KEY, class_name_of
     from .loading.quantize import materialize
 
     dest = Path(dest)

@@ -21,7 +21,7 @@ Formats (what the tools write), told apart by their names:
   models/mmdit.py): the table that maps a base checkpoint maps its LoRA. lora_B has the base weight's rows, so it is
   split, reordered (swap_halves) exactly as the base weight is; lora_A (the input side) is shared by the parts.
   FLUX.2's single-block linear1 stays fused as in mlxdiff; its row ranges reach the LoRA through
-  `LoRALinear.rows` (models/flux2.linear_rows).
+  `LoRALinear.rows` (formats/quantized.linear_rows).
 
 Text-encoder parts (kohya `lora_te1_` / `lora_te2_` / `lora_te3_`, PEFT `text_encoder.` / `text_encoder_2.` /
 `text_encoder_3.`) go to SD3.5's CLIP-L, CLIP-G and T5 encoders (their module paths are transformers' names); the
@@ -40,7 +40,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import MlxdiffError
-from .formats.quantized import split_rows
+from .formats.quantized import linear_dims, linear_rows, split_rows
 
 
 # tensor name ending -> role ("A": down / input side, "B": up / output side, "alpha")
@@ -124,8 +124,7 @@ class LoRALinear(nn.Module):
         return f"{len(self._scales)} LoRA(s), ranks {[a.shape[0] for a in self.lora_a]}, scales {self._scales}"
 
     def rows(self, start, stop):
-        """The layer restricted to output rows start:stop (models/flux2.linear_rows): the base's rows and B's."""
-        from .models.flux2 import linear_rows
+        """The layer restricted to output rows start:stop (formats/quantized.linear_rows): the base's rows and B's."""
         return LoRALinear(linear_rows(self.base, start, stop),
                           [(a, b[start:stop], s) for a, b, s in self.adapters()])
 
@@ -134,21 +133,6 @@ class LoRALinear(nn.Module):
         for a, b, s in zip(self.lora_a, self.lora_b, self._scales):
             y = y + ((x @ a.T) * s).astype(y.dtype) @ b.T
         return y
-
-
-def linear_dims(module):
-    """(input width, output width) of a linear layer of any kind mlxdiff builds, or None if it is not one."""
-    if isinstance(module, LoRALinear):
-        return linear_dims(module.base)
-    if isinstance(module, nn.Linear):
-        out_dims, in_dims = module["weight"].shape
-        return in_dims, out_dims
-    if not isinstance(module.get("weight"), mx.array) or module["weight"].ndim != 2:
-        return None
-    if hasattr(module, "bits") and "scales" in module:     # nn.QuantizedLinear, DequantizedLinear
-        return module["weight"].shape[1] * 32 // module.bits, module["weight"].shape[0]
-    in_dims = getattr(module, "in_dims", None)                # RawLinear (GGUF blocks), Fp8Linear
-    return (in_dims, module["weight"].shape[0]) if isinstance(in_dims, int) else None
 
 
 # -- reading a file ------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ turns them into layer arrays and says which layers to make quantized before stri
 the per-layer decode-then-matmul that DequantizedLinear and RawLinear share.
 """
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -193,6 +194,38 @@ def quantized_predicate(layers: dict):
     return predicate
 
 
+# -- a linear layer of any form: its widths, a slice of its output rows --------------------------------------------
+
+def linear_dims(module):
+    """(input width, output width) of a linear layer of any kind mlxdiff builds (plain, quantized, dequantizing,
+    GGUF-raw, fp8, or a wrapper around one such as mlxdiff/lora.py's LoRALinear), or None if it is not one."""
+    base = module.get("base")
+    if isinstance(base, nn.Module):                         # a wrapper (LoRALinear): its base layer's
+        return linear_dims(base)
+    if isinstance(module, nn.Linear):
+        out_dims, in_dims = module["weight"].shape
+        return in_dims, out_dims
+    if not isinstance(module.get("weight"), mx.array) or module["weight"].ndim != 2:
+        return None
+    if hasattr(module, "bits") and "scales" in module:     # nn.QuantizedLinear, DequantizedLinear
+        return module["weight"].shape[1] * 32 // module.bits, module["weight"].shape[0]
+    in_dims = getattr(module, "in_dims", None)                # RawLinear (GGUF blocks), Fp8Linear
+    return (in_dims, module["weight"].shape[0]) if isinstance(in_dims, int) else None
+
+
+def linear_rows(layer, start, stop):
+    """The same linear layer (plain, quantized, dequantizing, GGUF-raw or fp8) restricted to output rows
+    start:stop: every array of it sliced along its first axis (rows of weight, scales, biases, bias); nothing is
+    copied. A layer that knows its own rows (a LoRA around a base, mlxdiff/lora.py) is asked for them."""
+    if hasattr(layer, "rows"):
+        return layer.rows(start, stop)
+    view = copy.copy(layer)
+    for name, value in layer.items():
+        if isinstance(value, mx.array):
+            view[name] = value[start:stop]
+    return view
+
+
 # -- decode-then-matmul, one layer at a time ---------------------------------------------------------------------
 
 CHUNK_WEIGHTS = 1 << 20   # weights a layer decodes at a time on the CPU (whole rows) ...
@@ -229,7 +262,7 @@ class DecodingLinear(nn.Module):
     array with the output rows first) and is decoded to float just before its matmul, by `chunked_matmul`.
     A subclass holds its arrays and says how a slice of rows decodes: `decode(weight_rows, rows)`, where `rows`
     (a slice) picks the same rows of its other arrays. As they all have the output rows first, a row slice of the
-    layer is a layer (models/flux2.linear_rows)."""
+    layer is a layer (linear_rows)."""
 
     decodes_per_call = True   # memory.compile_blocks_for: paced per layer, not compiled whole
 

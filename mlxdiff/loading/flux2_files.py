@@ -15,8 +15,8 @@ from pathlib import Path
 from ..errors import MlxdiffError
 from ..formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
 from ..models import flux2, mmdit, text_llm
-from .sources import (FLUX2_TAPS, PipelineSources, not_a_folder, text_encoder_from_file,
-                      transformer_from_file, vae_from_file)
+from .sources import FLUX2_TAPS, not_a_folder, text_encoder_from_file, transformer_from_file, vae_from_file
+from .spec import PipelineSources
 
 # scheduler_config.json of black-forest-labs/FLUX.2-dev and the FLUX.2-klein repos (4B, 9B, base and distilled
 # alike; ../shared/specs/flux2.md section 4): the pipelines pass mu explicitly, so only use_dynamic_shifting and

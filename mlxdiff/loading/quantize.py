@@ -1,5 +1,6 @@
-"""Quantization in one place: the settings, the plan over a pipeline's components, quantize-while-loading, the
-rule for checkpoints saved quantized, the size estimate, and streaming materialization.
+"""Quantization in one place: the plan over a pipeline's components, quantize-while-loading, the rule for
+checkpoints saved quantized, and streaming materialization. The settings (bits, group sizes) and their one check are
+arguments.py's (SUPPORTED_BITS, GROUP_SIZES, QuantizeSetting, quantize_setting).
 
 Which layers may be quantized is each model's own statement (`Model.quant_predicate(path, module)`, as mlx-lm's
 models have): embedders, output layers and shared modulations stay in full precision, because they are small and an
@@ -15,31 +16,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..arguments import DEFAULT_GROUP_SIZE, quantize_setting
 from ..errors import MlxdiffError
 
-SUPPORTED_BITS = (3, 4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-DEFAULT_GROUP_SIZE = 64
-
-
-def check_settings(bits, group_size, where="quantize"):
-    if bits not in SUPPORTED_BITS:
-        raise MlxdiffError(f"{where}: {bits}-bit quantization is not supported; use one of {SUPPORTED_BITS}")
-    if group_size not in GROUP_SIZES:
-        raise MlxdiffError(f"{where}: group size {group_size} is not supported; use one of {GROUP_SIZES}")
-
-
-def setting(bits_or_setting, where="quantize") -> dict:
-    """4 or {"bits": 4[, "group_size": 64]} -> {"bits", "group_size"}, checked."""
-    value = {"bits": bits_or_setting} if isinstance(bits_or_setting, int) else dict(bits_or_setting)
-    value.setdefault("group_size", DEFAULT_GROUP_SIZE)
-    check_settings(value["bits"], value["group_size"], where)
-    return value
+def setting(value, where="quantize") -> dict:
+    """4, {"bits": 4[, "group_size": 64]} or a QuantizeSetting -> the {"bits", "group_size"} a spec holds
+    (`spec.quantize`), through the one check of quantize settings (arguments.quantize_setting; a QuantizeSetting,
+    checked already, is taken as it is)."""
+    return quantize_setting(value, where).as_dict()
 
 
 def plan(components: dict, quantize) -> None:
-    """Set `spec.quantize` on a pipeline's specs. quantize: bits for every model component, or
-    {component: bits | {"bits", "group_size"}}."""
+    """Set `spec.quantize` on a pipeline's specs. `quantize`: what arguments.check_quantize returns (a
+    QuantizeSetting for every model component, or {component: QuantizeSetting}), whose settings are trusted here;
+    only the component names are checked, against this pipeline. (Plain bits or dicts pass through the same one
+    check on the way.)"""
     if quantize is None:
         return
     present = {k: v for k, v in components.items() if v is not None}
@@ -61,9 +52,9 @@ def quantizable(model, path, module, group_size) -> bool:
 
 def quantize_model(model, bits: int, group_size: int = DEFAULT_GROUP_SIZE):
     """Replace the quantizable Linear layers by QuantizedLinear (lazily; call materialize to stream)."""
-    check_settings(bits, group_size)
-    nn.quantize(model, group_size=group_size, bits=bits,
-                class_predicate=lambda path, m: quantizable(model, path, m, group_size))
+    checked = quantize_setting({"bits": bits, "group_size": group_size})
+    nn.quantize(model, group_size=checked.group_size, bits=checked.bits,
+                class_predicate=lambda path, m: quantizable(model, path, m, checked.group_size))
     return model
 
 
@@ -94,17 +85,6 @@ def prepare_quantized(model, weights: dict, quantization: dict, rename=None) -> 
 def parameter_nbytes(model) -> int:
     """Bytes of a model's parameters; exact also for a lazy (not yet evaluated) model, from shapes and dtypes."""
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-
-
-def quantized_nbytes(model, bits: int, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """What `model` would hold quantized at `bits`: the estimate behind memory hints. Quantizable Linear weights
-    become bits/8 bytes per weight plus a scale and a bias per group in the weight's dtype; the rest stays."""
-    total = parameter_nbytes(model)
-    for path, module in model.named_modules():
-        if quantizable(model, path, module, group_size):
-            w = module.weight
-            total += w.size * bits // 8 + w.size // group_size * 2 * w.itemsize - w.nbytes
-    return total
 
 
 def materialize(model):

@@ -6,8 +6,9 @@ from ..errors import MlxdiffError
 from ..formats import check_weight_file
 from .flux2_files import flux2_files
 from .single_file import TEXT_ENCODER_FILES, sd3_single_file, sd3_vae_file, text_encoder_file
-from .sources import (PIPELINE_FAMILIES, PipelineSources, check_together, flux2_folder, not_a_folder,
-                      read_pipeline_folder, resolve_path, sd3_folder)
+from .sources import (PIPELINE_FAMILIES, check_together, flux2_folder, not_a_folder, read_pipeline_folder,
+                      resolve_path, sd3_folder)
+from .spec import PipelineSources
 
 
 def resolve(model, *, transformer=None, text_encoders=None, text_encoder=None, vae=None,

@@ -11,7 +11,8 @@ from ..formats import check_weight_file, is_gguf, open_weights, tensor_shapes
 from ..formats.keymaps import remap, strip_prefix
 from ..models import clip, mmdit, t5, vae
 from ..tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
-from .sources import ComponentSpec, PipelineSources, not_a_folder, transformer_from_file
+from .sources import not_a_folder, transformer_from_file
+from .spec import ComponentSpec, PipelineSources
 
 SD3_SCHEDULER_DEFAULT = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 

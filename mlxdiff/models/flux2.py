@@ -9,7 +9,6 @@ Structure: 4-axis RoPE (T, H, W, L position ids; theta 2000; adjacent pairs rota
 shared by all blocks, SwiGLU feed-forwards, qk RMSNorm, no biases anywhere, text tokens first in the joint sequence.
 """
 
-import copy
 import re
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -22,6 +21,7 @@ import mlx.nn as nn
 from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, positive
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
+from ..formats.quantized import linear_rows
 from ..pacing import pace
 from ..policy import current
 from .embeddings import TimestepEmbedding, timestep_embedding
@@ -194,19 +194,6 @@ def swiglu_rows(layer, x, start: int, hidden: int) -> list:
     return [pace(silu_gate(linear_rows(layer, start + a, start + b)(x),
                            linear_rows(layer, start + hidden + a, start + hidden + b)(x)))
             for a, b in ((0, half), (half, hidden))]
-
-
-def linear_rows(layer, start, stop):
-    """The same linear layer (plain, quantized, dequantizing or GGUF-raw) restricted to output rows start:stop:
-    every array of it sliced along its first axis (rows of weight, scales, biases, bias); nothing is copied.
-    A layer that knows its own rows (a LoRA around a base, mlxdiff/lora.py) is asked for them."""
-    if hasattr(layer, "rows"):
-        return layer.rows(start, stop)
-    view = copy.copy(layer)
-    for name, value in layer.items():
-        if isinstance(value, mx.array):
-            view[name] = value[start:stop]
-    return view
 
 
 def clip_fp16(x):

@@ -29,7 +29,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     """
     from ..arguments import check_load
     from .flux2 import Flux2Pipeline
-    from ..arguments import check_number
+    from ..arguments import check_number, check_quantize
     from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
     from .sd3 import SD3Pipeline
     # checked here too, for calls as mlxdiff.pipelines.load
@@ -37,6 +37,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
                loras=loras)
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
+    quantize = check_quantize(quantize)       # the one check: typed settings that the plan trusts
     policy = from_switches(check_number("memory_limit", memory_limit))
     found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder, vae=vae,
                     tokenizer=tokenizer)

@@ -1,0 +1,146 @@
+"""What a pipeline is made of, before anything is read: one ComponentSpec per model component (its architecture
+module, config, weight files and key mapping; `spec.build()` maps the weights lazily when a phase needs the model)
+and the PipelineSources that gather them with the tokenizers and settings. The readers that make them from what a
+user names are sources.py (folders, files), single_file.py and flux2_files.py; resolve.py picks which.
+
+Also here: the architecture registry (diffusers / transformers class name <-> mlxdiff.models module, which is what a
+spec's `arch` is and what mlxdiff.convert saves a component as) and NATIVE_KEY, the mark of mlxdiff's own format.
+What a module in the registry provides: mlxdiff/models/protocol.py.
+"""
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from ..formats import is_gguf, loaded_nbytes, open_weights, tensor_nbytes
+from ..formats.keymaps import strip_prefix
+from ..models import clip, flux2, mmdit, t5, text_llm, vae, vae_flux2
+from ..models.protocol import Architecture
+from .build import build
+from .quantize import parameter_nbytes, setting
+
+# diffusers / transformers class name -> our model module
+ARCHITECTURES = {
+    "SD3Transformer2DModel": mmdit,
+    "AutoencoderKL": vae,
+    "CLIPTextModelWithProjection": clip,
+    "T5EncoderModel": t5,
+    "Flux2Transformer2DModel": flux2,
+    "AutoencoderKLFlux2": vae_flux2,
+    "Mistral3ForConditionalGeneration": text_llm,
+    "Qwen3ForCausalLM": text_llm,
+}
+# config.json key that marks mlxdiff's own format: weights saved in the module's names and layouts (no sanitize)
+NATIVE_KEY = "_mlxdiff_native"
+
+
+def class_name_of(spec) -> str:
+    """The diffusers / transformers class a converted component is saved as."""
+    if spec.arch is text_llm:
+        return text_llm.ARCHITECTURES[spec.config.get("model_type")]
+    return next(name for name, arch in ARCHITECTURES.items() if arch is spec.arch)
+
+
+@dataclass
+class ComponentSpec:
+    """One model component: its architecture module, config dict and where its weights are."""
+    name: str
+    arch: Architecture                # the mlxdiff.models.<x> module (what it provides: models/protocol.py)
+    config: dict
+    files: list                       # safetensors (or GGUF) files holding the weights
+    prefix: str = ""                  # only keys under this prefix belong to the component (single files)
+    keymap: Callable | None = None    # original names -> diffusers names
+    extra: dict = field(default_factory=dict)   # tensors to add after mapping (e.g. SD3's identity CLIP-L projection)
+    quantize: dict | None = None      # {"bits", "group_size"}: quantize while loading
+    matmul: str | None = None         # "qmm" | "dequantize" for quantized layers (None: backend default)
+    gguf_layout: str | None = None    # "raw" | "affine" for GGUF files (None: "auto", formats/gguf.py); the memory
+                                      # budget may pick "raw" (memory.check_fits)
+    loras: tuple = ()                 # ((file, scale), ...): LoRAs added to the built model (mlxdiff/lora.py)
+
+    @property
+    def source(self):
+        return ", ".join(str(f) for f in self.files)
+
+    @property
+    def args(self):
+        """The typed config (the architecture's ModelArgs)."""
+        return self.arch.ModelArgs.from_dict(self.config)
+
+    def with_config(self, **changes) -> "ComponentSpec":
+        return replace(self, config={**self.config, **changes})
+
+    def weights(self, compute_dtype=None) -> dict:
+        weights = {}
+        for f in self.files:
+            weights.update(open_weights(f, compute_dtype, self.gguf_layout))
+        if self.prefix:
+            weights = strip_prefix(weights, self.prefix)
+        if self.keymap:
+            weights = self.keymap(weights)
+        for k, fn in self.extra.items():
+            weights.setdefault(k, fn(weights))
+        return weights
+
+    def nbytes(self) -> int:
+        """Bytes, as stored, of the tensors this component reads (headers only; nothing is read)."""
+        reads = getattr(self.arch, "reads_stored", None)
+        args = self.args if reads else None
+        total = 0
+        for f in self.files:
+            for name, n in tensor_nbytes(f).items():
+                if name.startswith(self.prefix) and (reads is None or reads(name[len(self.prefix):], args)):
+                    total += n
+        return total
+
+    def loaded_nbytes(self, quantize=None, compute_dtype=None) -> int:
+        """Bytes in memory once loaded: as stored, or, when quantizing while loading (`self.quantize`, or the
+        `quantize` bits or setting to estimate), the exact size of the model built lazily: safetensors are mapped,
+        not read, so nothing is read. GGUF weights are already quantized: their size in the layout they load in
+        (from the header)."""
+        if any(is_gguf(f) for f in self.files):
+            total = sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
+            if getattr(self.arch, "reads_stored", None) is None:
+                return total + self.lora_nbytes()
+            # an LLM encoder reads only the tapped layers: the loaded size in proportion to the bytes it reads
+            stored = sum(sum(tensor_nbytes(f).values()) for f in self.files)
+            return round(total * self.nbytes() / stored) if stored else total
+        quantize = self.quantize if quantize is None else setting(quantize)
+        if not quantize:
+            return self.nbytes() + self.lora_nbytes()
+        model = replace(self, quantize=quantize, loras=()).build()
+        try:
+            return parameter_nbytes(model) + self.lora_nbytes()
+        finally:
+            model.clear()
+
+    def lora_nbytes(self) -> int:
+        """Bytes of the LoRA files' tensors (their headers; mlxdiff/lora.py keeps them as stored, or in the compute
+        dtype where theirs would promote it)."""
+        if not self.loras:
+            return 0
+        from ..lora import lora_nbytes
+        return sum(lora_nbytes(f) for f, _ in self.loras)
+
+    def build(self, compute_dtype=None):
+        check = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization, once final
+        if check:   # a folder's encoder is named by its folder, a text_encoder=FILE by the file
+            single = self.config.get("file_layers") is not None
+            check(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
+                  else self.name)
+        model = build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
+                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
+        if self.loras:
+            from ..lora import apply_loras
+            apply_loras(model, self.arch, self.loras, model.compute_dtype, self.name)
+        return model
+
+
+@dataclass
+class PipelineSources:
+    """Everything a pipeline is made from: specs, tokenizers and settings; no weights."""
+    family: str                        # "sd3" | "flux2"
+    pipeline_class: str                # diffusers' pipeline class name
+    components: dict                   # name -> ComponentSpec (None for an absent text_encoder_3)
+    tokenizers: dict                   # name -> transformers tokenizer
+    scheduler_config: dict
+    options: dict = field(default_factory=dict)   # folder defaults: is_distilled, sample_size, max_sequence_length

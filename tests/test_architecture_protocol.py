@@ -1,0 +1,94 @@
+"""Every registered architecture module provides what mlxdiff/models/protocol.py lists: the required members, each
+capability whole where it has one, the hooks with the parameters the loaders call them with, and the capabilities
+the readers rely on for the modules they use them with."""
+
+import inspect
+import types
+
+import pytest
+
+import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.nn as nn
+
+from mlxdiff import lora
+from mlxdiff.config_checks import CheckedArgs
+from mlxdiff.loading.sources import COMPONENTS
+from mlxdiff.loading.spec import ARCHITECTURES
+from mlxdiff.models import clip, t5, text_llm
+from mlxdiff.models import protocol as P
+
+MODULES = sorted(set(ARCHITECTURES.values()), key=lambda m: m.__name__)
+IDS = [m.__name__.rsplit(".", 1)[-1] for m in MODULES]
+
+
+def _accepts(fn, method, needs_self) -> bool:
+    """Whether `fn` takes the arguments the loaders pass to the protocol's `method` (its parameters after `self` /
+    `cls` that have no default), plus an instance first where `needs_self` (a method looked up on its class)."""
+    params = list(inspect.signature(method).parameters.values())[0 if inspect.ismethod(method) else 1:]
+    args = [object()] * (needs_self + sum(p.default is inspect.Parameter.empty for p in params))
+    try:
+        inspect.signature(fn).bind(*args)
+    except TypeError:
+        return False
+    return True
+
+
+def test_registry_is_not_empty_and_the_check_is_not_vacuous():
+    assert len(MODULES) >= 7
+    assert not isinstance(types.ModuleType("empty"), P.Architecture)
+    assert P.protocol_members(P.Architecture) == ("Model", "ModelArgs")
+    assert P.protocol_members(P.ArchitectureModel) == ("sanitize",)
+
+
+@pytest.mark.parametrize("arch", MODULES, ids=IDS)
+def test_required_members(arch):
+    assert isinstance(arch, P.Architecture), arch.__name__
+    assert inspect.isclass(arch.ModelArgs) and issubclass(arch.ModelArgs, CheckedArgs)
+    assert issubclass(arch.ModelArgs, P.ArchitectureArgs)
+    assert inspect.isclass(arch.Model) and issubclass(arch.Model, nn.Module)
+    assert issubclass(arch.Model, P.ArchitectureModel)
+    assert _accepts(arch.Model.sanitize, P.ArchitectureModel.sanitize, needs_self=True)
+    assert _accepts(arch.ModelArgs.from_dict, P.ArchitectureArgs.from_dict, needs_self=False)
+    inspect.signature(arch.Model).bind(object())        # Model(args), as loading/build.build makes it
+    for hook in P.MODEL_HOOKS:      # optional; where present, callable as the loaders call it
+        for name in P.protocol_members(hook):
+            if hasattr(arch.Model, name):
+                assert _accepts(getattr(arch.Model, name), getattr(hook, name), needs_self=True), \
+                    (arch.__name__, name)
+
+
+@pytest.mark.parametrize("arch", MODULES, ids=IDS)
+def test_capabilities_are_whole(arch):
+    for capability, marker in P.CAPABILITIES.items():
+        members = P.protocol_members(capability)
+        assert marker in members
+        if not hasattr(arch, marker):
+            continue
+        missing = [n for n in members if not hasattr(arch, n)]
+        assert not missing, f"{arch.__name__} has {marker} but lacks {missing} of {capability.__name__}"
+        assert isinstance(arch, capability)
+        for name in members:
+            method = getattr(capability, name, None)
+            if callable(method):
+                assert _accepts(getattr(arch, name), method, needs_self=False), (arch.__name__, name)
+
+
+def test_the_readers_capabilities():
+    """The modules the readers use with a capability have it: every family's transformer is read from one original
+    file and takes LoRAs (lora.MODEL_NAMES); the SD3.5 single-file encoders read their config off shapes; the
+    FLUX.2 LLM encoder is read partly."""
+    for family, components in COMPONENTS.items():
+        for class_name in components["transformer"]:
+            arch = ARCHITECTURES[class_name]
+            assert isinstance(arch, P.OriginalFile) and isinstance(arch, P.OriginalRules), (family, arch.__name__)
+            assert lora.MODEL_NAMES[arch.__name__][0] == family
+            assert isinstance(arch.ORIGINAL_PREFIX, str) and arch.ORIGINAL_PREFIX.endswith(".")
+            assert isinstance(arch.FROM_BASE_CONFIG, tuple)
+            assert all(len(rule) == 3 for rule in arch._ORIGINAL_RULES) and arch._ORIGINAL_RULES
+    for arch in (clip, t5):
+        assert isinstance(arch, P.ConfigFromWeights)
+    for class_name in COMPONENTS["flux2"]["text_encoder"]:
+        assert ARCHITECTURES[class_name] is text_llm
+    assert isinstance(text_llm, P.PartialReader) and isinstance(text_llm.STORED_PREFIX, str)
+    # the modules without a capability are read as a whole (ComponentSpec.nbytes counts every tensor)
+    assert [m.__name__ for m in MODULES if isinstance(m, P.PartialReader)] == ["mlxdiff.models.text_llm"]
