@@ -4,7 +4,9 @@ above its inputs against the bytes of its output), then whole blocks, then the q
     python bench/block_memory.py [--dim 6144 --heads 48 --img 4096 --txt 512 --dtype bfloat16] [--bits 4]
 
 Random weights at FLUX.2-dev's widths by default; prints one RESULT json line per measurement (MB above what was
-live before the call; "out" is the output's own size). Used for bench/RESULTS.md, "Memory floor".
+live before the call; "out" is the output's own size). Used for bench/RESULTS.md, "Memory floor". The blocks run
+under the policy a run would have (policy.from_switches: MLXDIFF_IN_FLIGHT / _FUSE / _CUDA_KERNELS apply), the
+quantized forms at the depths they name.
 """
 
 import argparse
@@ -19,6 +21,7 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 
 from mlxdiff.models import flux2  # noqa: E402
+from mlxdiff.policy import current, from_switches, installed  # noqa: E402
 
 MB = 1 << 20
 
@@ -48,6 +51,11 @@ def measure(name, fn, *inputs, repeat=3):
 
 
 def main():
+    with installed(from_switches()):    # as a run's phase: paced, MLXDIFF_* switches applied
+        measure_all()
+
+
+def measure_all():
     p = argparse.ArgumentParser()
     p.add_argument("--dim", type=int, default=6144)
     p.add_argument("--heads", type=int, default=48)
@@ -109,19 +117,22 @@ def main():
     measure("double: attn", lambda a, b: double.attn(a, b, cos, sin), ximg, xtxt)
     measure("double block, whole", lambda a, b: double(a, b, (m1, m2), (m3, m4), cos, sin), ximg, xtxt)
 
-    from mlxdiff import pacing
+    from dataclasses import replace
     from mlxdiff.loading.matmul import use_strategy
+    from mlxdiff.pacing import settle
+    base = current()
     for strategy, in_flight in (("qmm", 2), ("dequantize", 1), ("dequantize", 2), ("dequantize", 4)):
-        pacing.IN_FLIGHT = in_flight
-        for block in (single, double):
-            if strategy == "qmm" and not isinstance(block.attn.to_out if block is single else block.ff.linear_in,
-                                                    nn.QuantizedLinear):
-                nn.quantize(block, group_size=32, bits=args.bits)
-            use_strategy(block, strategy)
-        mx.eval(single.parameters(), double.parameters())
-        name = f"{args.bits}-bit {strategy}, in flight {in_flight}"
-        measure(f"single block, {name}", lambda a: single(a, ms, cos, sin), x)
-        measure(f"double block, {name}", lambda a, b: double(a, b, (m1, m2), (m3, m4), cos, sin), ximg, xtxt)
+        settle()
+        with installed(replace(base, in_flight=in_flight)):
+            for block in (single, double):
+                if strategy == "qmm" and not isinstance(block.attn.to_out if block is single else
+                                                        block.ff.linear_in, nn.QuantizedLinear):
+                    nn.quantize(block, group_size=32, bits=args.bits)
+                use_strategy(block, strategy)
+            mx.eval(single.parameters(), double.parameters())
+            name = f"{args.bits}-bit {strategy}, in flight {in_flight}"
+            measure(f"single block, {name}", lambda a: single(a, ms, cos, sin), x)
+            measure(f"double block, {name}", lambda a, b: double(a, b, (m1, m2), (m3, m4), cos, sin), ximg, xtxt)
 
 
 if __name__ == "__main__":

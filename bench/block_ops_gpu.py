@@ -5,7 +5,8 @@
 klein-4B at 1024x1024: 4096 image + 512 text tokens, width 3072, 24 heads of 128, SwiGLU hidden 9216; 5 double
 and 20 single blocks. Each row is the median over 5 rounds of 10 calls, each call evaluated (so launch costs are
 in it), after warm-up calls (MLX's CUDA kernels compile on first use). Random bf16 weights. Prints one RESULT json
-line; used for bench/RESULTS.md (issue 12, "klein-4B forward").
+line; used for bench/RESULTS.md (issue 12, "klein-4B forward"). MLX runs under the policy a run would have
+(policy.from_switches: MLXDIFF_IN_FLIGHT / _FUSE apply); the kernel and block-compilation rows set their own.
 """
 
 import argparse
@@ -41,10 +42,19 @@ def clock(fn, sync, calls=10, rounds=5):
 
 def run_mlx(size):
     import mlxdiff  # noqa: F401  (first: it picks mlx-cpu's BLAS)
+    from mlxdiff.policy import from_switches, installed
+    with installed(from_switches()):    # as a run's phase: paced, MLXDIFF_* switches applied
+        return _run_mlx(size)
+
+
+def _run_mlx(size):
+    from dataclasses import replace
     import mlx.core as mx
     import mlx.nn as nn
     from mlxdiff.models import flux2, fused
     from mlxdiff.pacing import settle
+    from mlxdiff.policy import current, installed
+    base = current()
     S = (size // 16) ** 2 + TXT
     r = lambda *shape: (mx.random.normal(shape, key=mx.random.key(hash(shape) % 1000)) * 0.02).astype(mx.bfloat16)
     x = r(1, S, D)
@@ -102,11 +112,8 @@ def run_mlx(size):
                                                                                (q4[:, TXT:], norm)]}
 
     def norm_rope(parts, kernel):
-        fused._KERNELS_OFF = not kernel
-        try:
+        with installed(replace(base, cuda_kernels=kernel)):
             return fused.norm_rope(parts, cos, sin, flux2.apply_rope)
-        finally:
-            fused._KERNELS_OFF = False
 
     for case, parts in cases.items():
         for kernel in (True, False):
@@ -128,18 +135,18 @@ def run_mlx(size):
     img, txt = x[:, TXT:], x[:, :TXT]
     mods = [mod, mod]
     for compiled in (False, True):
-        fused.set_block_compilation(compiled)
         tag = "compiled" if compiled else "eager"
-        for name, call in ((f"single block, {tag}", lambda: fused.compiled_block(single, x, mod, cos, sin)),
-                           (f"double block, {tag}", lambda: fused.compiled_block(double, img, txt, mods, mods,
-                                                                                  cos, sin))):
-            rows[name] = clock(lambda: mx.async_eval(call()), lambda: (mx.synchronize(), settle()))
-            settle()
-            before = mx.get_active_memory()
-            mx.reset_peak_memory()
-            mx.eval(call())
-            settle()
-            rows[name + ", peak above inputs GiB"] = round((mx.get_peak_memory() - before) / 2 ** 30, 3)
+        with installed(replace(base, compile_blocks=compiled)):
+            for name, call in ((f"single block, {tag}", lambda: fused.compiled_block(single, x, mod, cos, sin)),
+                               (f"double block, {tag}", lambda: fused.compiled_block(double, img, txt, mods, mods,
+                                                                                      cos, sin))):
+                rows[name] = clock(lambda: mx.async_eval(call()), lambda: (mx.synchronize(), settle()))
+                settle()
+                before = mx.get_active_memory()
+                mx.reset_peak_memory()
+                mx.eval(call())
+                settle()
+                rows[name + ", peak above inputs GiB"] = round((mx.get_peak_memory() - before) / 2 ** 30, 3)
     return rows
 
 

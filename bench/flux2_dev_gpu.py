@@ -81,17 +81,24 @@ def inputs(size, text_len=512, seed=0):
 
 def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     import mlxdiff  # noqa: F401
+    from dataclasses import replace
     import mlx.core as mx
     from mlxdiff.loading import sources
     from mlxdiff.loading.quantize import materialize
     from mlxdiff.models import flux2
-    from mlxdiff.pipelines.phases import evaluate_each_block
+    from mlxdiff.pacing import settle
+    from mlxdiff.pipelines.base import evaluate_each_block
+    from mlxdiff.policy import from_switches, installed
+    policy = from_switches()     # as a run's phases (MLXDIFF_IN_FLIGHT / _COMPILE_BLOCKS / _GGUF_LAYOUT ... apply)
     out = {"backend": f"mlx {mx.__version__} {mx.default_device()}", "strategy": strategy, "size": size}
     mx.reset_peak_memory()
     t = time.perf_counter()
     spec = sources.transformer_from_file(path, flux2)
-    model = spec.build(mx.bfloat16)
-    materialize(model)
+    if policy.gguf_layout:
+        spec = replace(spec, gguf_layout=policy.gguf_layout)
+    with installed(policy):
+        model = spec.build(mx.bfloat16)
+        materialize(model)
     mx.synchronize()
     out["load_s"], out["load_peak_gb"] = time.perf_counter() - t, mx.get_peak_memory() / GB
     out["steady_gb"] = mx.get_active_memory() / GB
@@ -105,9 +112,11 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     mx.reset_peak_memory()
     for i in range(steps):
         t = time.perf_counter()
-        y = model(img, txt, mx.array([1.0 - i / steps]), img_ids, txt_ids, guidance=g,
-                  after_block=evaluate_each_block)
-        mx.eval(y)
+        with installed(policy):
+            y = model(img, txt, mx.array([1.0 - i / steps]), img_ids, txt_ids, guidance=g,
+                      after_block=evaluate_each_block)
+            mx.eval(y)
+            settle()
         mx.synchronize()
         times.append(time.perf_counter() - t)
     out["step_s"] = times

@@ -1,15 +1,17 @@
 """One transformer forward at a real config, mlxdiff beside diffusers, random bf16 weights built in memory (no file).
 
-    python bench/forward_gpu.py mlxdiff [--model klein-4b|dev] [--size 1024]      # MLXDIFF_IN_FLIGHT / _FUSE / _COMPILE_BLOCKS / _CUDA_KERNELS apply
+    python bench/forward_gpu.py mlxdiff [--model klein-4b|dev] [--size 1024]   # MLXDIFF_IN_FLIGHT / _FUSE / ... apply
     python bench/forward_gpu.py diffusers [--model klein-4b]
 
 Prints one RESULT json line: seconds per forward (median of 5 after 2 warm-up calls, which include MLX's kernel
-compilation on CUDA) and the peak above the weights. Used for bench/RESULTS.md (issue 12 rows).
+compilation on CUDA) and the peak above the weights. Used for bench/RESULTS.md (issue 12 rows). mlxdiff runs
+under the policy a run would have before its phase decides (policy.from_switches: one piece in flight, eager
+blocks, fused pieces and CUDA kernels on, unless MLXDIFF_IN_FLIGHT / _FUSE / _COMPILE_BLOCKS / _CUDA_KERNELS say
+otherwise).
 """
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -55,8 +57,10 @@ def run_mlxdiff(cfg, size):
     import mlx.core as mx
     import mlx.nn as nn
     from mlxdiff.models import flux2
-    from mlxdiff.pipelines.phases import evaluate_each_block
+    from mlxdiff.pipelines.base import evaluate_each_block
     from mlxdiff.pacing import settle
+    from mlxdiff.policy import from_switches, installed
+    policy = from_switches()
     model = flux2.Model(flux2.ModelArgs(**cfg))
     model.compute_dtype = mx.bfloat16
     model.update(nn.utils.tree_map(lambda a: (a * 0.02).astype(mx.bfloat16) if a.ndim > 1 else
@@ -68,17 +72,18 @@ def run_mlxdiff(cfg, size):
     weights = mx.get_active_memory()
 
     def forward():
-        y = model(img, txt, mx.array([0.5]), img_ids, txt_ids, after_block=evaluate_each_block)
-        mx.eval(y)
-        settle()
+        with installed(policy):
+            y = model(img, txt, mx.array([0.5]), img_ids, txt_ids, after_block=evaluate_each_block)
+            mx.eval(y)
+            settle()
 
     forward()
     mx.reset_peak_memory()
     seconds = timed(forward, mx.synchronize)
     return {"side": "mlxdiff", "backend": f"mlx {mx.__version__} {mx.default_device()}",
-            "in_flight": os.environ.get("MLXDIFF_IN_FLIGHT", "1"), "fuse": os.environ.get("MLXDIFF_FUSE", "1"),
-            "compile_blocks": os.environ.get("MLXDIFF_COMPILE_BLOCKS", "0"),
-            "cuda_kernels": os.environ.get("MLXDIFF_CUDA_KERNELS", "1"), "seconds": seconds, "peak_above_weights_gb": (mx.get_peak_memory() - weights) / GB,
+            "in_flight": str(policy.in_flight), "fuse": str(int(policy.fuse)),
+            "compile_blocks": str(int(policy.compile_blocks)), "cuda_kernels": str(int(policy.cuda_kernels)),
+            "seconds": seconds, "peak_above_weights_gb": (mx.get_peak_memory() - weights) / GB,
             "weights_gb": weights / GB}
 
 

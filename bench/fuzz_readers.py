@@ -2,6 +2,7 @@
 
     python bench/fuzz_readers.py --format safetensors --n 10000 --seed 1
     python bench/fuzz_readers.py --format gguf --n 10000 --seed 1
+    python bench/fuzz_readers.py --format gguf-text --n 10000 --seed 1   (text-encoder metadata: fuzz_gguf_text.py)
 
 Mutant i of a seed is a function of (seed, i) alone, so `--only i --keep DIR` writes that one file back out. The
 base files are small and valid: every safetensors dtype mlxdiff accepts (the F8 types and a zero-size tensor
@@ -55,6 +56,7 @@ from gguf import GGUFReader  # noqa: E402
 from gguf import quants as gq  # noqa: E402
 
 from gguf_helpers import T, header_fields, random_blocks, write_gguf  # noqa: E402
+import fuzz_gguf_text as gguf_text  # noqa: E402  (--format gguf-text: text-encoder metadata mutants)
 from mlxdiff.errors import MlxdiffError  # noqa: E402
 from mlxdiff.formats import open_weights  # noqa: E402
 import mlxdiff.formats.gguf  # noqa: E402,F401  (open_weights imports it lazily: once here, not in each child)
@@ -492,6 +494,8 @@ def compare_gguf(ours, path):
 
 def classify(path, fmt, tables):
     """One outcome class (and a detail) for the file at `path`."""
+    if fmt == "gguf-text":   # ours: the text encoder read, built and run; the reference: bench/fuzz_gguf_text.py
+        return gguf_text.classify(path)
     data = Path(path).read_bytes()
     try:
         ours = read_ours(path)
@@ -596,6 +600,9 @@ def _reason(message, path):
 
 
 def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=MEMORY) -> dict:
+    if fmt == "gguf-text":   # mutants made from a metadata list, not from a base file's bytes
+        return gguf_text.fuzz(n, seed, workdir, keep, only, lambda path: run_one(path, fmt, {}, timeout, memory),
+                              ACCEPTABLE, _reason)
     workdir = Path(workdir)
     ext = ".safetensors" if fmt == "safetensors" else ".gguf"
     base_path = (safetensors_base if fmt == "safetensors" else gguf_base)(workdir / f"base{ext}")
@@ -652,7 +659,7 @@ def table(result) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", choices=("safetensors", "gguf"), required=True)
+    p.add_argument("--format", choices=("safetensors", "gguf", "gguf-text"), required=True)
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", type=int, help="run (and report) mutant i alone")

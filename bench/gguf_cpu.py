@@ -17,6 +17,7 @@ seconds, MLX peak and process peak (Linux VmHWM) for the load and for the forwar
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -107,14 +108,21 @@ def run_mlxdiff(path, strategy, size, text_len):
     from mlxdiff.loading.matmul import strategy_of, use_strategy
     from mlxdiff.loading.quantize import materialize
     from mlxdiff.models import flux2
+    from mlxdiff.pipelines.base import evaluate_each_block
+    from mlxdiff.policy import from_switches, installed
+    policy = from_switches()     # as a run's phases on the CPU: paced, MLXDIFF_* switches applied
     dtype = backend.compute_dtype()
     out = {"run": f"mlxdiff {strategy}", "backend": f"mlx {mx.__version__} {mx.default_device()}, "
            f"{str(dtype).split('.')[-1]} compute, OpenBLAS {'on' if backend.openblas_path else 'off'}"}
     reset_process_peak()
     mx.reset_peak_memory()
     t = time.perf_counter()
-    model = sources.transformer_from_file(path, flux2).build(dtype)
-    materialize(model)
+    spec = sources.transformer_from_file(path, flux2)
+    if policy.gguf_layout:
+        spec = dataclasses.replace(spec, gguf_layout=policy.gguf_layout)
+    with installed(policy):
+        model = spec.build(dtype)
+        materialize(model)
     out["load_s"] = time.perf_counter() - t
     out["load_mlx_peak"], out["load_process_peak"] = mx.get_peak_memory(), process_peak()
     out["resident"] = mx.get_active_memory()
@@ -124,9 +132,9 @@ def run_mlxdiff(path, strategy, size, text_len):
     reset_process_peak()
     mx.reset_peak_memory()
     t = time.perf_counter()
-    from mlxdiff.pipelines.phases import evaluate_each_block
-    y = model(mx.array(img), mx.array(txt), mx.array([1.0]), img_ids, txt_ids, after_block=evaluate_each_block)
-    mx.eval(y)
+    with installed(policy):
+        y = model(mx.array(img), mx.array(txt), mx.array([1.0]), img_ids, txt_ids, after_block=evaluate_each_block)
+        mx.eval(y)
     out["forward_s"] = time.perf_counter() - t
     out["forward_mlx_peak"], out["forward_process_peak"] = mx.get_peak_memory(), process_peak()
     out["finite"] = bool(mx.isfinite(y).all())

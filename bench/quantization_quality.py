@@ -17,9 +17,11 @@ import mlxdiff
 import mlx.core as mx
 from mlxdiff.loading import sources
 from mlxdiff.loading.matmul import use_strategy
-from mlxdiff.pipelines.phases import evaluate_each_block
+from mlxdiff.pipelines.base import evaluate_each_block
 from mlxdiff.loading.quantize import materialize
 from mlxdiff.models import mmdit
+from mlxdiff.pacing import settle
+from mlxdiff.policy import from_switches, installed
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,6 +38,7 @@ def main():
     ctx = mx.array(rng.standard_normal((1, 333, 4096)).astype(np.float32))
     pooled = mx.array(rng.standard_normal((1, 2048)).astype(np.float32))
     t = mx.array([500.0])
+    policy = from_switches()    # as a run's phases (MLXDIFF_* switches applied)
 
     def run(quantize):
         spec = sources.ComponentSpec("transformer", mmdit, config, sources.st.safetensors_files(folder),
@@ -44,8 +47,10 @@ def main():
         use_strategy(model, "dequantize")
         materialize(model)
         start = time.perf_counter()
-        out = model(lat, ctx, pooled, t, after_block=evaluate_each_block)
-        mx.eval(out)
+        with installed(policy):
+            out = model(lat, ctx, pooled, t, after_block=evaluate_each_block)
+            mx.eval(out)
+            settle()
         seconds = time.perf_counter() - start
         result = np.array(out), mx.get_active_memory(), seconds
         model.clear()

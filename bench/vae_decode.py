@@ -3,10 +3,11 @@ diffusers on the same saved folder, each in its own process: seconds and peak me
 
     python bench/vae_decode.py [--sizes 512 1024] [--vaes sd3 flux2] [--dtype float32|bfloat16]
 
-mlxdiff decodes as its pipelines do (pipelines/phases.decode: staged evaluation, exact row bands for the CPU's
-convolutions, no tiles unless the budget requires them). Memory: on the CPU the process's peak RSS above its RSS
-once the weights are loaded (VmHWM after clear_refs), and MLX's own peak above its weights; on CUDA the allocators'
-peaks (torch.cuda.max_memory_allocated, mx.get_peak_memory) above the weights. Prints one RESULT json per run.
+mlxdiff decodes as its pipelines do (pipelines/base.decode_array under the policy a decode phase decides,
+memory.decide: staged evaluation, exact row bands for the CPU's convolutions, no tiles unless the budget requires
+them). Memory: on the CPU the process's peak RSS above its RSS once the weights are loaded (VmHWM after
+clear_refs), and MLX's own peak above its weights; on CUDA the allocators' peaks (torch.cuda.max_memory_allocated,
+mx.get_peak_memory) above the weights. Prints one RESULT json per run.
 """
 
 import argparse
@@ -44,7 +45,10 @@ if side == "mlxdiff":
     import mlxdiff
     import mlx.core as mx
     from mlxdiff.loading import sources
-    from mlxdiff.pipelines.phases import decode_array
+    from mlxdiff.memory import decide
+    from mlxdiff.pipelines.base import decode_array
+    from mlxdiff.pacing import settle
+    from mlxdiff.policy import from_switches, installed
     from mlxdiff.models import vae as vae_mod, vae_flux2
     arch = vae_flux2 if kind == "flux2" else vae_mod
     spec = sources.ComponentSpec("vae", arch, json.loads(open(folder + "/config.json").read()),
@@ -52,13 +56,15 @@ if side == "mlxdiff":
     dtype = getattr(mx, dtype_name)
     model = spec.build(dtype)
     mx.eval(model.parameters())
+    policy = decide(from_switches(), model)   # the decode phase's policy, with these weights loaded
     zz = mx.array(z).astype(dtype)
     for run in range(2):   # the first run compiles kernels (CUDA) and fused norms
         mx.synchronize(); mx.clear_cache()
         base = mx.get_active_memory(); rss0 = rss()["VmRSS"]; reset_hwm(); mx.reset_peak_memory()
         t = time.perf_counter()
-        img = decode_array(model, zz, dtype)
-        mx.eval(img); mx.synchronize()
+        with installed(policy):
+            img = decode_array(model, zz, dtype)
+            mx.eval(img); settle(); mx.synchronize()
         out["seconds"] = time.perf_counter() - t
         out["mlx_peak_above_weights_gb"] = (mx.get_peak_memory() - base) / GB
         out["rss_peak_above_gb"] = (rss()["VmHWM"] - rss0) / GB

@@ -9,6 +9,7 @@ range), never a default in disguise.
 import math
 import numbers
 import os
+import stat
 from dataclasses import dataclass
 
 from .errors import MlxdiffError
@@ -89,11 +90,11 @@ def check_number(name, value):
     integer, low, high, open_low, none = RULES[name]
     if name == "memory_limit":
         high = memory_cap_gb()
-        problem = (f"{name}={value!r}: must be a positive, finite number of GB, at most {high:.1f} "
+        problem = (f"{name}={shown(value)}: must be a positive, finite number of GB, at most {high:.1f} "
                    f"({MEMORY_FACTOR} x this machine's memory)")
     else:
         bounds = f"above {_fmt(low)} and at most" if open_low else f"from {_fmt(low)} to"
-        problem = f"{name}={value!r}: must be {'an integer' if integer else 'a finite number'} {bounds} " \
+        problem = f"{name}={shown(value)}: must be {'an integer' if integer else 'a finite number'} {bounds} " \
                   f"{_fmt(high)}{none}"
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise MlxdiffError(problem)
@@ -120,7 +121,7 @@ def check_text(name, value, lists=True):
         raise MlxdiffError(f"{name}=[]: give at least one prompt")
     for text in items:
         if not isinstance(text, str):
-            raise MlxdiffError(f"{name}={text!r}: must be text (a str{' or a list of str' if lists else ''})")
+            raise MlxdiffError(f"{name}={shown(text)}: must be text (a str{' or a list of str' if lists else ''})")
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
@@ -155,7 +156,8 @@ def check_layers(name, value, count):
     items = list(value) if isinstance(value, (list, tuple)) else None
     if (not items or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < count
                          for i in items) or len(set(items)) != len(items)):
-        raise MlxdiffError(f"{name}={value!r}: expected distinct layer indices from 0 to {count - 1}, e.g. [7, 8, 9]")
+        raise MlxdiffError(f"{name}={shown(value)}: expected distinct layer indices from 0 to {count - 1}, "
+                           "e.g. [7, 8, 9]")
     return [int(i) for i in items]
 
 
@@ -165,44 +167,146 @@ def _image_name(item, index) -> str:
     return getattr(item, "filename", "") or f"#{index + 1} (a PIL image)"
 
 
-def read_capped(path, limit, what, advice) -> bytes:
-    """A user's file read whole with a bound (so that /dev/zero is refused rather than read forever); `what` names
-    it in the one-line errors, `advice` says what to do when it is too large."""
+def _size(n) -> str:
+    return f"{n >> 20} MB" if n >= 1 << 20 else f"{n} bytes"
+
+
+# what a path that is not a regular file is: open() blocks on a FIFO until a writer comes, a character device
+# (/dev/zero, /dev/urandom) has no end, a socket cannot be opened at all
+_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def file_kind(mode) -> str | None:
+    """None for a regular file; else what it is ("a FIFO (named pipe)", "a character device", ...)."""
+    if stat.S_ISREG(mode):
+        return None
+    return next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+
+
+def _not_regular(what, kind, limit) -> MlxdiffError:
+    if kind == "a folder":
+        return MlxdiffError(f"{what}: cannot read it (it is a folder); give a file")
+    why = {"a FIFO (named pipe)": " (reading one waits for a writer, maybe forever)",
+           "a character device": " (one can be endless" + (f", far larger than {_size(limit)}" if limit else "") + ")",
+           "a block device": " (a whole disk)"}.get(kind, "")
+    return MlxdiffError(f"{what}: cannot read it: {kind}, not a regular file{why}; give a regular file")
+
+
+def check_regular(path, what, limit=None, advice="give a smaller file") -> int:
+    """A user's file, stat'ed before anything opens it (links followed): it must be a regular file, of at most
+    `limit` bytes when given. Returns its size. `what` names it in the one-line errors, `advice` says what to do when
+    it is too large."""
     try:
-        with open(path, "rb") as f:
+        info = os.stat(path)
+    except OSError as e:
+        raise MlxdiffError(f"{what}: cannot read it ({e.strerror or e})") from None
+    kind = file_kind(info.st_mode)
+    if kind is not None:
+        raise _not_regular(what, kind, limit)
+    if limit is not None and info.st_size > limit:
+        raise MlxdiffError(f"{what}: larger than {_size(limit)} ({info.st_size} bytes); {advice}")
+    return info.st_size
+
+
+def read_capped(path, limit, what, advice="give a smaller file") -> bytes:
+    """A user's small file read whole, safely: stat'ed first (check_regular: a FIFO, a device, a socket or a folder
+    is refused before anything opens it), opened without blocking, checked again on the open descriptor (the path
+    may have been swapped in between) and read with a bound of `limit` bytes (a file that grows is not read without
+    end). `what` names it in the one-line errors, `advice` says what to do when it is too large."""
+    check_regular(path, what, limit, advice)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise MlxdiffError(f"{what}: cannot read it ({e.strerror or e})") from None
+    try:
+        kind = file_kind(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise _not_regular(what, kind, limit)
+        with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read(limit + 1)
     except OSError as e:
         raise MlxdiffError(f"{what}: cannot read it ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
     if len(data) > limit:
-        raise MlxdiffError(f"{what}: larger than {limit >> 20} MB; {advice}")
+        raise MlxdiffError(f"{what}: larger than {_size(limit)}; {advice}")
     return data
 
 
+def read_json_capped(path, limit, what, advice="give a smaller file", depth=None):
+    """A user's JSON file through read_capped, parsed: a UTF-8 / syntax error, nesting deeper than Python's parser
+    takes (or than `depth`, when given) and numbers past what Python reads are one line each."""
+    import json
+    data = read_capped(path, limit, what, advice)
+    try:
+        value = json.loads(data.decode("utf-8-sig"))
+    except RecursionError:
+        raise MlxdiffError(f"{what}: cannot read it (nested too deeply)") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise MlxdiffError(f"{what}: not valid JSON ({(str(e).splitlines() or [''])[0][:200]})") from None
+    if depth is not None and json_depth(value) > depth:
+        raise MlxdiffError(f"{what}: nested more than {depth} levels deep; not the JSON expected here")
+    return value
+
+
+def json_depth(value) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, level)
+            stack.extend((v, level + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def shown(value, limit=80) -> str:
+    """A value as an error message shows it: its repr on one line, cut short; an array (numpy, MLX, torch) as its
+    type, shape and dtype (its repr spans lines)."""
+    shape = getattr(value, "shape", None)
+    if shape is not None and not isinstance(value, (str, bytes)):
+        kind = type(value)
+        dtype = getattr(value, "dtype", None)
+        return (f"<{kind.__module__.split('.')[0]}.{kind.__name__} of shape {tuple(shape)}"
+                + (f", {dtype}" if dtype is not None else "") + ">")
+    try:
+        text = repr(value)
+    except Exception:   # a user's object whose repr fails
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split()) if "\n" in text else text
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def _read_image(item, index):
-    """An image argument -> a loaded PIL image (a file: read with a bound, EXIF orientation applied, as diffusers'
-    load_image does)."""
+    """An image argument -> a loaded PIL image with pixels (a file: a regular file read with a bound, EXIF
+    orientation applied, as diffusers' load_image does)."""
     import io
     import PIL.Image
     import PIL.ImageOps
     if isinstance(item, PIL.Image.Image):
-        return item
-    if not _is_path(item):
-        raise MlxdiffError(f"image={item!r}: give a PIL image or an image file path, or a list of them")
-    path = os.fspath(item)
-    if not os.path.exists(path):
-        raise MlxdiffError(f"image {path}: no such file; give an existing image file (PNG, JPEG, WebP, ...)")
-    data = read_capped(path, IMAGE_FILE_BYTES, f"image {path}", "give a smaller image")
-    try:
-        image = PIL.ImageOps.exif_transpose(PIL.Image.open(io.BytesIO(data)))
-        image.load()
-    except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError, ...)
-        reason = (str(e).splitlines()[0] if str(e) else type(e).__name__) \
-            if not isinstance(e, PIL.UnidentifiedImageError) else "not a format PIL knows"
-        raise MlxdiffError(f"image {path}: not an image mlxdiff can read ({reason}); give a PNG, JPEG or WebP "
-                           "file") from None
+        image, name = item, _image_name(item, index)
+    elif not _is_path(item):
+        advice = " (convert an array with PIL.Image.fromarray)" if hasattr(item, "shape") else ""
+        raise MlxdiffError(f"image={shown(item)}: give a PIL image or an image file path, or a list of them{advice}")
+    else:
+        name = path = os.fspath(item)
+        if not os.path.lexists(path):
+            raise MlxdiffError(f"image {path}: no such file; give an existing image file (PNG, JPEG, WebP, ...)")
+        data = read_capped(path, IMAGE_FILE_BYTES, f"image {path}", "give a smaller image")
+        try:
+            image = PIL.ImageOps.exif_transpose(PIL.Image.open(io.BytesIO(data)))
+            image.load()
+        except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, DecompressionBombError, ...)
+            reason = (str(e).splitlines()[0] if str(e) else type(e).__name__) \
+                if not isinstance(e, PIL.UnidentifiedImageError) else "not a format PIL knows"
+            raise MlxdiffError(f"image {path}: not an image mlxdiff can read ({reason}); give a PNG, JPEG or WebP "
+                               "file") from None
+        image.filename = path      # the name results and PNG metadata give it
     if image.width < 1 or image.height < 1:
-        raise MlxdiffError(f"image {path}: has no pixels ({image.width}x{image.height})")
-    image.filename = path      # the name results and PNG metadata give it
+        raise MlxdiffError(f"image {name}: has no pixels ({image.width}x{image.height}); give an image at least 1 "
+                           "pixel a side")
     return image
 
 
@@ -277,13 +381,14 @@ def quantize_setting(value, where="quantize") -> QuantizeSetting:
     allowed = ", ".join(map(str, SUPPORTED_BITS))
     if set(setting) - {"bits", "group_size"} or "bits" not in setting or any(
             isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in setting.values()):
-        raise MlxdiffError(f"{where}={value!r}: expected bits as an integer ({allowed}) or "
+        raise MlxdiffError(f"{where}={shown(value)}: expected bits as an integer ({allowed}) or "
                            '{"bits": B, "group_size": G}')
     bits, group_size = int(setting["bits"]), int(setting.get("group_size", DEFAULT_GROUP_SIZE))
     if bits not in SUPPORTED_BITS:
-        raise MlxdiffError(f"{where}={value!r}: {bits}-bit quantization is not supported; use one of {allowed}")
+        raise MlxdiffError(f"{where}={shown(value)}: {bits}-bit quantization is not supported; use one of "
+                           f"{allowed}")
     if group_size not in GROUP_SIZES:
-        raise MlxdiffError(f"{where}={value!r}: group size {group_size} is not supported; use one of "
+        raise MlxdiffError(f"{where}={shown(value)}: group size {group_size} is not supported; use one of "
                            + ", ".join(map(str, GROUP_SIZES)))
     return QuantizeSetting(bits, group_size)
 
@@ -301,8 +406,8 @@ def check_quantize(quantize):
     settings = {}
     for name, value in quantize.items():
         if not isinstance(name, str):
-            raise MlxdiffError(f"quantize: component names are str, got {name!r}")
-        settings[name] = quantize_setting(value, f"quantize[{name!r}]")
+            raise MlxdiffError(f"quantize: component names are str, got {shown(name)}")
+        settings[name] = quantize_setting(value, f"quantize[{shown(name)}]")
     return settings
 
 
@@ -316,14 +421,14 @@ def check_loras(loras):
     if loras is None:
         return None
     if isinstance(loras, (str, os.PathLike)) or not isinstance(loras, (list, tuple)):
-        raise MlxdiffError(f"loras={loras!r}: expected a list of files or (file, scale) pairs, e.g. "
+        raise MlxdiffError(f"loras={shown(loras)}: expected a list of files or (file, scale) pairs, e.g. "
                            "[('style.safetensors', 0.8)]")
     out = []
     for item in loras:
         file, scale = (item, 1.0) if _is_path(item) else (tuple(item) if isinstance(item, (list, tuple)) and
                                                            len(item) == 2 else (None, None))
         if not _is_path(file):
-            raise MlxdiffError(f"loras: {item!r} is not a file or a (file, scale) pair; e.g. "
+            raise MlxdiffError(f"loras: {shown(item)} is not a file or a (file, scale) pair; e.g. "
                                "('style.safetensors', 0.8)")
         out.append((str(file), 1.0 if scale is None else check_number("lora_scale", scale)))
     return out
@@ -337,22 +442,23 @@ def check_load(model, transformer=None, text_encoders=None, quantize=None, text_
         raise MlxdiffError("model=None: give a pipeline folder, a hub id in the local Hugging Face cache or a single "
                            "file; or, for FLUX.2 from files alone, transformer=, text_encoder= and vae=")
     if model is not None and not _is_path(model):
-        raise MlxdiffError(f"model={model!r}: give a pipeline folder, a hub id in the local Hugging Face cache or "
-                           "a single file, as a str or path")
+        raise MlxdiffError(f"model={shown(model)}: give a pipeline folder, a hub id in the local Hugging Face cache "
+                           "or a single file, as a str or path")
     if vae is not None and not _is_path(vae):
-        raise MlxdiffError(f"vae={vae!r}: give the VAE file that replaces the model's (e.g. flux2-vae.safetensors), "
-                           "as a str or path")
+        raise MlxdiffError(f"vae={shown(vae)}: give the VAE file that replaces the model's (e.g. "
+                           "flux2-vae.safetensors), as a str or path")
     if tokenizer is not None and not _is_path(tokenizer):
-        raise MlxdiffError(f"tokenizer={tokenizer!r}: give the FLUX.2 tokenizer folder, as a str or path")
+        raise MlxdiffError(f"tokenizer={shown(tokenizer)}: give the FLUX.2 tokenizer folder, as a str or path")
     if transformer is not None and not _is_path(transformer):
-        raise MlxdiffError(f"transformer={transformer!r}: give the file that replaces the denoiser, as a str or path")
+        raise MlxdiffError(f"transformer={shown(transformer)}: give the file that replaces the denoiser, as a str "
+                           "or path")
     if text_encoder is not None and not _is_path(text_encoder):
-        raise MlxdiffError(f"text_encoder={text_encoder!r}: give the FLUX.2 text encoder file (safetensors or GGUF), "
-                           "as a str or path")
+        raise MlxdiffError(f"text_encoder={shown(text_encoder)}: give the FLUX.2 text encoder file (safetensors or "
+                           "GGUF), as a str or path")
     check_quantize(quantize)
     check_loras(loras)
     if text_encoders is not None:
         if not isinstance(text_encoders, dict) or set(text_encoders) - set(TEXT_ENCODER_NAMES) or not all(
                 _is_path(v) for v in text_encoders.values()):
-            raise MlxdiffError(f"text_encoders={text_encoders!r}: expected {{name: file}} with names from "
+            raise MlxdiffError(f"text_encoders={shown(text_encoders)}: expected {{name: file}} with names from "
                                + ", ".join(TEXT_ENCODER_NAMES))

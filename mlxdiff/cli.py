@@ -21,17 +21,48 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def run(work, interrupted="interrupted") -> int:
     """work() -> exit code, with a user mistake as one line and 2, Ctrl-C as one line and 130. `interrupted`: the
-    line's text, or a function that says it (what was written by then)."""
+    line's text, or a function that says it (what was written by then). The work's output is flushed inside the
+    guard, so that a Ctrl-C in the moment it ends is still this one line (saying that the work had finished), not a
+    traceback at interpreter shutdown; main_exit then keeps the shutdown itself from being interrupted."""
     from .policy import from_switches
+    finished = False
     try:
         from_switches()     # every MLXDIFF_* switch checked before any work
-        return work()
+        code = work()
+        finished = True
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return code
     except MlxdiffError as e:
         print("mlxdiff: error: " + " ".join(str(e).splitlines()), file=sys.stderr)   # one line, whatever it says
         return 2
     except KeyboardInterrupt:
-        print(f"mlxdiff: {interrupted() if callable(interrupted) else interrupted}", file=sys.stderr)
+        what = interrupted() if callable(interrupted) else interrupted
+        if finished:   # the work had returned: what it wrote is whole
+            detail = what.removeprefix("interrupted").lstrip("; ")
+            what = "interrupted as the command finished; its work was done" + (f" ({detail})" if detail else "")
+        print(f"mlxdiff: {what}", file=sys.stderr)
         return 130
+
+
+def main_exit(main):
+    """`if __name__ == "__main__": main_exit(main)`: sys.exit(main()) with Ctrl-C handled outside run()'s guard
+    too. A Ctrl-C before the work (while the arguments are parsed, the modules imported) or in the moment after it
+    is one line and 130; once main() has returned, SIGINT is ignored, so that the interpreter's shutdown (flushing
+    the streams, atexit hooks, joining threads) is never cut short by a traceback or by death from the signal."""
+    import signal
+    code, returned = 130, False
+    try:
+        try:
+            code = main()
+            returned = True
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("mlxdiff: interrupted" + ("; the command had finished" if returned else ""), file=sys.stderr)
+        code = 130
+    sys.exit(code)
 
 
 def parse_quantize(text):

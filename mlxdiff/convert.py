@@ -11,12 +11,12 @@ weights/.
 
 import argparse
 import json
+import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from .cli import ArgumentParser, parse_quantize, run, write_error
+from .cli import ArgumentParser, main_exit, parse_quantize, run, write_error
 from .errors import MlxdiffError
 
 
@@ -24,14 +24,11 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
     import mlxdiff
     from mlx.utils import tree_flatten
     import mlx.core as mx
-    from .default_model import weights_dir
-    from .loading.sources import resolve_path
+    from .loading.sources import read_json, resolve_path
     from .loading.spec import NATIVE_KEY, class_name_of
     from .loading.quantize import materialize
 
-    dest = Path(dest)
-    if not dest.is_absolute() and not dest.parent.parts:
-        dest = weights_dir() / dest
+    dest = destination(dest)
     if dest.exists():
         raise MlxdiffError(f"{dest}: destination already exists; choose a new name or delete it first")
     if not dest.parent.is_dir():
@@ -41,12 +38,19 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
         tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.partial-", dir=dest.parent))
     except OSError as e:
         raise write_error(dest, e) from None
+    try:   # mkdtemp makes it 0700; the folder gets the usual permissions, as a mkdir would give it
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(dest, e) from None
     try:
         pipe = mlxdiff.load(source, transformer=transformer, quantize=quantize)
         src_root = resolve_path(source)
         index = {}
         if src_root.is_dir():
-            index = json.loads((src_root / "model_index.json").read_text())
+            index = read_json(src_root / "model_index.json", "model_index.json", src_root)
             for name, entry in index.items():
                 if name.startswith("_") or not isinstance(entry, list) or name in pipe.components:
                     continue
@@ -93,11 +97,25 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
         index["_mlxdiff_converted_from"] = str(source)
         (tmp / "model_index.json").write_text(json.dumps(index, indent=1))
         tmp.rename(dest)
-    except BaseException as e:   # Ctrl-C included: the partial folder goes, so nothing can load it later
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:   # Ctrl-C included: the partial folder goes, so nothing can load it later (after
+        shutil.rmtree(tmp, ignore_errors=True)   # the rename, tmp is gone and dest is whole)
         if isinstance(e, OSError):
             raise write_error(dest, e) from None
         raise
+    return dest
+
+
+def destination(dest) -> Path:
+    """DEST as given -> the folder to write: a bare name goes under weights/; an empty name (or one that names no
+    new folder: ".", "..") is refused, since it would name the weights folder itself or an existing one."""
+    from .default_model import weights_dir
+    text = str(dest)
+    if not text.strip() or Path(text).name in ("", ".", ".."):
+        raise MlxdiffError(f"DEST {text!r}: names no new folder; give the name of the folder to write, e.g. "
+                           "klein-native (under weights/) or /path/to/klein-native")
+    dest = Path(text)
+    if not dest.is_absolute() and not dest.parent.parts:
+        dest = weights_dir() / dest
     return dest
 
 
@@ -110,12 +128,23 @@ def main(argv=None) -> int:
     p.add_argument("--transformer", default=None)
     args = p.parse_args(argv)
 
+    new = []   # the destination, once checked to be new: a folder there after a Ctrl-C is the whole conversion
+
     def work():
-        dest = convert(args.source, args.dest, quantize=parse_quantize(args.quantize), transformer=args.transformer)
+        dest = destination(args.dest)
+        if dest.exists():
+            raise MlxdiffError(f"{dest}: destination already exists; choose a new name or delete it first")
+        new.append(dest)
+        dest = convert(args.source, new[0], quantize=parse_quantize(args.quantize), transformer=args.transformer)
         print(f"mlxdiff: wrote {dest}")
         return 0
-    return run(work, "interrupted; nothing written (the partial folder was removed)")
+
+    def interrupted():
+        if new and new[0].is_dir():   # the rename (the last step) had happened
+            return f"interrupted; {new[0]} was written whole"
+        return "interrupted; nothing written (the partial folder was removed)"
+    return run(work, interrupted)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_exit(main)

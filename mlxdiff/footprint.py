@@ -17,6 +17,7 @@ _class_name); it prints a table and writes the raw JSON and a timeline (PNG with
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -25,10 +26,10 @@ import threading
 import time
 from pathlib import Path
 
-from . import cli
+from . import backend, cli
 from .cli import ArgumentParser, check_writable, write_error
 from .errors import MlxdiffError
-from .memory import GB, process_footprint
+from .memory import GB, gpu_used_bytes, process_memory
 
 
 def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
@@ -36,6 +37,8 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
     name, the peaks it reports itself per phase (`MLXDIFF_RSS <phase> <bytes>`: its VmHWM over the phase, which a
     phase shorter than the interval needs; `MLXDIFF_GPU <phase> <allocated> <reserved>`: torch's CUDA allocator),
     its stdout and the tail of its other stderr."""
+    device = "cpu" if backend.on_cpu() else "gpu"    # the children run where this process's MLX does
+    baseline = gpu_used_bytes() if device == "gpu" else None
     start = time.time()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -73,15 +76,17 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
     readers = [threading.Thread(target=f, daemon=True) for f in (read_stderr, read_stdout)]
     for r in readers:
         r.start()
-    samples = []
+    samples, kinds = [], set()
     while proc.poll() is None:
-        fp = process_footprint(proc.pid)["footprint"]
-        if fp is not None:
-            samples.append((time.time() - start, fp))
+        now = process_memory(proc.pid, device=device, gpu_baseline=baseline)
+        if now["footprint"] is not None:
+            samples.append((time.time() - start, now["footprint"]))
+            kinds.add(now["kind"])
         time.sleep(interval)
     for r in readers:
         r.join(timeout=5)
-    return {"cmd": cmd, "rc": proc.returncode, "samples": samples, "phases": phases, "rss_peaks": rss, "gpu": gpu,
+    return {"cmd": cmd, "rc": proc.returncode, "samples": samples, "measured": sorted(kinds), "phases": phases,
+            "rss_peaks": rss, "gpu": gpu,
             "stdout": "".join(stdout), "stderr_tail": "".join(tail)}
 
 
@@ -102,7 +107,8 @@ def report_peaks(stdout: str) -> dict:
     for line in stdout.splitlines():
         tokens = line.split()
         if len(tokens) >= 3 and tokens[0] in PHASES:
-            sizes = re.findall(r"-(?=\s|$)|[0-9.]+ [MG]B", " ".join(tokens[2:]))
+            # a size is digits with at most one point (a forged "1.2.3 MB" or a 400-digit one is no size)
+            sizes = re.findall(r"-(?=\s|$)|(?<![\d.])\d{1,15}(?:\.\d{1,6})? [MG]B", " ".join(tokens[2:]))
             if len(sizes) != len(MEMORY_COLUMNS):
                 continue   # not a row of the table
             for key, i in columns.items():
@@ -118,6 +124,8 @@ def summarize(run: dict) -> dict:
     """Peaks overall and per phase: the larger of what was sampled inside the phase and the peak the process
     reported for it (a phase shorter than the sampling interval has no sample)."""
     samples, reported = run["samples"], run.get("rss_peaks") or {}
+    if run.get("measured", ["RSS"]) != ["RSS"] and not run.get("peaks_same_ruler"):
+        reported = {}   # a process's own host VmHWM is not the GPU memory its samples measured
     out = {"peak": max([m for _, m in samples] + list(reported.values()), default=0), "phases": {},
            "gpu": run.get("gpu") or {}}
     for name, a, b in run["phases"]:
@@ -189,18 +197,16 @@ def reference_for(model) -> tuple:
 
 
 def measured(runs: dict, interval: float) -> str:
-    """What the table's figures are, on this machine."""
-    from . import backend
-    how = f"; per phase: the larger of samples every {interval:g} s and the process's own peak over the phase"
-    if any(run.get("gpu") for label, run in runs.items() if label != "mlxdiff"):
-        return ("memory: GPU allocator + process (CUDA): process RSS rows" + how + "; GPU rows: torch "
-                "max_memory_allocated / max_memory_reserved per phase, mlxdiff: MLX peak")
-    if sys.platform == "darwin":
-        return f"memory: process phys_footprint (macOS; unified memory, the GPU's included); samples every {interval:g} s"
-    if sys.platform.startswith("linux"):
-        return ("memory: process RSS (Linux " + ("CPU" if backend.on_cpu() else "; the GPU's memory not included")
-                + ")" + how)
-    return f"memory: process footprint; samples every {interval:g} s"
+    """What the table's figures are, on this machine: every side by the same ruler (memory.process_memory)."""
+    kinds = sorted({k for run in runs.values() for k in run.get("measured", [])}) or ["process footprint"]
+    how = (f"memory: what each process holds, {', '.join(kinds)}, sampled from outside every {interval:g} s, the "
+           "same ruler for every side")
+    if kinds == ["RSS"]:
+        how += " (per phase also the process's own VmHWM over the phase)"
+    if any(run.get("gpu") for run in runs.values()):
+        how += ("; GPU rows, the breakdown: torch max_memory_allocated / max_memory_reserved per phase, mlxdiff's "
+                "MLX active peak")
+    return how
 
 
 def _gb(n):
@@ -246,7 +252,8 @@ def table(runs: dict, mlx_on_gpu: bool) -> tuple:
     --report-memory table (on a GPU, MLX's peak is device memory: the GPU rows)."""
     mlx = runs["mlxdiff"]
     reported = report_peaks(mlx["stdout"])
-    mlx["mlx_peak"], mlx["rss_peaks"] = reported["mlx"], reported["process"]   # its own VmHWM per phase (Linux)
+    # its own process peak per phase, read by the same ruler as the samples (memory.PeakSampler)
+    mlx["mlx_peak"], mlx["rss_peaks"], mlx["peaks_same_ruler"] = reported["mlx"], reported["process"], True
     if mlx_on_gpu:
         mlx["gpu"] = {name: {"allocated": peak, "reserved": None} for name, peak in mlx["mlx_peak"].items()}
     summaries = {label: summarize(run) for label, run in runs.items()}
@@ -276,15 +283,105 @@ def table(runs: dict, mlx_on_gpu: bool) -> tuple:
     return summaries, "\n".join(rows)
 
 
-def show(path) -> int:
-    """Print the table of a saved compare (its footprint.json) again, read with this version's parser."""
+SAVED_BYTES = 256 << 20    # a footprint.json: samples every 0.25 s for a day of runs are a few tens of MB
+SAVED_DEPTH = 12           # its deepest nesting is 5 (summaries -> label -> phases -> name -> figures)
+
+
+class _Bad(Exception):
+    """What is wrong with a saved footprint.json, at a JSON path (runs.mlxdiff.samples[3])."""
+
+
+def _number(value, where, optional=False):
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _Bad(f"{where} is {type(value).__name__}, expected a number" + (" or null" if optional else ""))
     try:
-        saved = json.loads(Path(path).read_text())
-        runs = saved["runs"]
-        runs["mlxdiff"]["stdout"]   # what table() reads first: a file without it is not compare's
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise MlxdiffError(f"{path}: not a footprint.json written by `footprint compare` ({e}); "
-                           "pass the file from its --out folder") from None
+        finite = math.isfinite(value)
+    except OverflowError:   # an integer past float's range
+        finite = False
+    if not finite or value < -1e15 or value > 1e18:
+        raise _Bad(f"{where} is {value!r:.40}, expected a finite number of seconds or bytes")
+
+
+def _object(value, where) -> dict:
+    if not isinstance(value, dict):
+        raise _Bad(f"{where} is {type(value).__name__}, expected an object")
+    return value
+
+
+def _list(value, where) -> list:
+    if not isinstance(value, list):
+        raise _Bad(f"{where} is {type(value).__name__}, expected a list")
+    return value
+
+
+def _text(value, where, one_line=False):
+    if not isinstance(value, str) or (one_line and (not value or len(value) > 200 or not value.isprintable())):
+        raise _Bad(f"{where} is {type(value).__name__ if not isinstance(value, str) else 'not a one-line name'}, "
+                   "expected " + ("a one-line name" if one_line else "text"))
+
+
+def check_saved(saved):
+    """The structure `show` reads from a footprint.json, checked whole before any of it is used (the file is the
+    user's to edit, move or damage): the runs by label (mlxdiff's among them), each with its samples ([seconds,
+    bytes] pairs), phases ([name, start, end]), per-phase peaks and GPU figures, stdout text; numbers finite. Raises
+    _Bad naming where."""
+    _object(saved, "the file")
+    if "measured" in saved:
+        _text(saved["measured"], "measured")
+    runs = _object(saved.get("runs"), "runs")
+    if "mlxdiff" not in runs:
+        raise _Bad("runs has no \"mlxdiff\" run")
+    for label, run in runs.items():
+        at = f"runs[{label!r:.60}]"
+        _text(label, at, one_line=True)
+        _object(run, at)
+        for pair_no, pair in enumerate(_list(run.get("samples"), f"{at}.samples")):
+            if not isinstance(pair, list) or len(pair) != 2:
+                raise _Bad(f"{at}.samples[{pair_no}] is not a [seconds, bytes] pair")
+            _number(pair[0], f"{at}.samples[{pair_no}][0]")
+            _number(pair[1], f"{at}.samples[{pair_no}][1]")
+        for i, phase in enumerate(_list(run.get("phases"), f"{at}.phases")):
+            if not isinstance(phase, list) or len(phase) != 3:
+                raise _Bad(f"{at}.phases[{i}] is not a [name, start, end] triple")
+            _text(phase[0], f"{at}.phases[{i}][0]", one_line=True)
+            _number(phase[1], f"{at}.phases[{i}][1]")
+            _number(phase[2], f"{at}.phases[{i}][2]")
+        if label == "mlxdiff" or "stdout" in run:
+            _text(run.get("stdout"), f"{at}.stdout")
+        for name, peak in _object(run.get("rss_peaks") or {}, f"{at}.rss_peaks").items():
+            _number(peak, f"{at}.rss_peaks[{name!r:.40}]")
+        for name, figures in _object(run.get("gpu") or {}, f"{at}.gpu").items():
+            where = f"{at}.gpu[{name!r:.40}]"
+            _object(figures, where)
+            for key in ("allocated", "reserved"):
+                if key not in figures:
+                    raise _Bad(f"{where} has no {key!r}")
+                _number(figures[key], f"{where}.{key}", optional=True)
+        measured = run.get("measured", [])
+        if not isinstance(measured, list) or not all(isinstance(m, str) for m in measured):
+            raise _Bad(f"{at}.measured is not a list of names")
+        if not isinstance(run.get("peaks_same_ruler", False), bool):
+            raise _Bad(f"{at}.peaks_same_ruler is not true or false")
+
+
+def show(path) -> int:
+    """Print the table of a saved compare (its footprint.json) again, read with this version's parser: the file
+    read as a user's file (a regular file, bounded: arguments.read_capped) and its structure checked whole
+    (check_saved) before any of it is used."""
+    from .arguments import read_json_capped
+
+    what = f"{path}: not a footprint.json written by `footprint compare`"
+    try:
+        saved = read_json_capped(path, SAVED_BYTES, str(path), "pass the footprint.json of one compare",
+                                 depth=SAVED_DEPTH)
+        check_saved(saved)
+    except MlxdiffError as e:   # it says what to do
+        raise MlxdiffError(f"{what}: {str(e).removeprefix(f'{path}: ')}") from None
+    except _Bad as e:
+        raise MlxdiffError(f"{what} ({e}); pass the file from its --out folder") from None
+    runs = saved["runs"]
     _, text = table(runs, mlx_on_gpu=bool(runs["mlxdiff"].get("gpu")))
     print(saved.get("measured", ""))
     print(text)
@@ -292,7 +389,7 @@ def show(path) -> int:
 
 
 def compare(args) -> int:
-    from . import backend, default_model
+    from . import default_model
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -340,7 +437,8 @@ def compare(args) -> int:
     runs = {"mlxdiff": sample(mlx_cmd, args.interval, {"MLXDIFF_PHASE_MARKERS": "1"}, echo=False)}
     if not args.mlxdiff_only:
         runs["diffusers as is"] = sample(ref("as_is"), args.interval, echo=False)
-        runs["diffusers sequential"] = sample(ref("sequential"), args.interval, echo=False)
+        if not args.no_sequential:
+            runs["diffusers sequential"] = sample(ref("sequential"), args.interval, echo=False)
     for label, run in runs.items():
         if run["rc"] != 0:
             raise MlxdiffError(f"{label} run failed (exit {run['rc']}): {run['stderr_tail'][-500:]}")
@@ -374,6 +472,7 @@ def main(argv=None) -> int:
     c.add_argument("--interval", type=float, default=0.25)
     c.add_argument("--out", default="footprint-out")
     c.add_argument("--mlxdiff-only", action="store_true")
+    c.add_argument("--no-sequential", action="store_true", help="leave out diffusers' sequential recipe")
     sh = sub.add_parser("show", help="print a saved compare's table again (its footprint.json)")
     sh.add_argument("json")
     args = p.parse_args(argv)
@@ -392,7 +491,7 @@ def main(argv=None) -> int:
             check_writable(args.json, "--json")               # before the run, not after it
         run_ = sample(cmd, args.interval)
         s = summarize(run_)
-        print(f"peak {s['peak'] / GB:.2f} GB over {run_['samples'][-1][0] if run_['samples'] else 0:.1f} s; "
+        print(f"{', '.join(run_['measured']) or 'process memory'}: peak {s['peak'] / GB:.2f} GB over {run_['samples'][-1][0] if run_['samples'] else 0:.1f} s; "
               + ", ".join(f"{k}: {v['peak'] / GB:.2f} GB" for k, v in s["phases"].items() if v["peak"]))
         if args.json:
             write_text(args.json, json.dumps({"run": run_, "summary": s}, indent=1))
@@ -401,4 +500,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.main_exit(main)

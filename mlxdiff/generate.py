@@ -7,13 +7,12 @@ the last one; prompt-major order), each with its own metadata, under one progres
 between images (--keep auto).
 """
 
-import sys
 import time
 from pathlib import Path
 
 from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text, read_capped
 from .cli import (ArgumentParser, check_writable, parse_layers, parse_loras, parse_quantize, parse_text_encoders,
-                  run, save_png)
+                  main_exit, run, save_png)
 from .errors import MlxdiffError
 
 PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encoder's length
@@ -205,8 +204,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     written = []
     return run(lambda: generate(args, written), lambda: "interrupted; " + (
-        f"{len(written)} images written" if written else "no image written"))
+        f"{len(written)} image{'s' if len(written) > 1 else ''} written" if written else "no image written"))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main_exit(main)

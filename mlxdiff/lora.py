@@ -9,9 +9,10 @@ LoRAs on one layer each keep their own scale.
 
 Formats (what the tools write), told apart by their names:
 - diffusers / PEFT (`save_lora_weights`, `get_peft_model_state_dict`): `transformer.<module>.lora_A.weight` /
-  `.lora_B.weight` in diffusers' module names, which are mlxdiff's own module paths; alpha from `<module>.alpha`
-  keys, else the `lora_adapter_metadata` header entry (PEFT's LoraConfig: lora_alpha, alpha_pattern, use_rslora),
-  else alpha = rank (scale 1), as diffusers reads it. Bare names (no `transformer.`) and PEFT's
+  `.lora_B.weight` in diffusers' module names, which are mlxdiff's own module paths; alpha from the
+  `lora_adapter_metadata` header entry (PEFT's LoraConfig: r, lora_alpha, rank_pattern, alpha_pattern, use_rslora,
+  as PEFT reads them), or from `<module>.alpha` keys (never both), else alpha = rank (scale 1), as diffusers reads
+  it. Bare names (no `transformer.`) and PEFT's
   `base_model.model.` are read the same way.
 - kohya / ComfyUI: `lora_unet_<module with dots as underscores>.lora_down.weight` / `.lora_up.weight` / `.alpha`
   (the original model's names, as kohya's trainers name them; diffusers' names are accepted too), and
@@ -29,11 +30,19 @@ pipeline adds a file to every component it has layers for (Pipeline.load_lora).
 
 Refused, each in one line naming the file and the key: a name that reaches no layer of its component, a shape that
 does not fit the layer, a LoRA of another architecture (SD3 on FLUX.2, FLUX.1, an SD/SDXL UNet), text-encoder
-LoRAs for FLUX.2's LLM encoders, DoRA, LoKr/LoHa, LoRA biases.
+LoRAs for FLUX.2's LLM encoders, DoRA, LoKr/LoHa, LoRA biases; one layer reached twice from one file (two namings
+of the same layer); a tensor holding NaN or infinity, or factors and scale whose product leaves the compute dtype's
+range (every LoRA tensor is read whole when the file is checked: they are the file's own bytes); PEFT metadata of
+the wrong types, or that disagrees with the tensors (its ranks, the layers it names), or that asks for what mlxdiff
+does not apply (PiSSA-style inits that change the base weights, layer replication, ...); alpha given twice (.alpha
+tensors and metadata). With PEFT metadata the file is read as PEFT's LoraConfig reads it (defaults r = 8,
+lora_alpha = 8, rank_pattern / alpha_pattern matched as PEFT matches them); without, alpha = rank unless .alpha
+tensors say otherwise.
 """
 
 import math
 import re
+import stat
 from pathlib import Path
 
 import mlx.core as mx
@@ -141,36 +150,212 @@ def _short(name, limit=100):
     return name if len(name) <= limit else name[:limit] + "..."
 
 
+def _lora_path(path) -> Path:
+    """`path` if it names a regular .safetensors file, else one line saying what it is."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise MlxdiffError(f"{path}: LoRA file not found") from None
+    except OSError as e:
+        raise MlxdiffError(f"{path}: cannot read the LoRA file ({e.strerror or e})") from None
+    if stat.S_ISDIR(mode):
+        raise MlxdiffError(f"{path}: is a folder; expected a .safetensors LoRA file")
+    if not stat.S_ISREG(mode):
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a file")
+        raise MlxdiffError(f"{path}: is {kind}, not a regular file; expected a .safetensors LoRA file")
+    if path.suffix != ".safetensors":
+        raise MlxdiffError(f"{path}: expected a .safetensors LoRA file (LoRAs are read from safetensors files only; "
+                           f"this is {'a ' + path.suffix if path.suffix else 'a file without a suffix'})")
+    return path
+
+
 def _read(path):
     """(lazy {name: array}, header metadata) of a LoRA file, checked by the safetensors gate."""
-    from .formats import check_weight_file
     from .formats.safetensors import check_safetensors, load_safetensors
-    path = check_weight_file(path, "LoRA file")
-    if path.suffix != ".safetensors":
-        raise MlxdiffError(f"{path}: LoRA files are read as .safetensors; this is a {path.suffix} file")
+    path = _lora_path(path)
     info, meta = check_safetensors(path, with_metadata=True)
     if not info:
         raise MlxdiffError(f"{path}: the LoRA file holds no tensors")
     return load_safetensors(path, info=info), meta
 
 
+# -- PEFT's LoraConfig (diffusers' lora_adapter_metadata) ----------------------------------------------------------
+
+PEFT_DEFAULTS = {"r": 8, "lora_alpha": 8, "rank_pattern": {}, "alpha_pattern": {}, "use_rslora": False}
+# init_lora_weights values that leave the base weights alone (PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA change them)
+PLAIN_INITS = ("gaussian", "orthogonal", "eva")
+MAX_PATTERN_CHARS = 256
+MAX_PATTERNS = 4096
+MAX_PATTERN_REPEATS = 4
+
+
+def _positive_int(v):
+    return type(v) is int and v > 0
+
+
+def _finite_number(v):
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def _names(v):
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+
+
+def _off(v):
+    return v is None or v is False or v == [] or v == {} or v == ""
+
+
+# field -> (check of its value, what it must be). Fields of other PEFT versions are not read. The fields whose only
+# accepted value is "off" ask for what mlxdiff does not apply: other modules trained whole, layer replication,
+# routing, other adapter kinds.
+PEFT_FIELDS = {
+    "r": (_positive_int, "a positive integer"),
+    "lora_alpha": (_finite_number, "a finite number"),
+    "lora_dropout": (lambda v: _finite_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    "fan_in_fan_out": (lambda v: isinstance(v, bool), "true or false"),
+    "bias": (lambda v: v in ("none", "all", "lora_only"), '"none", "all" or "lora_only"'),
+    "use_rslora": (lambda v: isinstance(v, bool), "true or false"),
+    "use_dora": (lambda v: isinstance(v, bool), "true or false"),
+    "lora_bias": (lambda v: v is False, "false (mlxdiff applies LoRAs without bias terms)"),
+    "inference_mode": (lambda v: isinstance(v, bool), "true or false"),
+    "peft_type": (lambda v: v == "LORA", '"LORA"'),
+    "target_modules": (lambda v: v == "all-linear" or _names(v), "a list of module names or a pattern"),
+    "exclude_modules": (lambda v: v is None or _names(v), "null, a list of module names or a pattern"),
+    "rank_pattern": (lambda v: isinstance(v, dict) and all(_positive_int(x) for x in v.values()),
+                     "an object of patterns -> positive integers"),
+    "alpha_pattern": (lambda v: isinstance(v, dict) and all(_finite_number(x) for x in v.values()),
+                      "an object of patterns -> finite numbers"),
+    "init_lora_weights": (lambda v: isinstance(v, bool) or v in PLAIN_INITS,
+                          f"true, false or one of {', '.join(PLAIN_INITS)} (the others change the base weights)"),
+    "ensure_weight_tying": (lambda v: isinstance(v, bool), "true or false"),
+    "layers_to_transform": (_off, "null (mlxdiff does not read layer selections)"),
+    "layers_pattern": (_off, "null (mlxdiff does not read layer selections)"),
+    "modules_to_save": (_off, "null (modules trained whole are not LoRA layers)"),
+    "layer_replication": (_off, "null (mlxdiff does not replicate layers)"),
+    "alora_invocation_tokens": (_off, "null (activated LoRA is not applied)"),
+    "target_parameters": (_off, "null (LoRAs on parameters are not applied)"),
+    "trainable_token_indices": (_off, "null (trained token embeddings are not applied)"),
+    "use_qalora": (lambda v: v is False, "false"),
+    **{name: (_off, "null (that LoRA variant is not applied)")
+       for name in ("megatron_config", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+                    "velora_config", "monteclora_config", "arrow_config", "kasa_config", "use_bdlora")},
+}
+
+
+def _repeats(path, where, sub, in_repeat=False) -> int:
+    """The repeats of a parsed pattern; nested repeats, alternatives inside a repeat and back-references refused
+    (what makes matching take exponential time)."""
+    from re import _parser
+    count = 0
+    for op, av in sub:
+        name = str(op)
+        if name in ("MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"):
+            if in_repeat:
+                raise _pattern_error(path, where, "a repeat inside a repeat")
+            count += 1 + _repeats(path, where, av[2], True)
+        elif name == "SUBPATTERN":
+            count += _repeats(path, where, av[-1], in_repeat)
+        elif name == "ATOMIC_GROUP":
+            count += _repeats(path, where, av, in_repeat)
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            count += _repeats(path, where, av[1], in_repeat)
+        elif name == "BRANCH":
+            if in_repeat:
+                raise _pattern_error(path, where, "alternatives inside a repeat")
+            count += sum(_repeats(path, where, s, in_repeat) for s in av[1])
+        elif name in ("GROUPREF", "GROUPREF_EXISTS"):
+            raise _pattern_error(path, where, "a back-reference")
+        elif isinstance(av, _parser.SubPattern):
+            count += _repeats(path, where, av, in_repeat)
+    return count
+
+
+def _pattern_error(path, where, what):
+    return MlxdiffError(f"{path}: {where} in its lora_adapter_metadata is not a pattern mlxdiff matches ({what}); "
+                        "re-save the LoRA")
+
+
+def _compile(path, where, pattern):
+    """A pattern of the metadata, compiled, refused unless matching it takes bounded time: at most
+    MAX_PATTERN_CHARS characters and MAX_PATTERN_REPEATS repeats, none nested."""
+    from re import _parser
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise _pattern_error(path, where, f"{len(pattern)} characters, more than {MAX_PATTERN_CHARS}")
+    try:
+        compiled = re.compile(pattern)
+        parsed = _parser.parse(pattern)
+    except (re.error, RecursionError, OverflowError, ValueError) as e:
+        raise _pattern_error(path, where, str(e)[:80]) from None
+    if _repeats(path, where, parsed) > MAX_PATTERN_REPEATS:
+        raise _pattern_error(path, where, f"more than {MAX_PATTERN_REPEATS} repeats")
+    return compiled
+
+
 def _peft_config(path, meta, component="transformer"):
-    """PEFT's LoraConfig of `component` from diffusers' `lora_adapter_metadata` header entry ({} if none)."""
+    """PEFT's LoraConfig of `component` from diffusers' `lora_adapter_metadata` header entry, every field it reads
+    type-checked and its patterns compiled (PEFT's defaults filled in); None when the file has no such entry."""
     text = meta.get("lora_adapter_metadata")
     if not text:
-        return {}
-    from .formats.safetensors import parse_json
+        return None
+    from .formats.safetensors import parse_json, _short as short
 
     def bad(what):
         return MlxdiffError(f"{path}: its lora_adapter_metadata is not valid JSON ({what}); re-save the LoRA")
     config = parse_json(text, bad)
     if not isinstance(config, dict):
-        raise bad("not an object")
-    if any(k.startswith(("transformer.", "text_encoder")) for k in config):    # diffusers packs one per component
-        config = {k[len(component) + 1:]: v for k, v in config.items() if k.startswith(component + ".")}
+        raise MlxdiffError(f"{path}: its lora_adapter_metadata is {type(config).__name__}, not a JSON object of "
+                           f"'{component}.<field>' entries; re-save the LoRA")
+    prefix = component + "."
+    config = {k[len(prefix):]: v for k, v in config.items() if k.startswith(prefix)}
+    if not config:
+        raise MlxdiffError(f"{path}: its lora_adapter_metadata has no '{component}.' entries (PEFT's LoraConfig of "
+                           f"the {component}, as diffusers writes it); re-save the LoRA, or drop the metadata")
+    for field, (ok, what) in PEFT_FIELDS.items():
+        if field in config and not ok(config[field]):
+            raise MlxdiffError(f"{path}: its lora_adapter_metadata has {component}.{field} = "
+                               f"{short(config[field], 60)}, which must be {what}; re-save the LoRA")
     if config.get("use_dora"):
         raise MlxdiffError(f"{path}: a DoRA (use_dora in its metadata); mlxdiff applies plain LoRAs only")
+    if config.get("target_modules") is None:
+        raise MlxdiffError(f"{path}: its lora_adapter_metadata names no {component}.target_modules (the layers the "
+                           "LoRA is on); re-save the LoRA")
+    config = {**PEFT_DEFAULTS, **config}
+    if len(config["rank_pattern"]) + len(config["alpha_pattern"]) > MAX_PATTERNS:
+        raise MlxdiffError(f"{path}: its lora_adapter_metadata has more than {MAX_PATTERNS} rank / alpha patterns; "
+                           "re-save the LoRA")
+    for field in ("rank_pattern", "alpha_pattern"):
+        config[field] = [(_compile(path, f"{component}.{field} {short(k, 60)}", k), v)
+                         for k, v in config[field].items()]
+    for field in ("target_modules", "exclude_modules"):
+        value = config.get(field)
+        if isinstance(value, str) and value != "all-linear":
+            config[field] = _compile(path, f"{component}.{field}", value)
+        elif isinstance(value, list):
+            config[field] = set(value)
     return config
+
+
+def _by_pattern(patterns, name, default):
+    """PEFT's get_pattern_key: the value of the first pattern matching `name` or a dotted suffix of it
+    (re.match(rf"(.*\\.)?({pattern})$", name)), else `default`."""
+    suffixes = [name] + [name[i + 1:] for i, c in enumerate(name) if c == "."]
+    for compiled, value in patterns:
+        if any(compiled.fullmatch(s) for s in suffixes):
+            return value
+    return default
+
+
+def _names_module(value, name) -> bool:
+    """PEFT's target_modules / exclude_modules test for one module name: a pattern matching it whole, or a name
+    equal to it or to a dotted suffix of it."""
+    if value is None:
+        return False
+    if isinstance(value, re.Pattern):
+        return value.fullmatch(name) is not None
+    return name in value or any(name.endswith("." + v) for v in value)
 
 
 def _split_name(name):
@@ -185,6 +370,12 @@ def _split_name(name):
         if module.startswith(prefix):
             return component, kind, module[len(prefix):], role
     return None
+
+
+def _naming(name):
+    """(name prefix, lora_A / lora_B style) of a LoRA factor's tensor name (one _split_name accepts)."""
+    style = next(i // 2 for i, (ending, _) in enumerate(ROLES) if name.endswith(ending))
+    return next(prefix for prefix, _, _ in PREFIXES if name.startswith(prefix)), style
 
 
 def _entries(path, tensors):
@@ -288,29 +479,104 @@ class _Layers:
         return None
 
 
-def _alpha(path, slot, config, module, rank):
-    if "alpha" in slot:
-        key, value = slot["alpha"]
-        if value.size != 1 or not (mx.issubdtype(value.dtype, mx.floating) or mx.issubdtype(value.dtype, mx.integer)):
-            raise MlxdiffError(f"{path}: {_short(key)!r} must be one number, got shape {tuple(value.shape)}")
-        alpha = float(value.reshape(-1)[0].item())
-    else:
-        alpha = None
-        for pattern, value in (config.get("alpha_pattern") or {}).items():
-            try:
-                if re.match(rf"(.*\.)?({pattern})$", module):
-                    alpha = value
-                    break
-            except re.error:
-                raise MlxdiffError(f"{path}: alpha_pattern {pattern!r} in its metadata is not a pattern") from None
-        if alpha is None:
-            alpha = config.get("lora_alpha", rank)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise MlxdiffError(f"{path}: lora_alpha {alpha!r} in its metadata is not a number")
-        alpha = float(alpha)
+def _scale(path, slot, config, target, rank):
+    """alpha / rank of one LoRA layer reaching mlxdiff layer `target` (diffusers' module name): PEFT's reading of
+    its metadata (`config`: its r or rank_pattern must be the tensors' rank), else its .alpha tensor, else 1."""
+    if config is not None:
+        if "alpha" in slot:
+            raise MlxdiffError(f"{path}: {_short(slot['alpha'][0])!r} and the lora_adapter_metadata both give the "
+                               "alpha; keep one (drop the .alpha tensors or the metadata)")
+        r = _by_pattern(config["rank_pattern"], target, config["r"])
+        if r != rank:
+            raise MlxdiffError(f"{path}: {_short(slot['A'][0])!r} is rank {rank}, its lora_adapter_metadata says rank "
+                               f"{r} for layer {target!r} (r / rank_pattern); the file is inconsistent, re-save it")
+        alpha = float(_by_pattern(config["alpha_pattern"], target, config["lora_alpha"]))
+        return alpha / (math.sqrt(rank) if config["use_rslora"] else rank)
+    if "alpha" not in slot:
+        return 1.0
+    key, value = slot["alpha"]
+    if value.size != 1:
+        raise MlxdiffError(f"{path}: {_short(key)!r} must be one number, got shape {tuple(value.shape)}")
+    if not (mx.issubdtype(value.dtype, mx.floating) or mx.issubdtype(value.dtype, mx.integer)):
+        raise MlxdiffError(f"{path}: {_short(key)!r} is {str(value.dtype).rsplit('.', 1)[-1]}; an alpha is a number "
+                           "(float or integer)")
+    alpha = float(value.reshape(-1)[0].item())
     if not math.isfinite(alpha):
-        raise MlxdiffError(f"{path}: the alpha of layer {_short(module)!r} is {alpha}; re-save the LoRA")
-    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        raise MlxdiffError(f"{path}: {_short(key)!r} is {alpha}; re-save the LoRA")
+    return alpha / rank
+
+
+def _coverage(path, config, layers, reached, component):
+    """With PEFT metadata, the layers it puts the LoRA on (target_modules, exclude_modules, matched as PEFT matches
+    them over the model's modules) must be exactly the linear layers the tensors reach: diffusers would skip tensors
+    of other layers, and put freshly initialised factors on named layers the file has no tensors for."""
+    named = set()
+    for name, module in layers.modules.items():
+        if not name or _names_module(config.get("exclude_modules"), name):
+            continue
+        linear = linear_dims(module) is not None
+        if (linear and config["target_modules"] == "all-linear") or _names_module(config["target_modules"], name):
+            if not linear:
+                raise MlxdiffError(f"{path}: its lora_adapter_metadata's {component}.target_modules names "
+                                   f"{_short(name)!r}, a {type(module).__name__}, not a linear layer; re-save the LoRA")
+            named.add(name)
+    for target, key in reached.items():
+        if target not in named:
+            raise MlxdiffError(f"{path}: {_short(key)!r} is on layer {target!r}, which its lora_adapter_metadata does "
+                               f"not name ({component}.target_modules / exclude_modules); the file is inconsistent, "
+                               "re-save it")
+    missing = sorted(named - reached.keys())
+    if missing:
+        raise MlxdiffError(f"{path}: its lora_adapter_metadata puts the LoRA on layer {missing[0]!r}"
+                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, for which the file has "
+                           "no tensors; the file is incomplete, re-save it")
+
+
+def _magnitudes(named):
+    """{key: max |value|} of each (key, array) (inf where it holds a NaN or an infinity), a batch of tensors per
+    evaluation: every LoRA tensor is read whole, it is the file's own bytes."""
+    from .formats.safetensors import CHECK_BATCH_ELEMENTS
+    out, batch, size = {}, [], 0
+
+    def flush():
+        if batch:
+            values = mx.stack([m for _, m in batch]).tolist()
+            out.update((k, v) for (k, _), v in zip(batch, values))
+            batch.clear()
+    for key, a in named:
+        batch.append((key, mx.max(mx.where(mx.isfinite(a), mx.abs(a), mx.inf)).astype(mx.float32)))
+        size += a.size
+        if size >= CHECK_BATCH_ELEMENTS:
+            flush()
+            size = 0
+    flush()
+    return out
+
+
+def _check_values(path, planned, dtype):
+    """Every factor finite and within `dtype`, and |scale| x rank x max|A| x max|B| (a bound on each element of the
+    layer's weight change) too: a LoRA that passes cannot make a layer's output NaN or infinite by itself."""
+    arrays = {}
+    for _, key_a, key_b, a, b, _ in planned:
+        arrays.setdefault(key_a, a)
+        arrays.setdefault(key_b, b)
+    mags = _magnitudes(arrays.items())
+    for key, m in mags.items():
+        if not math.isfinite(m):
+            raise MlxdiffError(f"{path}: LoRA tensor {_short(key)!r} holds NaN or infinite values; the file is damaged "
+                               "(or its training diverged): use another LoRA file")
+    top = mx.finfo(dtype).max
+    name = str(dtype).rsplit(".", 1)[-1]
+    for key, m in mags.items():
+        if m > top:
+            raise MlxdiffError(f"{path}: LoRA tensor {_short(key)!r} has values beyond {name}'s range (|x| up to "
+                               f"{m:.3g}); compute in float32 or bfloat16 (--dtype), or use another LoRA file")
+    for target, key_a, key_b, a, _, s in planned:
+        bound = abs(s) * a.shape[0] * mags[key_a] * mags[key_b]
+        if not bound <= top:
+            raise MlxdiffError(f"{path}: layer {target!r}: scale {s:.3g} x {_short(key_a)!r} x {_short(key_b)!r} can "
+                               f"reach {bound:.3g}, beyond {name}'s range; the LoRA's alpha (or the scale) is far too "
+                               "large")
 
 
 def components(path) -> list:
@@ -319,10 +585,11 @@ def components(path) -> list:
     return sorted({c for c, _, _ in _entries(path, _read(path)[0])})
 
 
-def plan(model, arch, path, scale=1.0, component="transformer"):
+def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     """[(mlxdiff layer path, A, B, scale)] for the `component` part of one LoRA file on `model` (that component:
     an mlxdiff transformer, or a CLIP / T5 encoder, of `arch`), every tensor checked: its layer exists and is
-    linear, and the shapes fit. The arrays stay lazy."""
+    linear, no layer is reached twice, the shapes fit, the metadata agrees, and every value is finite and keeps the
+    layer's weight change within `dtype` (float32 when not given). The LoRA's tensors are read; the model's are not."""
     tensors, meta = _read(path)
     config = _peft_config(path, meta, component)
     entries = {k: v for k, v in _entries(path, tensors).items() if k[0] == component}
@@ -340,7 +607,7 @@ def plan(model, arch, path, scale=1.0, component="transformer"):
                                "use a transformer-only LoRA file")
         what = f"{component} ({TEXT_ENCODERS[arch.__name__]})"
     layers = _Layers(model, arch)
-    out = []
+    planned, reached = [], {}   # reached: mlxdiff layer -> the lora_A key that reaches it
     for (_, kind, module), slot in entries.items():
         key_a, a = slot["A"]
         key_b, b = slot["B"]
@@ -350,14 +617,19 @@ def plan(model, arch, path, scale=1.0, component="transformer"):
         if not targets:
             raise MlxdiffError(f"{path}: {_short(key_a)!r}: {what} has no layer {_short(module)!r}; the LoRA is "
                                "for another model (or another version of it)")
+        for target, *_ in targets:
+            if target in reached:
+                raise MlxdiffError(f"{path}: {_short(reached[target])!r} and {_short(key_a)!r} are both LoRAs of layer "
+                                   f"{target!r} (one layer named twice, in two namings); keep one of them")
+            reached[target] = key_a
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
             raise MlxdiffError(f"{path}: {_short(key_a)!r} {tuple(a.shape)} and {_short(key_b)!r} {tuple(b.shape)} "
                                "are not a LoRA pair (A: rank x in, B: out x rank)")
-        for t in (a, b):
+        for key, t in ((key_a, a), (key_b, b)):
             if not mx.issubdtype(t.dtype, mx.floating):
-                raise MlxdiffError(f"{path}: {_short(key_a)!r} is {t.dtype}; LoRA tensors are floating point")
+                raise MlxdiffError(f"{path}: {_short(key)!r} is {str(t.dtype).rsplit('.', 1)[-1]}; LoRA tensors are "
+                                   "floating point")
         rank = a.shape[0]
-        s = scale * _alpha(path, slot, config, module, rank)
         parts = targets[0][2]
         if b.shape[0] % parts:
             raise MlxdiffError(f"{path}: {_short(key_b)!r} has {b.shape[0]} rows; its layer {_short(module)!r} is "
@@ -374,8 +646,20 @@ def plan(model, arch, path, scale=1.0, component="transformer"):
                 raise MlxdiffError(
                     f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit layer "
                     f"{target!r} ({dims[0]} in, {dims[1] * parts} out); the LoRA is for another model size")
-            out.append((target, a, piece, s))
-    return out
+            s = scale * _scale(path, slot, config, target, rank)
+            planned.append((target, key_a, key_b, a, piece, s))
+    namings = {}
+    for slot in entries.values():
+        for role in ("A", "B"):
+            namings.setdefault(_naming(slot[role][0]), slot[role][0])
+    if len(namings) > 1:   # each tool reads such a file its own way (diffusers keeps one naming, drops the other)
+        first, second = list(namings.values())[:2]
+        raise MlxdiffError(f"{path}: names its {component} LoRA layers two ways ({_short(first)!r}, "
+                           f"{_short(second)!r}); re-save it in one naming")
+    if config is not None:
+        _coverage(path, config, layers, reached, component)
+    _check_values(path, planned, dtype or mx.float32)
+    return [(target, a, b, s) for target, _, _, a, b, s in planned]
 
 
 def lora_nbytes(path) -> int:
@@ -385,8 +669,9 @@ def lora_nbytes(path) -> int:
 
 
 def check(spec, path, scale=1.0):
-    """Refuse a LoRA whose part for the component `spec` describes does not fit it, before any weight is read: its
-    layers and shapes against a lazily built (never evaluated) model of the spec's config."""
+    """Refuse a LoRA whose part for the component `spec` describes does not fit it, before any of the model's weights
+    is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
+    and its values (the LoRA's tensors are read whole)."""
     if spec.name == "transformer" and spec.arch.__name__ not in MODEL_NAMES:
         raise MlxdiffError(f"{path}: LoRAs apply to SD3.5 and FLUX.2 transformers, not {spec.arch.__name__}")
     plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name)
@@ -401,13 +686,13 @@ def _cast(array, compute_dtype):
 def apply_loras(model, arch, loras, compute_dtype=None, component="transformer") -> nn.Module:
     """Add the `component` part of every (file, scale) of `loras` to `model` in place (LoRALinear around each layer
     a LoRA reaches; several on one layer stack) and evaluate the LoRA tensors (the base stays as it is, lazy or
-    not)."""
+    not). Every file is planned and checked before the model is changed: a refusal leaves it as it was."""
     dtype = compute_dtype or getattr(model, "compute_dtype", mx.float32)
+    plans = [plan(model, arch, path, scale, component, dtype) for path, scale in loras]
     arrays = []
-    for path, scale in loras:
-        planned = plan(model, arch, path, scale, component)
+    modules = dict(model.named_modules())
+    for planned in plans:
         cast = {}
-        modules = dict(model.named_modules())
         wrapped = {}
         for target, a, b, s in planned:
             a = cast.setdefault(id(a), _cast(a, dtype))     # a fused layer's A is one array for its parts
@@ -420,6 +705,7 @@ def apply_loras(model, arch, loras, compute_dtype=None, component="transformer")
                 layer = wrapped[target] = LoRALinear(layer, [(a, b, s)])
         for target, layer in wrapped.items():
             _put(model, target, layer)
+        modules = dict(model.named_modules())
     mx.eval(arrays)
     return model
 

@@ -1,14 +1,20 @@
-"""Memory probes: MLX's own counters and the process footprint, per platform.
+"""Memory: what a process holds, read as each platform shows it, and the budget's decisions.
 
+What the process holds (process_memory, sampled through a phase by PeakSampler) is the headline of every report;
+MLX's own counters are its breakdown:
+- macOS: phys_footprint through proc_pid_rusage, what Activity Monitor shows (GPU buffers included);
+- CUDA: the process's GPU memory by NVML (nvidia-ml-py), what nvidia-smi lists: MLX's arrays, its buffer cache and
+  the CUDA context;
+- the CPU (Linux): VmRSS, anonymous plus file-backed pages (the mapped weights), with VmHWM for the peak;
 - MLX: active (live arrays), peak (since the last reset) and cache (freed buffers kept for reuse).
-- Linux: VmRSS and VmHWM from /proc/self/status.
-- macOS: phys_footprint through proc_pid_rusage, which is what Activity Monitor shows (RSS misses GPU memory).
 """
 
 import ctypes
+import functools
 import os
 import sys
-from dataclasses import dataclass, replace
+import threading
+from dataclasses import replace
 
 from . import backend  # noqa: F401
 import mlx.core as mx
@@ -28,26 +34,106 @@ class _RusageInfoV2(ctypes.Structure):
         "diskio_bytesread", "diskio_byteswritten")]
 
 
-def process_footprint(pid=None) -> dict:
-    """{'footprint': bytes, 'peak': bytes or None} for a process (this one by default)."""
-    pid = pid or os.getpid()
-    if sys.platform == "darwin":
-        info = _RusageInfoV2()
-        libc = ctypes.CDLL("/usr/lib/libSystem.dylib")
-        if libc.proc_pid_rusage(pid, 2, ctypes.byref(info)) == 0:  # RUSAGE_INFO_V2
-            return {"footprint": info.phys_footprint, "peak": None}
-        return {"footprint": None, "peak": None}
-    path = "/proc/self/status" if pid == os.getpid() else f"/proc/{pid}/status"
+def _linux_status(pid) -> dict:
+    """VmRSS (anonymous + file-backed + shared pages resident) and VmHWM (its peak) of a Linux process, in bytes."""
     vals = {}
     try:
-        with open(path) as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(("VmRSS:", "VmHWM:")):
                     key, value = line.split(":", 1)
                     vals[key] = int(value.split()[0]) * 1024
     except OSError:
         pass
-    return {"footprint": vals.get("VmRSS"), "peak": vals.get("VmHWM")}
+    return vals
+
+
+def phys_footprint(pid) -> int | None:
+    """macOS: the process's phys_footprint (proc_pid_rusage, RUSAGE_INFO_V2): what Activity Monitor shows as its
+    memory, GPU buffers included (unified memory)."""
+    info = _RusageInfoV2()
+    try:
+        libc = ctypes.CDLL("/usr/lib/libSystem.dylib")
+    except OSError:
+        return None
+    return info.phys_footprint if libc.proc_pid_rusage(int(pid), 2, ctypes.byref(info)) == 0 else None
+
+
+@functools.cache
+def _nvml():
+    """pynvml (nvidia-ml-py), initialised, or None where there is no NVIDIA driver or no nvidia-ml-py."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # ImportError, or NVMLError of any kind: no NVML here
+        return None
+
+
+def gpu_bytes(pid) -> int | None:
+    """The GPU memory NVML counts for a process, over every GPU (what nvidia-smi lists per process: its allocations,
+    caches and CUDA context). None where NVML is missing or does not list the process (e.g. a container whose PID
+    namespace NVML does not see: then `gpu_used_bytes` less a baseline is the fallback)."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    total, seen = 0, False
+    try:
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid == pid and proc.usedGpuMemory is not None:
+                    total, seen = total + proc.usedGpuMemory, True
+    except Exception:  # NVMLError: a driver that does not answer per process
+        return None
+    return total if seen else None
+
+
+@functools.cache
+def _listed_per_process() -> bool:
+    """Whether NVML lists this process (MLX's import made its CUDA context): then a process it does not list holds
+    no GPU memory, rather than living in a PID namespace NVML does not see."""
+    return gpu_bytes(os.getpid()) is not None
+
+
+def gpu_used_bytes() -> int | None:
+    """Memory in use on every GPU, whoever holds it (NVML), or None."""
+    nvml = _nvml()
+    if nvml is None:
+        return None
+    try:
+        return sum(nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(i)).used
+                   for i in range(nvml.nvmlDeviceGetCount()))
+    except Exception:  # NVMLError
+        return None
+
+
+def process_memory(pid=None, device=None, gpu_baseline=None) -> dict:
+    """What a process (this one by default) holds, as the platform shows it:
+    {"footprint": the headline bytes, "kind": what it measured, "host": host RSS, "host_peak": VmHWM, "gpu": GPU
+    bytes}. The headline is phys_footprint on macOS (unified memory: GPU buffers included); for a process on an
+    NVIDIA GPU (`device` "gpu"; None: this process's MLX device) its GPU memory by NVML, or, where NVML does not list
+    the process, the GPU memory in use less `gpu_baseline` (what was in use before it started); otherwise (the CPU)
+    VmRSS, anonymous plus file-backed pages: mlxdiff maps safetensors weights into memory, and those mapped pages are
+    file-backed, so anonymous memory alone would miss the weights."""
+    pid = pid or os.getpid()
+    if sys.platform == "darwin":
+        footprint = phys_footprint(pid)
+        return {"footprint": footprint, "kind": "phys_footprint", "host": footprint, "host_peak": None, "gpu": None}
+    status = _linux_status(pid)
+    out = {"footprint": status.get("VmRSS"), "kind": "RSS", "host": status.get("VmRSS"),
+           "host_peak": status.get("VmHWM"), "gpu": None}
+    if (device or ("cpu" if backend.on_cpu() else "gpu")) == "gpu":
+        gpu, kind = gpu_bytes(pid), "GPU (NVML, this process)"
+        if gpu is None and _listed_per_process():
+            gpu = 0        # NVML lists processes here, and not this one (yet): it holds nothing on the GPU
+        elif gpu is None and gpu_baseline is not None:
+            used = gpu_used_bytes()
+            gpu, kind = (None, kind) if used is None else (max(0, used - gpu_baseline), "GPU (NVML, in use less the "
+                                                                                        "baseline)")
+        if gpu is not None:
+            out.update(footprint=gpu, kind=kind, gpu=gpu)
+    return out
 
 
 def reset_footprint_peak():
@@ -59,19 +145,42 @@ def reset_footprint_peak():
         pass
 
 
-@dataclass
-class Snapshot:
-    active: int
-    peak: int
-    cache: int
-    footprint: int | None
-    footprint_peak: int | None
+class PeakSampler:
+    """Reads process_memory (and MLX's cache bytes) every `interval` s on a background thread while it is entered,
+    keeping the largest of each: a phase's real peak, not its reading at the end. On Linux CPU runs the process's own
+    VmHWM (reset when entered) also counts, so an RSS spike between two readings is not missed."""
 
+    def __init__(self, interval=0.02, device=None, gpu_baseline=None):
+        self.interval, self.device, self.gpu_baseline = interval, device, gpu_baseline
+        self.peak, self.cache_peak, self.kind, self.last = None, 0, None, None
+        self._stop = threading.Event()
+        self._thread = None
 
-def snapshot() -> Snapshot:
-    proc = process_footprint()
-    return Snapshot(mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory(),
-                    proc["footprint"], proc["peak"])
+    def read(self):
+        now = process_memory(device=self.device, gpu_baseline=self.gpu_baseline)
+        self.kind, self.last = now["kind"], now["footprint"]
+        values = [v for v in (now["footprint"], self.peak, now["host_peak"] if now["kind"] == "RSS" else None)
+                  if v is not None]
+        self.peak = max(values) if values else None
+        self.cache_peak = max(self.cache_peak, mx.get_cache_memory())
+        return now
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.read()
+
+    def __enter__(self):
+        reset_footprint_peak()
+        self.read()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="mlxdiff-memory-sampler")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.read()
+        return False
 
 
 def fmt_gb(n) -> str:
@@ -146,12 +255,22 @@ def conv_band_bytes(policy: RunPolicy):
     return limit // 16 if limit else None
 
 
+GPU_CACHE_BYTES = 1 << 30   # MLX's buffer cache in a GPU phase: enough for a piece of work's buffers to be reused
+
+
+def cache_limit_for(policy: RunPolicy):
+    """How much MLX's buffer cache may keep in a phase: on a GPU, GPU_CACHE_BYTES (MLX's own limit there is 95% of
+    the device, so freed buffers, e.g. a GGUF load's converted chunks, stayed held: bench/RESULTS.md, "The footprint
+    the user sees"); on the CPU MLX's own (mlx-cpu keeps only small buffers)."""
+    return None if mx.default_device() == mx.cpu else GPU_CACHE_BYTES
+
+
 def decide(policy: RunPolicy, model) -> RunPolicy:
-    """The policy of a phase whose weights (`model`) are loaded: pieces in flight, block compilation and convolution
-    bands from the budget; what a switch fixed (policy.fixed) stays."""
+    """The policy of a phase whose weights (`model`) are loaded: pieces in flight, block compilation, convolution
+    bands and the buffer cache from the budget; what a switch fixed (policy.fixed) stays."""
     depth = in_flight_for(policy)
     return policy.refined(in_flight=depth, compile_blocks=compile_blocks_for(model, depth),
-                          conv_band=conv_band_bytes(policy))
+                          conv_band=conv_band_bytes(policy), cache_limit=cache_limit_for(policy))
 
 
 def check_fits(spec, policy: RunPolicy, compute_dtype=None):
@@ -181,3 +300,10 @@ def check_fits(spec, policy: RunPolicy, compute_dtype=None):
                 break
     limit = "the memory limit" if policy.memory_limit and budget == policy.memory_limit else "the free memory"
     raise MlxdiffError(f"{spec.name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")
+
+
+@functools.cache
+def gpu_baseline() -> int | None:
+    """GPU memory in use (every process) when this process first measured, for process_memory's fallback where NVML
+    does not list the process; None without NVML."""
+    return gpu_used_bytes()

@@ -31,6 +31,7 @@ class RunPolicy:
     in_flight: int = 1                # paced pieces of work queued at once (pacing.py); 1 is the memory floor
     compile_blocks: bool = False      # transformer blocks compiled whole (models/fused.compiled_block)
     conv_band: int | None = None      # a VAE convolution's largest working buffer before row bands; None: no bands
+    cache_limit: int | None = None    # bytes MLX's buffer cache may keep in a phase; None: MLX's own limit
     fuse: bool = True                 # the blocks' elementwise chains compiled (models/fused.py)
     cuda_kernels: bool = True         # mlxdiff's CUDA kernels where they apply (models/fused.norm_rope)
     gguf_layout: str | None = None    # how GGUF tensors are kept; None: the spec's, else "auto" (formats/gguf.py)
@@ -82,6 +83,8 @@ def from_switches(memory_limit_gb=None, environ=None) -> RunPolicy:
         fields["cuda_kernels"] = _flag("MLXDIFF_CUDA_KERNELS", given["MLXDIFF_CUDA_KERNELS"])
     if "MLXDIFF_CONV_BAND" in given:
         fields["conv_band"] = _whole("MLXDIFF_CONV_BAND", given["MLXDIFF_CONV_BAND"], 0, 1 << 50) or None
+    if "MLXDIFF_CACHE_LIMIT" in given:
+        fields["cache_limit"] = _whole("MLXDIFF_CACHE_LIMIT", given["MLXDIFF_CACHE_LIMIT"], 0, 1 << 50) or None
     if "MLXDIFF_GGUF_LAYOUT" in given:
         fields["gguf_layout"] = _choice("MLXDIFF_GGUF_LAYOUT", given["MLXDIFF_GGUF_LAYOUT"], GGUF_LAYOUTS)
     if "MLXDIFF_MATMUL" in given:
@@ -104,20 +107,35 @@ def current() -> RunPolicy | None:
     return _stack[-1] if _stack else None
 
 
+def _cache_cap(policy: RunPolicy):
+    """The most MLX's buffer cache may keep under `policy`: its cache_limit, and under a memory limit a quarter of
+    it (beside what is cached already); None: no cap of its own."""
+    caps = [c for c in (policy.cache_limit, policy.memory_limit and
+                        min(policy.memory_limit, mx.get_cache_memory() + policy.memory_limit // 4)) if c]
+    return min(caps) if caps else None
+
+
 @contextmanager
 def installed(policy: RunPolicy):
-    """`policy` in force for the block, restored on leaving. A memory limit also caps MLX's allocator and buffer
-    cache for that long (a limit that the enclosing policy already set is not set again)."""
+    """`policy` in force for the block, restored on leaving. A memory limit also caps MLX's allocator for that long,
+    and the policy's cache cap MLX's buffer cache; a cap never raises MLX's own cache limit (mlx-cpu keeps only
+    32 MiB of freed buffers by default; raising it made a CPU run under --memory-limit hold more, not less). A
+    limit the enclosing policy already set is not set again."""
     outer = current()
-    limits = None
+    memory = cache = None
     if policy.memory_limit and (outer is None or outer.memory_limit != policy.memory_limit):
-        limits = (mx.set_memory_limit(policy.memory_limit),
-                  mx.set_cache_limit(min(policy.memory_limit, mx.get_cache_memory() + policy.memory_limit // 4)))
+        memory = mx.set_memory_limit(policy.memory_limit)
+    cap = _cache_cap(policy)
+    if cap is not None and (outer is None or _cache_cap(outer) != cap):
+        cache = mx.set_cache_limit(cap)
+        if cache < cap:      # MLX's own limit was lower: keep it
+            mx.set_cache_limit(cache)
     _stack.append(policy)
     try:
         yield policy
     finally:
         _stack.pop()
-        if limits is not None:
-            mx.set_memory_limit(limits[0])
-            mx.set_cache_limit(limits[1])
+        if memory is not None:
+            mx.set_memory_limit(memory)
+        if cache is not None:
+            mx.set_cache_limit(cache)

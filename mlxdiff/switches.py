@@ -17,6 +17,7 @@ SWITCHES = {
     "MLXDIFF_FUSE": ("the blocks' elementwise chains compiled (models/fused.py) or plain MLX ops", "0 or 1"),
     "MLXDIFF_CUDA_KERNELS": ("mlxdiff's custom CUDA kernels (models/fused.norm_rope) or the MLX-ops path", "0 or 1"),
     "MLXDIFF_CONV_BAND": ("a VAE convolution's largest working buffer before row bands", "bytes, 0: never band"),
+    "MLXDIFF_CACHE_LIMIT": ("MLX's buffer cache in a phase (policy.RunPolicy.cache_limit)", "bytes, 0: MLX's own"),
     "MLXDIFF_GGUF_LAYOUT": ("how GGUF tensors are kept (formats/gguf.py)", "auto, raw or affine"),
     "MLXDIFF_MATMUL": ("how quantized layers multiply (loading/matmul.py)", "qmm or dequantize"),
     "MLXDIFF_DEVICE": ("MLX (and the PyTorch references) on the CPU of a machine with a GPU", "cpu or gpu"),

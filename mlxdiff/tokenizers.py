@@ -42,23 +42,52 @@ TOKENIZER_FILES = {
 }
 
 
+# what transformers may open in a tokenizer folder (vocabularies, merges, sentencepiece models, templates): bounded
+TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+
+
 def check_tokenizer_files(folder) -> None:
+    """Every file of a tokenizer folder before transformers opens any: a regular file (a FIFO would block it, a
+    device never end), tokenizer-sized; the JSON files it reads parsed and of the shape transformers expects."""
+    from .arguments import file_kind
+    folder = Path(folder)
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError as e:
+        raise MlxdiffError(f"{folder}: cannot read the tokenizer folder ({e.strerror or e})") from None
+    for path in entries:
+        try:
+            info = path.stat()
+        except OSError as e:   # a dangling link
+            raise MlxdiffError(f"{path}: cannot read the tokenizer file ({e.strerror or e})") from None
+        kind = file_kind(info.st_mode)
+        if kind == "a folder":
+            continue
+        if kind is not None:
+            raise MlxdiffError(f"{path}: {kind} in the tokenizer folder, not a regular file (a pipe can block "
+                               "forever, a device be endless); remove it or give a folder of regular files")
+        if path.suffix in TOKENIZER_SUFFIXES and info.st_size > MAX_TOKENIZER_BYTES:
+            raise MlxdiffError(f"{path}: {info.st_size} bytes; a tokenizer file is at most {MAX_TOKENIZER_BYTES}")
     for name, problem in TOKENIZER_FILES.items():
-        path = Path(folder) / name
+        path = folder / name
         if not path.is_file():
             continue
-        try:
-            size = path.stat().st_size
-            if size > MAX_TOKENIZER_BYTES:
-                raise MlxdiffError(f"{path}: {size} bytes; a tokenizer file is at most {MAX_TOKENIZER_BYTES}")
-            value = json.loads(path.read_text(encoding="utf-8"))
-        except RecursionError:
-            raise MlxdiffError(f"{path}: cannot read the tokenizer file (nested too deeply)") from None
-        except (OSError, ValueError) as e:
-            raise MlxdiffError(f"{path}: cannot read the tokenizer file ({str(e).splitlines()[0][:200]})") from None
+        value = _read_json(path, "the tokenizer file")
         what = problem(value)
         if what:
             raise MlxdiffError(f"{path}: not a valid {name}: {what}")
+
+
+def _read_json(path, what):
+    """A JSON file of a tokenizer folder, read through arguments.read_capped (regular, bounded)."""
+    from .arguments import read_capped
+    data = read_capped(path, MAX_TOKENIZER_BYTES, f"{path}: {what}", "give the model's own tokenizer files")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise MlxdiffError(f"{path}: cannot read {what} (nested too deeply)") from None
+    except ValueError as e:   # UnicodeDecodeError included
+        raise MlxdiffError(f"{path}: cannot read {what} ({str(e).splitlines()[0][:200]})") from None
 
 
 def tokenizer_class(class_name):
@@ -126,19 +155,61 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
                   "object relationships, object\nattribution and actions without speculation.")
 
 
-def load_chat_tokenizer(folder):
-    """The transformers tokenizer of a FLUX.2 `tokenizer/` folder, with its chat template.
+# a FLUX.2 text encoder's model_type -> (its name, the control tokens its tokenizer has, the tokenizer to give): the
+# family is told by the vocabulary, whatever the tokenizer's class
+CHAT_FAMILIES = {
+    "mistral3": ("Mistral", ("[INST]", "[/INST]"), "FLUX.2-dev's (Mistral-Small-3.x's)"),
+    "qwen3": ("Qwen3", ("<|im_start|>", "<|im_end|>"), "FLUX.2 klein's (Qwen3's)"),
+}
+
+
+def chat_family(tokenizer) -> str | None:
+    """The FLUX.2 text encoder family (a CHAT_FAMILIES key) whose control tokens the tokenizer has, or None."""
+    tok = getattr(tokenizer, "tokenizer", tokenizer)   # a processor's tokenizer
+    try:
+        vocab = tok.get_vocab()
+    except Exception:   # a tokenizer class without a vocabulary to list: no family can be told
+        return None
+    found = [family for family, (_, tokens, _) in CHAT_FAMILIES.items() if all(t in vocab for t in tokens)]
+    return found[0] if len(found) == 1 else None
+
+
+def check_chat_family(tokenizer, model_type, source, encoder) -> None:
+    """The tokenizer must be of the text encoder's family (`model_type`: mistral3 or qwen3): a Qwen3 tokenizer for a
+    Mistral encoder (or the other way round, or a CLIP / T5 tokenizer) would fail inside the chat template, or feed
+    the encoder ids it was never trained on. `source` names the tokenizer, `encoder` the text encoder."""
+    family = chat_family(tokenizer)
+    if family == model_type or model_type not in CHAT_FAMILIES:
+        return
+    name, _, wanted = CHAT_FAMILIES[model_type]
+    if family is None:
+        marks = " nor ".join(f"{n}'s {' / '.join(t)}" for n, t, _ in CHAT_FAMILIES.values())
+        what = f"not a FLUX.2 chat tokenizer (it has neither {marks} control tokens: a CLIP or T5 one?)"
+    else:
+        other, tokens, _ = CHAT_FAMILIES[family]
+        what = f"a {other} tokenizer (it has {' / '.join(tokens)})"
+    raise MlxdiffError(f"{source}: {what}, but the text encoder {encoder} is a {name} model; give {wanted} "
+                       "tokenizer folder (--tokenizer DIR / tokenizer=DIR)")
+
+
+def load_chat_tokenizer(folder, model_type=None, encoder=None):
+    """The transformers tokenizer of a FLUX.2 `tokenizer/` folder, with its chat template; with `model_type` (the
+    text encoder's, named `encoder` in errors) checked to be of that encoder's family first (check_chat_family).
 
     FLUX.2-dev's folder is a processor (PixtralProcessor) folder: its chat template may only be in the processor's
     legacy chat_template.json, which a tokenizer does not read, so that file is used as a fallback."""
     folder = Path(folder)
     tokenizer = load_tokenizer(folder)
+    if model_type is not None:
+        check_chat_family(tokenizer, model_type, folder, encoder or "of the model")
     if not getattr(tokenizer, "chat_template", None):
         for name in ("chat_template.json", "processor_config.json"):
-            try:
-                template = json.loads((folder / name).read_text()).get("chat_template")
-            except (OSError, ValueError, AttributeError):
+            if not (folder / name).is_file():   # check_tokenizer_files has refused what is not a regular file
                 continue
+            value = _read_json(folder / name, "the processor's chat template file")
+            template = value.get("chat_template") if isinstance(value, dict) else None
+            if template is not None and not isinstance(template, str):
+                raise MlxdiffError(f"{folder / name}: chat_template is not text (a Jinja template string)")
             if template:
                 tokenizer.chat_template = template
                 break

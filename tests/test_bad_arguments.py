@@ -30,7 +30,7 @@ def via_main(module, argv, prelude=""):
                    "sys.stdout.flush(); sys.stderr.flush(); os._exit(rc)\n"}
 
 
-API = ("import numpy as np\nimport mlxdiff\nfrom mlxdiff import memory\n"
+API = ("import numpy as np\nimport mlxdiff\n"
        f"pipe = mlxdiff.load({MODEL!r})\nKW = dict(steps=1, width=16, height=16, progress_bar=False)\n")
 
 
@@ -157,9 +157,9 @@ APIS = {
     "text_encoders unknown name": (api("mlxdiff.load(%r, text_encoders={'t6': 'x'})" % MODEL), "clip_l"),
     "unknown load argument": (api("mlxdiff.load(%r, dtpye='float16')" % MODEL), "dtpye"),
     "keep=": (api("mlxdiff.load(%r, keep='most')" % MODEL), "keep='most'"),
-    "memory limit nan": (api("memory.set_memory_limit(float('nan'))"), "memory_limit=nan"),
-    "memory limit 1e300": (api("memory.set_memory_limit(1e300)"), "memory_limit=1e+300"),
-    "memory limit '4'": (api("memory.set_memory_limit('4')"), "memory_limit='4'"),
+    "memory limit nan": (api("mlxdiff.load(%r, memory_limit=float('nan'))" % MODEL), "memory_limit=nan"),
+    "memory limit 1e300": (api("mlxdiff.load(%r, memory_limit=1e300)" % MODEL), "memory_limit=1e+300"),
+    "memory limit '4'": (api("mlxdiff.load(%r, memory_limit='4')" % MODEL), "memory_limit='4'"),
     "SD3 option on FLUX.2": (api("pipe.generate('a', clip_skip=1, **KW)"), "clip_skip"),
     # Ctrl-C: one line, 130 (checked apart: not exit 2)
     "generate interrupted": (via_main("mlxdiff.generate", CHEAP + ["--output", "{out}"],
@@ -229,7 +229,8 @@ def test_cli_and_api_say_the_same(outcomes):
 
 
 def test_bad_device_setting_in_one_line(tmp_path):
-    """MLXDIFF_DEVICE is read when mlxdiff is imported; a bad value is still one line and exit 2, nothing written."""
+    """MLXDIFF_DEVICE acts when mlxdiff is imported; a bad value is still one line and exit 2 (the command's switch
+    check, policy.from_switches), nothing written."""
     import subprocess
     out = tmp_path / "x.png"
     p = subprocess.run([sys.executable, "-m", "mlxdiff.generate", *CHEAP, "--output", str(out)], capture_output=True,

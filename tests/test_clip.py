@@ -9,7 +9,7 @@ import mlx.core as mx
 
 from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.sources import ComponentSpec
+from mlxdiff.loading.spec import ComponentSpec
 from mlxdiff.models import clip
 
 # Every size differs from the others (hidden, heads, head dim, ffn, projection, vocab, positions, layers, tokens).

@@ -12,7 +12,6 @@ from mlxdiff.errors import MlxdiffError
 from mlxdiff.loading import sources
 from mlxdiff.loading.quantize import materialize
 from mlxdiff.models import mmdit
-from mlxdiff import memory
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +102,9 @@ def test_convert_round_trip(sd3_tiny, tmp_path):
 
 def test_memory_limit_refuses_before_loading(sd3_tiny):
     folder, _ = sd3_tiny
-    old = mx.get_memory_limit()
-    try:
-        memory.set_memory_limit(0.0005)  # 0.5 MB: smaller than the tiny T5
-        with pytest.raises(MlxdiffError, match="quantize it|no quantization"):
-            mlxdiff.load(str(folder)).generate("a cat", width=24, height=40, steps=1, progress_bar=False)
-    finally:
-        memory.memory_limit = None
-        mx.set_memory_limit(old)
+    with pytest.raises(MlxdiffError, match="quantize it|no quantization"):   # 0.5 MB: smaller than the tiny T5
+        mlxdiff.load(str(folder), memory_limit=0.0005).generate("a cat", width=24, height=40, steps=1,
+                                                                 progress_bar=False)
 
 
 def test_bad_quantize_and_limit_input(sd3_tiny):
@@ -120,4 +114,4 @@ def test_bad_quantize_and_limit_input(sd3_tiny):
     with pytest.raises(MlxdiffError, match="7-bit"):
         mlxdiff.load(str(folder), quantize=7)
     with pytest.raises(MlxdiffError, match="positive"):
-        memory.set_memory_limit(0)
+        mlxdiff.load(str(folder), memory_limit=0)

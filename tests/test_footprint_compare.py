@@ -53,7 +53,8 @@ def check_table_and_runs(stdout, data):
     lines = stdout.splitlines()
     assert lines[0].startswith("memory: ")
     if sys.platform.startswith("linux"):
-        assert lines[0].startswith("memory: process RSS (Linux CPU); per phase: the larger of samples every")
+        assert lines[0].startswith("memory: what each process holds, RSS, sampled from outside every")
+        assert "the same ruler for every side" in lines[0]
     header = next(line for line in lines if line.startswith("| phase |"))
     for label in LABELS:
         assert f"{label} peak GB" in header
@@ -174,7 +175,7 @@ def test_sample_reads_phase_and_gpu_markers():
 def test_report_peaks_reads_the_table_generate_prints():
     """The compare reads MLX's and the process's peaks from the very table --report-memory prints (a hand-written
     copy of the table once hid a column change: the weights were read as the MLX peak)."""
-    from mlxdiff.pipelines.phases import Result
+    from mlxdiff.pipelines.report import Result
     GiB, MiB = 2 ** 30, 2 ** 20
     result = Result(image=None, latents=None, timings={"encode": 1.0, "denoise": 2.0, "decode": 0.5},
                     load_seconds={"transformer": 3.0, "vae": 0.1})
@@ -214,12 +215,14 @@ def test_cuda_table_names_the_gpu_figures(tmp_path, monkeypatch, capsys):
                               for i, (p, _, _) in enumerate(phases)}
         stdout = "encode - 1.3 MB 0.1 MB 0.26 GB 0.26 GB\ndenoise 0.05 2.00 GB 0.1 MB 0.29 GB 0.28 GB\n" if mlx else ""
         return {"cmd": cmd, "rc": 0, "samples": [(t, (1 + t) * 2 ** 28) for t in np.arange(-1, 3, 0.5)],
-                "phases": phases, "gpu": gpu, "stdout": stdout, "stderr_tail": ""}
+                "measured": ["GPU (NVML, this process)"], "phases": phases, "gpu": gpu, "stdout": stdout,
+                "stderr_tail": ""}
     monkeypatch.setattr(footprint, "sample", fake_sample)
     monkeypatch.setattr(footprint, "timeline", lambda runs, path: path)
     assert footprint.main(["compare", "--model", str(DEFAULT), "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("memory: GPU allocator + process (CUDA)")
+    assert lines[0].startswith("memory: what each process holds, GPU (NVML, this process), sampled from outside")
+    assert "GPU rows, the breakdown: torch max_memory_allocated / max_memory_reserved" in lines[0]
     assert "| GPU load | - | 1.00 / 2.00 | 1.00 / 2.00 |" in lines
     assert "| GPU decode | - | 4.00 / 5.00 | 4.00 / 5.00 |" in lines
     assert "| GPU overall peak | - | 4.00 / 5.00 | 4.00 / 5.00 |" in lines

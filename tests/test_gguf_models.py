@@ -32,6 +32,7 @@ from mlxdiff.loading.quantize import materialize
 from mlxdiff.formats.gguf import RawLinear
 from mlxdiff.loading.matmul import DequantizedLinear, strategy_of, use_strategy
 from mlxdiff.models import flux2, mmdit
+from mlxdiff.policy import RunPolicy, installed
 from twins import H, SEQ, TAPS, W, build_pipeline, flux2_to_bfl, sd3_to_sai
 
 # -- city96's type mix ---------------------------------------------------------------------------------------------
@@ -244,11 +245,10 @@ def test_city96_type_mix(gguf_twin):
 
 
 @pytest.mark.parametrize("layout", ["affine", "raw"])
-def test_quantized_parity_against_float64(gguf_twin, layout, monkeypatch):
+def test_quantized_parity_against_float64(gguf_twin, layout):
     """mlxdiff (weights kept quantized: MLX affine with float32 scales, or the file's raw blocks; float32 compute)
     within 1e-4 of the float64 reference; and no farther from it than diffusers' own GGUF path on the same file
     (which dequantizes through float16)."""
-    monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", layout)
     import diffusers
     import torch
     from diffusers import GGUFQuantizationConfig
@@ -263,7 +263,7 @@ def test_quantized_parity_against_float64(gguf_twin, layout, monkeypatch):
     print(f"{family}-{name}: torch float32 vs float64 {max_rel_err(ref32, ref):.2e}")
     assert max_rel_err(ref32, ref) <= 1e-5   # the model is not chaotic: float32 arithmetic can get within 1e-4
 
-    spec = sources.transformer_from_file(path, arch, base_config)
+    spec = dataclasses.replace(sources.transformer_from_file(path, arch, base_config), gguf_layout=layout)
     ours_model = spec.build(mx.float32)
     # exactly the layers stored quantized are QuantizedLinear (a fused qkv makes three), with float32 scales, or
     # RawLinear holding the file's blocks
@@ -293,14 +293,13 @@ def test_quantized_parity_against_float64(gguf_twin, layout, monkeypatch):
     assert quantization_err > 100 * max(err, 1e-6)
 
 
-def test_matmul_strategies_agree(gguf_twin, monkeypatch):
+def test_matmul_strategies_agree(gguf_twin):
     """qmm and per-layer dequantize give the same output within float32 rounding; the arrays are moved, not copied,
     and the swap goes both ways (the affine layout, which both strategies read)."""
-    monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", "affine")
     family, name, folder, path, _, _, _ = gguf_twin
     configs, _, _, make_inputs, arch, _, _ = FAMILIES[family]
-    model = sources.transformer_from_file(path, arch, json.loads((folder / "config.json").read_text())).build(
-        mx.float32)
+    spec = sources.transformer_from_file(path, arch, json.loads((folder / "config.json").read_text()))
+    model = dataclasses.replace(spec, gguf_layout="affine").build(mx.float32)
     inputs = make_inputs(configs[name], seed=2)
     qmm = mlx_forward(model, inputs)
     n_layers = strategy_of(model)["QuantizedLinear"]
@@ -358,7 +357,9 @@ def test_klein_pipeline_with_gguf_transformer(tmp_path, monkeypatch):
     quantized = pipe.generate("a red fox in the snow", **run)
     monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", "affine")   # the affine layout, through MLX's quantized_matmul
     affine = mlxdiff.load(str(folder), transformer=str(path), matmul="qmm")
-    assert strategy_of(affine.components["transformer"].build(mx.float32)) == {"QuantizedLinear": 14}
+    from mlxdiff.loading.component import load_component     # as a run loads it: the switch through the policy
+    assert strategy_of(load_component(affine.components["transformer"], mx.float32, affine.policy).model) \
+        == {"QuantizedLinear": 14}
     qmm = affine.generate("a red fox in the snow", **run)
     qmm_err = max_rel_err(qmm.latents, dequantized_run.latents)
     print(f"klein pipeline, matmul='qmm': latents {qmm_err:.2e} from the dequantized values")
@@ -423,58 +424,59 @@ def test_memory_of_a_large_gguf(big_gguf):
     block_bf16 = 2 * sum(int(np.prod(t.shape)) for t in header.tensors
                          if t.name.startswith("double_blocks.0.") and types[t.name] in (T.Q4_K, T.Q5_K))
 
-    gc.collect()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    model = sources.transformer_from_file(path, flux2).build(mx.bfloat16)
-    materialize(model)
-    load_peak = mx.get_peak_memory() - base
-    resident = mx.get_active_memory() - base
-    rng = np.random.default_rng(0)
-    inputs = dict(hidden_states=rng.standard_normal((1, 1, 128)).astype(np.float32),
-                  encoder_hidden_states=rng.standard_normal((1, 1, 2560)).astype(np.float32),
-                  timestep=np.array([0.5], np.float32), img_ids=np.zeros((1, 1, 4), np.int32),
-                  txt_ids=np.zeros((1, 1, 4), np.int32))
-    out = mlx_forward(model, inputs)
-    peak = mx.get_peak_memory() - base     # load + first forward
-    assert np.isfinite(out).all()
+    with installed(RunPolicy()):   # as a pipeline phase runs it on the CPU: paced, one piece in flight
+        gc.collect()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        model = sources.transformer_from_file(path, flux2).build(mx.bfloat16)
+        materialize(model)
+        load_peak = mx.get_peak_memory() - base
+        resident = mx.get_active_memory() - base
+        rng = np.random.default_rng(0)
+        inputs = dict(hidden_states=rng.standard_normal((1, 1, 128)).astype(np.float32),
+                      encoder_hidden_states=rng.standard_normal((1, 1, 2560)).astype(np.float32),
+                      timestep=np.array([0.5], np.float32), img_ids=np.zeros((1, 1, 4), np.int32),
+                      txt_ids=np.zeros((1, 1, 4), np.int32))
+        out = mlx_forward(model, inputs)
+        peak = mx.get_peak_memory() - base     # load + first forward
+        assert np.isfinite(out).all()
 
-    # what the built model holds: the qkv splits make 3 layers of each fused tensor (2 fused per double block)
-    layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
-    assert len(layers) == n_quantized + 4 * MEMORY_CONFIG["num_layers"]
-    assert all(m.weight.dtype == mx.uint32 and m.scales.dtype == mx.bfloat16 for m in layers)
-    plain = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]   # the layers the file keeps BF16
-    assert all(m.weight.dtype == mx.bfloat16 for m in plain)
-    assert sum(m.weight.size for m in plain) == sum(int(np.prod(t.shape)) for t in header.tensors
-                                                    if types[t.name] == T.BF16)
+        # what the built model holds: the qkv splits make 3 layers of each fused tensor (2 fused per double block)
+        layers = [m for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)]
+        assert len(layers) == n_quantized + 4 * MEMORY_CONFIG["num_layers"]
+        assert all(m.weight.dtype == mx.uint32 and m.scales.dtype == mx.bfloat16 for m in layers)
+        plain = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]   # the layers the file keeps BF16
+        assert all(m.weight.dtype == mx.bfloat16 for m in plain)
+        assert sum(m.weight.size for m in plain) == sum(int(np.prod(t.shape)) for t in header.tensors
+                                                        if types[t.name] == T.BF16)
 
-    held = mx.get_active_memory()
-    mx.reset_peak_memory()
-    mlx_forward(model, inputs)
-    activations = mx.get_peak_memory() - held
-    bound = 1.15 * file_bytes + activations
-    print(f"file tensors {file_bytes / 1e6:.1f} MB; resident {resident / 1e6:.1f} MB "
-          f"({resident / file_bytes:.3f}x); load peak {load_peak / 1e6:.1f} MB ({load_peak / file_bytes:.3f}x); "
-          f"load + forward peak {peak / 1e6:.1f} MB ({peak / file_bytes:.3f}x); activations {activations / 1e6:.1f} "
-          f"MB; bound {bound / 1e6:.1f} MB; largest layer bf16 {largest_bf16 / 1e6:.1f} MB")
-    assert peak <= bound
-    assert bound - resident < largest_bf16   # a float copy of the largest layer could not hide under the bound
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mlx_forward(model, inputs)
+        activations = mx.get_peak_memory() - held
+        bound = 1.15 * file_bytes + activations
+        print(f"file tensors {file_bytes / 1e6:.1f} MB; resident {resident / 1e6:.1f} MB "
+              f"({resident / file_bytes:.3f}x); load peak {load_peak / 1e6:.1f} MB ({load_peak / file_bytes:.3f}x); "
+              f"load + forward peak {peak / 1e6:.1f} MB ({peak / file_bytes:.3f}x); activations "
+              f"{activations / 1e6:.1f} MB; bound {bound / 1e6:.1f} MB; largest layer bf16 {largest_bf16 / 1e6:.1f} MB")
+        assert peak <= bound
+        assert bound - resident < largest_bf16   # a float copy of the largest layer could not hide under the bound
 
-    # the dequantize strategy: one layer at a time
-    use_strategy(model, "dequantize")
-    held = mx.get_active_memory()
-    mx.reset_peak_memory()
-    deq = mlx_forward(model, inputs)
-    extra = mx.get_peak_memory() - held
-    print(f"dequantize strategy: forward peak above the held weights {extra / 1e6:.1f} MB; float size of the "
-          f"quantized weights (bf16) {quantized_bf16 / 1e6:.0f} MB, of one double block {block_bf16 / 1e6:.0f} MB")
-    # far below the float size of the weights, and below even one double block's layers in bfloat16: the
-    # dequantized weights do not pile up across layers (what remains is a few row chunks of the layers that read
-    # the same input, which MLX may run side by side)
-    assert extra < 0.15 * quantized_bf16
-    assert extra < activations + block_bf16
-    assert np.isfinite(deq).all()   # (the values agree within float32 rounding in float32: test above)
+        # the dequantize strategy: one layer at a time
+        use_strategy(model, "dequantize")
+        held = mx.get_active_memory()
+        mx.reset_peak_memory()
+        deq = mlx_forward(model, inputs)
+        extra = mx.get_peak_memory() - held
+        print(f"dequantize strategy: forward peak above the held weights {extra / 1e6:.1f} MB; float size of the "
+              f"quantized weights (bf16) {quantized_bf16 / 1e6:.0f} MB, of one double block {block_bf16 / 1e6:.0f} MB")
+        # far below the float size of the weights, and below even one double block's layers in bfloat16: the
+        # dequantized weights do not pile up across layers (what remains is a few row chunks of the layers that read
+        # the same input, which MLX may run side by side)
+        assert extra < 0.15 * quantized_bf16
+        assert extra < activations + block_bf16
+        assert np.isfinite(deq).all()   # (the values agree within float32 rounding in float32: test above)
 
 
 # A mid-size FLUX.2 transformer (D = 1024, 1 double + 2 single blocks) with every large weight in one GGUF type
@@ -529,9 +531,8 @@ def test_memory_budget_picks_the_raw_layout(tmp_path, monkeypatch):
     load is refused before reading, with a hint."""
     import torch
     from diffusers import Flux2Transformer2DModel
-    from mlxdiff import memory
     from mlxdiff.errors import MlxdiffError
-    from mlxdiff.pipelines.phases import Result, build_model
+    from mlxdiff.loading.component import load_component
     with torch.device("meta"):
         shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
     path = tmp_path / "flux2-Q4_K.gguf"
@@ -544,13 +545,11 @@ def test_memory_budget_picks_the_raw_layout(tmp_path, monkeypatch):
     affine = spec.loaded_nbytes(compute_dtype=mx.bfloat16)
     raw = dataclasses.replace(spec, gguf_layout="raw").loaded_nbytes(compute_dtype=mx.bfloat16)
     assert raw < affine
-    monkeypatch.setattr(memory, "memory_limit", (raw + affine) // 2)
-    result = Result(image=None, latents=None)
-    model, resident = build_model(spec, mx.bfloat16, result)
+    result = load_component(spec, mx.bfloat16, RunPolicy(memory_limit=(raw + affine) // 2))
+    model, resident = result.model, result.nbytes
     assert {type(m).__name__ for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, RawLinear))} \
         == {"RawLinear"}
     assert resident <= 1.01 * raw
     assert result.notes and "raw blocks" in result.notes[0]
-    monkeypatch.setattr(memory, "memory_limit", raw // 2)
     with pytest.raises(MlxdiffError, match="smaller quantization type"):
-        build_model(spec, mx.bfloat16)
+        load_component(spec, mx.bfloat16, RunPolicy(memory_limit=raw // 2))

@@ -677,7 +677,7 @@ def test_bad_lora_files_are_one_line(tmp_path, capsys):
 @pytest.mark.parametrize("value, needle", [
     ("{missing}", "LoRA file not found"), ("{lora}:abc", "SCALE 'abc' is not a number"),
     ("{lora}:nan", "lora_scale=nan"), ("{lora}:1e9", "lora_scale=1000000000.0"), (":0.5", "no file"),
-    ("{folder}", "is a folder"), ("{ckpt}", "expected a .safetensors or .gguf LoRA file")])
+    ("{folder}", "is a folder"), ("{ckpt}", "expected a .safetensors LoRA file")])
 def test_bad_lora_arguments_are_one_line(value, needle, shapes_lora, tmp_path, capsys):
     from mlxdiff.generate import main
     (tmp_path / "x.ckpt").write_bytes(b"\0" * 16)
@@ -698,11 +698,11 @@ def test_api_lora_arguments():
 
 def test_layer_kinds_and_row_views():
     """linear_dims reads every kind of base mlxdiff builds; a row range of a LoRALinear (what FLUX.2's single blocks
-    take of their fused projection, models/flux2.linear_rows) is the same rows of its output."""
+    take of their fused projection, formats/quantized.linear_rows) is the same rows of its output."""
     import mlx.nn as nn
     from mlxdiff.formats.fp8 import Fp8Linear
     from mlxdiff.formats.gguf import RawLinear
-    from mlxdiff.models.flux2 import linear_rows
+    from mlxdiff.formats.quantized import linear_rows
     from mlxdiff.loading.matmul import to_dequantized
     dense = nn.Linear(128, 96, bias=False)
     quantized = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=4)

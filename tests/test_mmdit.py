@@ -217,19 +217,16 @@ def test_embedding_tables_match_diffusers():
 def test_compiled_blocks_match_diffusers(saved):
     """Each block compiled whole (models/fused.compiled_block), its outputs paced as the pipelines pace them: the
     same numbers as diffusers, as the eager blocks give."""
-    from mlxdiff.models.fused import set_block_compilation
-    from mlxdiff.pipelines.phases import evaluate_each_block
+    from mlxdiff.pipelines.base import evaluate_each_block
+    from mlxdiff.policy import RunPolicy, installed
     name, torch_model, folder = saved
     inputs = make_inputs(name)
     ref = torch_forward(torch_model, inputs)
     model = load_ours(folder, mmdit)
-    previous = set_block_compilation(True)
-    try:
+    with installed(RunPolicy(compile_blocks=True)):
         out = model(**{k: mx.array(v) for k, v in inputs.items()}, after_block=evaluate_each_block)
         ours = np.array(out.astype(mx.float32))
         assert all(b.__dict__.get("_compiled") for b in model.transformer_blocks)   # really compiled
-    finally:
-        set_block_compilation(previous)
     err = max_rel_err(ours, ref)
     print(f"{name} compiled blocks: max_rel_err {err:.2e}")
     assert err <= 1e-4

@@ -1,13 +1,15 @@
 """Repeated generation: components kept loaded across generate() calls by the keep= policy, and prompts encoded
 once (the embedded default model, 2 steps)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import mlxdiff
 import mlx.core as mx
-from mlxdiff import default_model, memory
-from mlxdiff.loading.sources import ComponentSpec
+from mlxdiff import default_model
+from mlxdiff.loading.spec import ComponentSpec
 
 KW = dict(steps=2, seed=5, progress_bar=False)
 
@@ -62,17 +64,17 @@ def test_keep_all_reuses_every_component(builds):
 
 def test_keep_auto_frees_when_the_budget_says_so(builds):
     base = _active()
-    old = mx.get_memory_limit()
     pipe = mlxdiff.load(str(default_model.folder()), keep="auto")
+    unlimited = pipe.policy
     try:
-        memory.set_memory_limit(0.013)     # 13 MB: each phase fits, the transformer (12.4 MB) with no other
+        # 13 MB: each phase fits, the transformer (12.4 MB) with no other
+        pipe.policy = dataclasses.replace(unlimited, memory_limit=int(0.013 * 2**30))
         pipe.generate(default_model.PROMPT, **KW)
         assert _active() - base < 2_000_000
         result = pipe.generate(default_model.PROMPT, **KW)
         assert "transformer" not in result.reused and builds.count("transformer") == 2
     finally:
-        memory.memory_limit = None
-        mx.set_memory_limit(old)
+        pipe.policy = unlimited
     result = pipe.generate(default_model.PROMPT, **KW)    # no limit: 3/4 of physical memory holds all
     result = pipe.generate(default_model.PROMPT, **KW)
     assert {"transformer", "vae"} <= set(result.reused)
@@ -85,20 +87,22 @@ def test_bad_keep_policy():
 
 
 def test_blocks_compiled_only_where_memory_allows(monkeypatch):
-    """memory.compile_blocks_for: whole compiled blocks on a GPU with room to spare, never for a model with a layer
-    that decodes its weight per call (its decoded weights must stay paced one at a time), never on the CPU."""
+    """memory.compile_blocks_for, as a phase decides it (memory.decide): whole compiled blocks on a GPU with room to
+    spare, never for a model with a layer that decodes its weight per call (its decoded weights must stay paced one
+    at a time), never on the CPU."""
     import mlx.nn as nn
     from mlxdiff import memory
     from mlxdiff.formats.gguf import RawLinear
+    from mlxdiff.policy import RunPolicy
     plain = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     decoding = nn.Sequential(nn.Linear(64, 64), RawLinear(256, 8, "Q4_K"))
-    assert not memory.compile_blocks_for(plain)                  # this CPU
-    monkeypatch.setattr(memory, "in_flight_for", lambda: 2)      # as on a GPU with memory to spare
+    assert not memory.decide(RunPolicy(), plain).compile_blocks             # this CPU
+    monkeypatch.setattr(memory, "in_flight_for", lambda policy: 2)           # as on a GPU with memory to spare
     monkeypatch.setattr(memory.mx, "default_device", lambda: mx.gpu)
-    assert memory.compile_blocks_for(plain)
-    assert not memory.compile_blocks_for(decoding)
-    plain.eager_is_faster = lambda: True                         # as FLUX.2 with its fused CUDA kernel
-    assert not memory.compile_blocks_for(plain)
+    assert memory.decide(RunPolicy(), plain).compile_blocks
+    assert not memory.decide(RunPolicy(), decoding).compile_blocks
+    plain.eager_is_faster = lambda: True                                     # as FLUX.2 with its fused CUDA kernel
+    assert not memory.decide(RunPolicy(), plain).compile_blocks
     del plain.eager_is_faster
-    monkeypatch.setattr(memory, "in_flight_for", lambda: 1)      # a tight budget: the floor
-    assert not memory.compile_blocks_for(plain)
+    monkeypatch.setattr(memory, "in_flight_for", lambda policy: 1)           # a tight budget: the floor
+    assert not memory.decide(RunPolicy(), plain).compile_blocks

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 
 from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.sources import ComponentSpec
+from mlxdiff.loading.spec import ComponentSpec
 from mlxdiff.models import t5
 
 # Every size differs (d_model, inner = heads * d_kv, d_kv, heads, d_ff, vocab, buckets, layers, tokens). The token

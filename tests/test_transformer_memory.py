@@ -13,8 +13,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxdiff.models import flux2
-from mlxdiff.models.fused import set_fusion
-from mlxdiff.pipelines.phases import evaluate_each_block
+from mlxdiff.pipelines.base import evaluate_each_block
+from mlxdiff.policy import RunPolicy, installed
 
 N_IMG, N_TXT = 1024, 256
 ARGS = dict(num_layers=2, num_single_layers=2, attention_head_dim=64, num_attention_heads=16,
@@ -44,8 +44,10 @@ def test_mid_size_forward_peak_is_weights_plus_activations():
     allowance = 2 * heads * s * s * 4 + 2 * s * widest * 4
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    y = model(img, txt, mx.array([0.5]), img_ids, txt_ids, guidance=mx.array([4.0]), after_block=evaluate_each_block)
-    mx.eval(y)
+    with installed(RunPolicy()):    # as the denoise phase runs it on the CPU: paced, one piece in flight
+        y = model(img, txt, mx.array([0.5]), img_ids, txt_ids, guidance=mx.array([4.0]),
+                  after_block=evaluate_each_block)
+        mx.eval(y)
     peak = mx.get_peak_memory() - base
     print(f"\nmid-size FLUX.2 forward: {peak / 2**20:.0f} MiB above the weights, allowance {allowance / 2**20:.0f} MiB")
     assert peak <= allowance, (peak, allowance)
@@ -60,11 +62,8 @@ def test_fused_and_plain_pieces_agree():
     img, txt, img_ids, txt_ids = _inputs(36, 7, args.in_channels, args.joint_attention_dim)
     outs = {}
     for fuse in (True, False):
-        previous = set_fusion(fuse)
-        try:
+        with installed(RunPolicy(fuse=fuse)):
             outs[fuse] = np.array(model(img, txt, mx.array([0.3]), img_ids, txt_ids, guidance=mx.array([3.0])))
-        finally:
-            set_fusion(previous)
     err = np.abs(outs[True] - outs[False]).max() / np.abs(outs[False]).max()
     assert err <= 1e-6, err
 
@@ -82,14 +81,14 @@ def test_swiglu_in_two_ranges_equals_one_matmul(monkeypatch):
     outs, pieces = {}, {}
     real = flux2.swiglu_rows
     for depth in (1, 2):
-        monkeypatch.setattr(pacing, "IN_FLIGHT", depth)
         def counted(*a, depth=depth):
             out = real(*a)
             pieces.setdefault(depth, []).append(len(out))
             return out
         monkeypatch.setattr(flux2, "swiglu_rows", counted)
-        outs[depth] = np.array(model(img, txt, mx.array([0.3]), img_ids, txt_ids, guidance=mx.array([3.0])))
-        pacing.settle()
+        with installed(RunPolicy(in_flight=depth)):
+            outs[depth] = np.array(model(img, txt, mx.array([0.3]), img_ids, txt_ids, guidance=mx.array([3.0])))
+            pacing.settle()
     assert set(pieces[1]) == {2} and set(pieces[2]) == {1} and len(pieces[1]) == 3   # 2 feed-forwards + 1 single
     err = np.abs(outs[1] - outs[2]).max() / np.abs(outs[2]).max()
     assert err <= 1e-6, err
@@ -115,7 +114,8 @@ def test_cpu_attention_in_query_chunks_keeps_one_chunk_of_scores(monkeypatch):
 
     whole, whole_peak = peak_of(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=32 ** -0.5))
     monkeypatch.setattr(fused, "CPU_SCORE_BYTES", 8 << 20)
-    chunked, chunked_peak = peak_of(lambda: fused.attention(q, k, v, 32 ** -0.5))
+    with installed(RunPolicy()):    # as a pipeline phase runs it on the CPU: each chunk paced
+        chunked, chunked_peak = peak_of(lambda: fused.attention(q, k, v, 32 ** -0.5))
     print(f"attention peak: whole {whole_peak / 2**20:.0f} MiB, chunked {chunked_peak / 2**20:.0f} MiB")
     assert whole_peak >= 128 << 20                     # the matrix is really held whole by one call
     assert chunked_peak <= 3 * (8 << 20) + 2 * whole.nbytes

@@ -8,9 +8,10 @@ from mlxdiff import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from mlxdiff.memory import CPU_CONV_BAND
+from mlxdiff.memory import CPU_CONV_BAND, decide
 from mlxdiff.models import vae, vae_flux2
-from mlxdiff.pipelines.phases import decode_array
+from mlxdiff.pipelines.base import decode_array
+from mlxdiff.policy import RunPolicy, installed
 
 SIZE = 512
 
@@ -29,8 +30,9 @@ def test_decode_peak_is_activations_plus_one_band(arch):
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    image = decode_array(model, z, mx.float32)
-    mx.eval(image)
+    with installed(decide(RunPolicy(), model)):   # what the decode phase decides on the CPU: paced, row bands
+        image = decode_array(model, z, mx.float32)
+        mx.eval(image)
     peak = mx.get_peak_memory() - base
     # the allowance: about four full-resolution activations of the widest full-resolution block (its input, a
     # normalised copy, a conv output, the residual: vae.Model.decode_bytes) plus one convolution band's buffer

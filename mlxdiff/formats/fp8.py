@@ -155,6 +155,12 @@ def load(path, info, meta, compute_dtype=None) -> dict:
     metadata), lazily: float8 linear weights at 8 bits, other float8 tensors decoded to the compute dtype."""
     arrays = st.load_safetensors(path, decode_fp8=False, info=info)
     keep, scales = _plan(path, info, meta, arrays)
+    # every scale read whole (one float, or one per row) and checked finite at once: a NaN or infinite scale would
+    # make its whole layer NaN (an all-black image), and a big weight's scale is folded in below, past any later check
+    bad = st.first_false(st.finite_flags(((s, arrays[s]) for s in scales.values()), limit=None))
+    if bad is not None:
+        raise MlxdiffError(f"{path}: tensor {_short(bad)} (a float8 scale) holds NaN or infinite values; the file is "
+                           "corrupt, re-download or re-convert it")
     dtype = backend.compute_dtype(compute_dtype)
     out = {}
     for name in keep:

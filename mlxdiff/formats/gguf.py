@@ -180,6 +180,62 @@ class _Metadata:
         return [self.value(itype, key, depth + 1) for _ in range(n)]
 
 
+# -- typed metadata reads: what a model reads from the metadata, checked as its type and range ----------------------
+
+def _shown_value(value, kind=False) -> str:
+    """A metadata value as an error message shows it: its kind (`kind`: for an integer too) and the value, cut."""
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r})"
+    if isinstance(value, (np.ndarray, list)):
+        return f"an array of {len(value)} items"
+    if isinstance(value, float):
+        text = f"{value:.6g}"
+        return f"a float ({text}{'.0' if text.lstrip('-').isdigit() else ''})"
+    return f"an integer ({value})" if kind else str(value)
+
+
+FIX = "; re-download or re-convert the file"   # what to do about metadata that does not describe the model
+
+
+def metadata_value(metadata: dict, key: str, kind: str, lo=None, hi=None, gt=None, per_layer=None):
+    """GGUF metadata `key` read as `kind`, None when the file has no such key; otherwise one MlxdiffError line that
+    names the key (not the file: the caller adds it). Kinds, as llama.cpp's loader types them (it refuses a key of
+    another type): "int" an integer type (never a bool or a float, whatever its value), "float" a float32 / float64
+    (never an integer: llama.cpp writes rope bases and epsilons as float32), "str" a string. Numbers must be finite
+    and within lo..hi (above `gt`). `per_layer`: an integer key that llama.cpp also takes as one value per layer
+    (head counts): an array of `per_layer` integers is read when they are all equal (mlxdiff's encoders have one
+    value for every layer)."""
+    if key not in metadata:
+        return None
+    value = metadata[key]
+    expected = {"int": "an integer", "float": "a float32", "str": "a string"}[kind]
+    if per_layer is not None and isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu":
+        if len(value) != per_layer or not len(value):
+            raise MlxdiffError(f"GGUF metadata {key} is an array of {len(value)} items; expected one integer or "
+                               f"one per layer ({per_layer}){FIX}")
+        if (value != value[0]).any():
+            raise MlxdiffError(f"GGUF metadata {key} differs between layers ({', '.join(map(str, value[:4]))}, "
+                               "...); mlxdiff's text encoders have one value for every layer")
+        value = int(value[0])
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, float), "str": isinstance(value, str)}[kind]
+    if not ok:
+        raise MlxdiffError(f"GGUF metadata {key} is {_shown_value(value, kind=True)}; expected {expected}"
+                           + (" (or one per layer)" if per_layer is not None else "") + FIX)
+    if kind == "str":
+        return value
+    fmt = lambda x: f"{x:g}" if isinstance(x, float) else str(x)
+    bounds = " ".join(part for part in (f"above {fmt(gt)}" if gt is not None else "",
+                                        f"from {fmt(lo)}" if lo is not None else "",
+                                        f"up to {fmt(hi)}" if hi is not None else "") if part)
+    if (not math.isfinite(value) or (lo is not None and value < lo) or (hi is not None and value > hi)
+            or (gt is not None and value <= gt)):
+        raise MlxdiffError(f"GGUF metadata {key} is {_shown_value(value)}; expected {expected} {bounds}{FIX}")
+    return value
+
+
 def check_gguf(path) -> GGUFHeader:
     """Parse and validate a GGUF header without trusting any count, length or offset in it. Raises MlxdiffError.
 

@@ -1,5 +1,7 @@
 """Strict loading of mapped weights into an mlx.nn module, with errors that name the keys."""
 
+import math
+
 from mlx.utils import tree_flatten
 
 from ..errors import MlxdiffError
@@ -40,9 +42,10 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     """
     import mlx.core as mx
     from ..formats.quantized import flatten_quantized, quantized_predicate
-    from .quantize import prepare_quantized, quantize_model
+    from .quantize import prepare_quantized, quantizable, quantize_model
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
+    given = {id(v): k for k, v in weights.items()}   # a refusal names a tensor as given, where sanitize only renamed it
     # mlxdiff's own checkpoints (`native`) are saved after sanitize, in the module's own names and layouts
     rename = None if native else model.sanitize
     if not native:
@@ -61,18 +64,25 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
         use_raw_layers(model, gguf_layers, model.compute_dtype)
         use_fp8_layers(model, gguf_layers, weights, model.compute_dtype)
     load_into(model, weights, source)
-    keep_activations_in(model, model.compute_dtype)
+    stored = keep_activations_in(model, model.compute_dtype)
+    del weights
+    # the weights that quantize-while-loading quantizes stay unread here (materialize streams them, layer by layer)
+    skip = set() if not quantize else {
+        f"{path}.weight" for path, m in model.named_modules() if quantizable(model, path, m, quantize["group_size"])}
+    check_finite(model, source, stored, skip, given)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
         quantize_model(model, quantize["bits"], quantize["group_size"])
     return model
 
 
-def keep_activations_in(model, compute_dtype) -> None:
+def keep_activations_in(model, compute_dtype) -> dict:
     """No weight may change the dtype the activations are computed in: a float weight that would promote them
     (float32 norm scales, which GGUF and ComfyUI files keep, under bfloat16 compute; bfloat16 under float16) is cast
-    to the compute dtype, lazily. Weights that the compute dtype absorbs (bfloat16 under float32) stay as stored."""
+    to the compute dtype, lazily. Weights that the compute dtype absorbs (bfloat16 under float32) stay as stored.
+    Returns {parameter path: the array as stored} of those cast."""
     import mlx.core as mx
     from mlx.utils import tree_map_with_path
+    stored = {}
 
     def cast(path, w):
         if not isinstance(w, mx.array) or w.dtype == compute_dtype or not mx.issubdtype(w.dtype, mx.floating):
@@ -80,6 +90,66 @@ def keep_activations_in(model, compute_dtype) -> None:
         if path.endswith(".weight_scale"):   # a float8 layer's float32 scales: only the decoded weight is cast
             return w
         promoted = (mx.zeros((), w.dtype) + mx.zeros((), compute_dtype)).dtype
-        return w if promoted == compute_dtype else w.astype(compute_dtype)
+        if promoted == compute_dtype:
+            return w
+        stored[path] = w
+        return w.astype(compute_dtype)
 
     model.update(tree_map_with_path(cast, model.parameters()))
+    return stored
+
+
+def check_finite(model, source, stored=None, skip=(), given=None) -> None:
+    """Refuse, in one line naming `source` and the parameter, a model whose floating parameters small enough to read
+    whole (formats/safetensors.CHECK_WHOLE_ELEMENTS: norm weights, biases, scales, BatchNorm statistics; the small
+    layers of small models) hold a NaN or an infinity, as they compute (after keep_activations_in's casts), or whose
+    small float8 layers hold NaN codes: such a model draws an all-black image. One evaluation per batch of
+    parameters, whatever the format (safetensors, GGUF's plain tensors, float8 files, quantized checkpoints' scales).
+    `stored`: keep_activations_in's {path: array as stored}, to tell a value the file holds from a cast's overflow;
+    `skip`: parameter paths left unread (the weights quantize-while-loading streams); `given`: {id(array): the name
+    it was given to build under}, so that the line names a tensor as the file does where sanitize only renamed it."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from ..formats.fp8 import Fp8Embedding, Fp8Linear
+    from ..formats.safetensors import CHECK_WHOLE_ELEMENTS, finite_flags, first_false
+
+    params = [(k, v) for k, v in tree_flatten(model.parameters()) if k not in skip]
+    flags = list(finite_flags(params))
+    for path, module in model.named_modules():   # float8 e4m3fn codes 0x7F / 0xFF are its NaN (it has no inf)
+        if isinstance(module, (Fp8Linear, Fp8Embedding)) and module["weight"].size <= CHECK_WHOLE_ELEMENTS:
+            codes = module["weight"]
+            flags.append((f"{path}.weight" if path else "weight", mx.all((codes & 0x7F) != 0x7F), codes.size))
+    bad = first_false(flags)
+    if bad is None:
+        return
+    original = (stored or {}).get(bad)
+    name = (given or {}).get(id(original if original is not None else dict(params).get(bad)), bad)
+    if original is not None and first_false(finite_flags([(bad, original)], limit=None)) is None:
+        dtype = str(model.compute_dtype).rsplit(".", 1)[-1]
+        raise MlxdiffError(f"{source}: tensor {name!r} has values beyond {dtype}'s range, which the {dtype} compute "
+                           "dtype makes infinite; use dtype bfloat16 or float32 (--dtype)")
+    raise MlxdiffError(f"{source}: tensor {name!r} holds NaN or infinite values (it would draw a black image); the "
+                       "file is corrupt, re-download or re-convert it")
+
+
+def check_stored_values(files, prefix="") -> None:
+    """Refuse, before any model is built, safetensors weight files (those of `files`; GGUF files are checked as they
+    are read and built) whose floating tensors small enough to read whole (formats/safetensors.CHECK_WHOLE_ELEMENTS),
+    float8 ones decoded, hold a NaN or an infinity: one line naming the file and the tensor as stored. Only tensors
+    under `prefix` (a single file's component). A few MB of a real model are read; check_finite does the same at
+    build time for every format, after the casts."""
+    from ..formats import is_gguf
+    from ..formats.safetensors import CHECK_WHOLE_ELEMENTS, check_safetensors, finite_flags, first_false, \
+        load_safetensors
+    for path in files:
+        if is_gguf(path):
+            continue
+        info = check_safetensors(path)
+        small = [k for k, (_, shape) in info.items() if k.startswith(prefix) and math.prod(shape) <= CHECK_WHOLE_ELEMENTS]
+        if not small:
+            continue
+        arrays = load_safetensors(path, info=info)
+        bad = first_false(finite_flags((k, arrays[k]) for k in small))
+        if bad is not None:
+            raise MlxdiffError(f"{path}: tensor {bad!r} holds NaN or infinite values (it would draw a black image); "
+                               "the file is corrupt, re-download or re-convert it")

@@ -37,4 +37,5 @@ def load_component(spec, compute_dtype, policy: RunPolicy) -> Loaded:
     model = fitted.build(compute_dtype)
     use_strategy(model, fitted.matmul or policy.matmul or backend.default_matmul_strategy())
     materialize(model)
+    mx.clear_cache()     # what the load converted and dropped (GGUF chunks, quantization inputs) is not kept
     return Loaded(model, mx.get_active_memory() - before, time.perf_counter() - start, notes)

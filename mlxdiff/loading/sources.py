@@ -10,6 +10,8 @@ A spec holds no weights; `spec.build()` maps them lazily when a phase needs the 
 
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -107,7 +109,7 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
     against `taps` here, before anything is read."""
     path = check_weight_file(not_a_folder(path, "text encoder file"), "text encoder file")
     shapes = tensor_shapes(path)
-    metadata = {}
+    metadata = None   # a GGUF's metadata: its hyperparameters, read typed and bounded by text_llm.gguf_values
     if is_gguf(path):
         from ..formats.gguf import check_gguf
         metadata = check_gguf(path).metadata
@@ -124,7 +126,7 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
     if explicit_taps or args.depth <= args.num_layers:
         text_llm.check_args(args, path)
     keymap = None
-    if is_gguf(path) and text_llm.gguf_is_permuted(metadata, config):
+    if metadata is not None and text_llm.gguf_is_permuted(metadata, config):
         text = text_llm.ModelArgs.from_dict(config).text_config
         keymap = partial(text_llm.gguf_unpermute, heads=text["num_attention_heads"],
                          kv_heads=text["num_key_value_heads"])
@@ -140,21 +142,28 @@ def not_a_folder(path, what) -> Path:
 
 
 def read_json(path, what, root=None) -> dict:
-    """A JSON object from `path` (inside the model folder `root`, when given)."""
+    """A JSON object from `path` (inside the model folder `root`, when given): a regular file (a FIFO or a device is
+    refused before it is opened: arguments.read_capped) of at most MAX_CONFIG_BYTES."""
+    from ..arguments import read_capped
     if root is not None:
         inside(root, path, what)
     try:
-        size = Path(path).stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise MlxdiffError(f"{path}: {what} is {size} bytes; a config is a few KB (at most {MAX_CONFIG_BYTES})")
-        value = json.loads(Path(path).read_text())
+        info = os.stat(path)
     except FileNotFoundError:
         raise MlxdiffError(f"{path}: {what} is missing; the model folder is incomplete") from None
-    except IsADirectoryError:
-        raise MlxdiffError(f"{path}: {what} is a folder, not a file; the model folder is broken") from None
+    except OSError as e:
+        raise MlxdiffError(f"{path}: cannot read {what} ({e.strerror or e})") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise MlxdiffError(f"{path}: {what} is a folder, not a file; the model folder is broken")
+    if stat.S_ISREG(info.st_mode) and info.st_size > MAX_CONFIG_BYTES:
+        raise MlxdiffError(f"{path}: {what} is {info.st_size} bytes; a config is a few KB (at most "
+                           f"{MAX_CONFIG_BYTES})")
+    data = read_capped(path, MAX_CONFIG_BYTES, f"{path}: {what}", "a config is a few KB")
+    try:
+        value = json.loads(data.decode("utf-8"))
     except RecursionError:
         raise MlxdiffError(f"{path}: cannot read {what} (nested too deeply)") from None
-    except (OSError, ValueError) as e:
+    except ValueError as e:   # UnicodeDecodeError included
         raise MlxdiffError(f"{path}: cannot read {what} ({str(e).splitlines()[0][:200]})") from None
     if not isinstance(value, dict):
         raise MlxdiffError(f"{path}: {what} is {json_type(value)}; expected a JSON object ({{\"key\": value, ...}})")
@@ -422,7 +431,12 @@ def flux2_folder(root: Path, index, pipeline_class, components, transformer=None
         raise MlxdiffError(f"{folder}: missing; with text_encoder={text_encoder} the tokenizer still comes from the "
                            "pipeline folder: add the model's tokenizer/ folder (tokenizer.json, tokenizer_config.json "
                            "with its chat template) from its diffusers repository")
-    tokenizers = {"tokenizer": load_chat_tokenizer(folder)}
+    tokenizer_ = load_chat_tokenizer(folder, encoder.model_type, source)   # of the encoder's family
+    vocab = encoder.text_config.get("vocab_size")
+    if vocab is not None and len(tokenizer_) > vocab:   # ids past the embedding would read other memory's rows
+        raise MlxdiffError(f"{folder}: the tokenizer has {len(tokenizer_)} tokens but the text encoder's embedding "
+                           f"({source}) has {vocab} rows; give the model's own tokenizer folder")
+    tokenizers = {"tokenizer": tokenizer_}
     # optional folder defaults (diffusers ignores these keys): image size and prompt length of a small model
     return PipelineSources("flux2", pipeline_class, specs, tokenizers, read_scheduler_config(root),
                            {"is_distilled": options.is_distilled, "sample_size": options.sample_size,

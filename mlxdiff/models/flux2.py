@@ -418,8 +418,8 @@ class Model(nn.Module):
 
     def eager_is_faster(self) -> bool:
         """memory.compile_blocks_for: with the fused CUDA norm+RoPE kernel (fused.norm_rope) eager blocks, two
-        pieces in flight, beat whole compiled blocks (klein-4B forward, H200: 0.068 s / +0.73 GiB against 0.075 s /
-        +1.52 GiB; bench/RESULTS.md, "Speed")."""
+        pieces in flight, beat whole compiled blocks, in time and in memory (klein-4B on the H200: bench/RESULTS.md,
+        "Speed")."""
         return cuda_kernels()
 
     def quant_predicate(self, path, module) -> bool:
@@ -509,6 +509,33 @@ NOT_IN_WEIGHTS = {"patch_size": 1, "rope_theta": 2000, "eps": 1e-6}
 FROM_BASE_CONFIG = ("axes_dims_rope", "rope_theta", "eps")  # taken from a pipeline folder's config when given
 
 
+def fused_shapes(dim, mlp_hidden, double, single) -> dict:
+    """{BFL key: (shape, how its rows are made)} of the tensors whose rows the key map or the blocks split at fixed
+    offsets, as the config gives them: the double blocks' qkv (split in three by ORIGINAL_KEYMAP), the single blocks'
+    linear1 ([q; k; v; gate; up], split by linear_rows / swiglu_rows) and linear2 (it takes [attention | MLP]), and
+    final_layer's modulation (its halves swapped)."""
+    qkv = ((3 * dim, dim), f"3 x {dim} rows (q, k, v of hidden size {dim})")
+    out = {"final_layer.adaLN_modulation.1.weight": ((2 * dim, dim), f"2 x {dim} rows (shift, scale)")}
+    for i in range(double):
+        out[f"double_blocks.{i}.img_attn.qkv.weight"] = qkv
+        out[f"double_blocks.{i}.txt_attn.qkv.weight"] = qkv
+    for i in range(single):
+        out[f"single_blocks.{i}.linear1.weight"] = (
+            (3 * dim + 2 * mlp_hidden, dim), f"3 x {dim} + 2 x {mlp_hidden} rows (q, k, v; the MLP's gate and up)")
+        out[f"single_blocks.{i}.linear2.weight"] = (
+            (dim, dim + mlp_hidden), f"{dim} + {mlp_hidden} columns (attention, MLP)")
+    return out
+
+
+def check_fused_rows(weights: dict, expected: dict, what="FLUX.2") -> None:
+    """Each present tensor of `expected` ({key: (shape, how)}) has exactly that shape, before anything splits it
+    (a wrong row count would otherwise fail deep in the split, or split at the wrong offsets)."""
+    for key, (shape, how) in expected.items():
+        if key in weights and tuple(weights[key].shape) != tuple(shape):
+            raise MlxdiffError(f"{what} original checkpoint: tensor {key!r} has shape {list(weights[key].shape)}; "
+                               f"expected {list(shape)}: {how}, as the file's other tensors give them")
+
+
 def config_from_original(weights: dict) -> dict:
     """The diffusers config of a BFL-named checkpoint (dev or klein), read from its key names and shapes.
 
@@ -526,6 +553,8 @@ def config_from_original(weights: dict) -> dict:
     - axes_dims_rope: only their sum (= head_dim) is fixed by the weights; BFL's FLUX.2 splits the head into 4 equal
       axes (T, H, W, L) = (32, 32, 32, 32) for 128, so head_dim / 4 each.
     - patch_size, rope_theta and eps are not in the weights either: NOT_IN_WEIGHTS (the released values).
+    - the fused projections, which are split at offsets the config sets, must have the shapes it gives them
+      (fused_shapes); every other tensor's shape is checked against the built model when it is loaded.
     """
     weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     if not is_original(weights):
@@ -554,6 +583,7 @@ def config_from_original(weights: dict) -> dict:
         raise MlxdiffError(f"FLUX.2 original checkpoint: mlp hidden size {mlp_hidden} is not expressible as "
                            f"int({dim} * mlp_ratio); pass a config")
     out_channels = _shape(weights, "final_layer.linear.weight")[0]
+    check_fused_rows(weights, fused_shapes(dim, mlp_hidden, num_layers, num_single))
     return {
         "patch_size": NOT_IN_WEIGHTS["patch_size"],
         "in_channels": in_channels,

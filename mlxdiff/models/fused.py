@@ -129,8 +129,8 @@ def attention(q, k, v, scale):
 # -- qk RMSNorm + RoPE in one pass (CUDA) ----------------------------------------------------------------------------
 #
 # Why: on CUDA, per FLUX.2 block, mx.fast.rms_norm on (tokens x heads) rows of 128 and the RoPE chain (a stack of the
-# swapped pairs, then the float32 rotation broadcast over heads) cost 0.08 + 0.15 ms for each of q and k: about 10 ms
-# of a 74 ms klein-4B forward (H200, bench/block_ops_gpu.py). One warp per row does the norm, the rotation and the
+# swapped pairs, then the float32 rotation broadcast over heads) cost a seventh of a klein-4B forward (H200,
+# bench/block_ops_gpu.py; figures in bench/RESULTS.md, "Speed"). One warp per row does the norm, the rotation and the
 # transpose to SDPA's (B, H, S, hd) layout in registers, and joins the text and image parts of a double block without
 # a concatenation. It rounds where the MLX-ops path rounds (the norm's output to the input dtype, then times the
 # weight, then the float32 rotation cast back), so the two agree to within a rounding of the input dtype (checked on

@@ -409,6 +409,30 @@ def _shape(weights, key, ndim=2):
     return required_shape(weights, key, "SD3", ndim)
 
 
+def fused_shapes(dim, blocks) -> dict:
+    """{original key: (shape, how its rows are made)} of the tensors ORIGINAL_KEYMAP splits: every qkv (in three)
+    and the 2-chunk modulations whose halves it swaps (final_layer's, the last block's context adaLN)."""
+    qkv_w = ((3 * dim, dim), f"3 x {dim} rows (q, k, v of hidden size {dim})")
+    qkv_b = ((3 * dim,), f"3 x {dim} values (q, k, v)")
+    halves_w, halves_b = ((2 * dim, dim), f"2 x {dim} rows (shift, scale)"), ((2 * dim,), f"2 x {dim} values")
+    out = {"final_layer.adaLN_modulation.1.weight": halves_w, "final_layer.adaLN_modulation.1.bias": halves_b,
+           f"joint_blocks.{blocks[-1]}.context_block.adaLN_modulation.1.weight": halves_w,
+           f"joint_blocks.{blocks[-1]}.context_block.adaLN_modulation.1.bias": halves_b}
+    for b in blocks:
+        for attn in ("x_block.attn", "x_block.attn2", "context_block.attn"):
+            out[f"joint_blocks.{b}.{attn}.qkv.weight"] = qkv_w
+            out[f"joint_blocks.{b}.{attn}.qkv.bias"] = qkv_b
+    return out
+
+
+def check_fused_rows(weights: dict, expected: dict) -> None:
+    """Each present tensor of `expected` has exactly that shape, before the key map splits it."""
+    for key, (shape, how) in expected.items():
+        if key in weights and tuple(weights[key].shape) != tuple(shape):
+            raise MlxdiffError(f"SD3 original checkpoint: tensor {key!r} has shape {list(weights[key].shape)}; "
+                               f"expected {list(shape)}: {how}, as the file's other tensors give them")
+
+
 def config_from_original(weights: dict) -> dict:
     """The diffusers config of an original-named checkpoint, read from its key names and shapes.
 
@@ -421,6 +445,8 @@ def config_from_original(weights: dict) -> dict:
       present its length IS the head size, so attention_head_dim = len(ln_q) else 64, and heads = D / head size.
       This is exact for SD3 Medium, SD3.5 Medium and SD3.5 Large (24, 24, 38 heads of 64).
     - sample_size (only the default image size; not stored in the weights) = 128, as in every released model.
+    - the tensors the key map splits (qkv, the swapped modulations) must have the shapes hidden D gives them
+      (fused_shapes); every other tensor's shape is checked against the built model when it is loaded.
     """
     weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     blocks = _block_indices(weights)
@@ -432,6 +458,7 @@ def config_from_original(weights: dict) -> dict:
     head_dim = _shape(weights, ln_q, 1)[0] if ln_q in weights else 64
     if dim % head_dim:
         raise MlxdiffError(f"SD3 original checkpoint: hidden size {dim} is not a multiple of the head size {head_dim}")
+    check_fused_rows(weights, fused_shapes(dim, blocks))
     rows = _shape(weights, "pos_embed", 3)[1]
     grid = round(rows ** 0.5)
     if grid * grid != rows:

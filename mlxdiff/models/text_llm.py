@@ -68,6 +68,7 @@ KEYMAP = compile_rules([
 
 # The language model's config (text_config for Mistral3, the flat config for Qwen3) is checked against the mlx-lm
 # ModelArgs it becomes (types from its annotations), plus the keys attention_windows reads, with these limits.
+MAX_ROPE_THETA = 1e12     # RoPE base (largest released: Mistral-Small's 1e9); below 1 the frequencies grow
 TEXT_TYPES = {"sliding_window": int | None, "use_sliding_window": bool, "max_window_layers": int,
               "layer_types": list[str] | None}
 TEXT_LIMITS = {
@@ -80,7 +81,7 @@ TEXT_LIMITS = {
     "vocab_size": between(1, MAX_VOCAB),
     "max_position_embeddings": between(1, MAX_POSITIONS),
     "rms_norm_eps": positive(1),
-    "rope_theta": positive(),
+    "rope_theta": between(1, MAX_ROPE_THETA),
     "sliding_window": between(1, MAX_POSITIONS),
     "max_window_layers": between(0, MAX_LAYERS),
     "layer_types": one_of("full_attention", "sliding_attention"),
@@ -98,6 +99,8 @@ TEXT_RULES = (
          lambda t: f"must be a multiple of num_attention_heads {_heads(t)} (no head_dim given)"),
     Rule("num_attention_heads", lambda t: _heads(t) * (t.get("head_dim") or t["hidden_size"] // _heads(t))
          <= MAX_WIDTH, lambda t: f"num_attention_heads * head_dim must be at most {MAX_WIDTH}"),
+    Rule("head_dim", lambda t: (t.get("head_dim") or t["hidden_size"] // _heads(t)) % 2 == 0,
+         lambda t: "the head size must be even (RoPE rotates pairs of channels)"),
     Rule("layer_types", lambda t: t.get("layer_types") is None or len(t["layer_types"]) == t["num_hidden_layers"],
          lambda t: f"expected one entry per layer (num_hidden_layers {t['num_hidden_layers']})"),
 )
@@ -358,29 +361,65 @@ KNOWN_MODELS = (
     ("Qwen3-8B", "qwen3", dict(hidden_size=4096, vocab_size=151936),
      dict(num_hidden_layers=36, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960)),
 )
-# GGUF metadata key (under "<general.architecture>.") -> text config key
+# GGUF metadata key (under "<general.architecture>.") -> the text config key it gives
 GGUF_METADATA = {"attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
                  "attention.layer_norm_rms_epsilon": "rms_norm_eps", "context_length": "max_position_embeddings"}
+# GGUF metadata keys the shapes also give: read (typed, bounded) and checked against them
+GGUF_SHAPE_KEYS = {"attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+                   "attention.value_length": "head_dim", "embedding_length": "hidden_size",
+                   "feed_forward_length": "intermediate_size", "block_count": "num_hidden_layers",
+                   "vocab_size": "vocab_size"}
+GGUF_FLOATS = ("rope.freq_base", "attention.layer_norm_rms_epsilon")   # float32 in llama.cpp; the rest integers
+GGUF_PER_LAYER = ("attention.head_count", "attention.head_count_kv", "feed_forward_length")   # or arrays
 # llama.cpp permutes the q/k rows of these architectures (convert_hf_to_gguf.py LlamaModel.permute; Mistral3 is a
 # LlamaModel there); Qwen3 (Qwen2Model) is written as transformers has it
 GGUF_PERMUTED = ("llama", "mistral", "mistral3")
+# general.architecture of each kind of decoder (llama.cpp's names)
+GGUF_ARCHITECTURES = {"mistral3": GGUF_PERMUTED, "qwen3": ("qwen3",)}
 NOT_TEXT = ("taps", "quantization", "quantization_config", "file_layers", "architectures", "text_config",
             "vision_config", "_name_or_path", "transformers_version")
 
 
-def _gguf_values(metadata) -> dict:
-    arch = metadata.get("general.architecture")
+def gguf_architecture(metadata, model_type):
+    """general.architecture of a GGUF text encoder: absent (None: taken by its shapes), or a string naming the
+    kind of decoder its shapes are (llama / mistral / mistral3 for Mistral, qwen3 for Qwen3), since it decides the
+    q/k row order (gguf_is_permuted)."""
+    from ..formats.gguf import metadata_value
+    arch = metadata_value(metadata, "general.architecture", "str")
+    if arch is not None and arch not in GGUF_ARCHITECTURES[model_type]:
+        kind = "a Qwen3" if model_type == "qwen3" else "a Mistral"
+        raise MlxdiffError(f"GGUF metadata general.architecture is {arch[:40]!r}, but the tensors are {kind} "
+                           f"decoder's; expected {' or '.join(map(repr, GGUF_ARCHITECTURES[model_type]))} (or give "
+                           "the encoder of the model's own family)")
+    return arch
+
+
+def gguf_values(metadata, model_type, layers) -> dict:
+    """{GGUF key (without the architecture prefix): value} of the hyperparameters a text encoder GGUF carries,
+    each read as llama.cpp types it (formats/gguf.metadata_value: integers, float32 for the rope base and the
+    epsilon; head counts also per layer, all equal) and within the text config's limits (TEXT_LIMITS), so that a
+    forged value is one line naming the key. `layers`: the decoder layers the file holds (a per-layer array has one
+    entry each)."""
+    from ..formats.gguf import metadata_value
+    arch = gguf_architecture(metadata, model_type)
+    if arch is None:
+        return {}
     out = {}
-    for key, ours in GGUF_METADATA.items():
-        value = metadata.get(f"{arch}.{key}")
+    for key, ours in {**GGUF_METADATA, **GGUF_SHAPE_KEYS}.items():
+        limit = TEXT_LIMITS.get(ours, between(1, MAX_WIDTH))
+        value = metadata_value(metadata, f"{arch}.{key}", "float" if key in GGUF_FLOATS else "int", lo=limit.lo,
+                               hi=limit.hi, gt=limit.gt, per_layer=layers if key in GGUF_PER_LAYER else None)
         if value is not None:
-            out[ours] = float(value) if ours in ("rope_theta", "rms_norm_eps") else int(value)
-    for key, ours in (("attention.head_count", "num_attention_heads"),
-                      ("attention.head_count_kv", "num_key_value_heads")):
-        value = metadata.get(f"{arch}.{key}")
-        if value is not None and np.ndim(value) == 0:
-            out[ours] = int(value)
+            out[key] = value
     return out
+
+
+def _gguf_agrees(meta, arch, shape_values) -> None:
+    """The GGUF hyperparameters that the shapes also give must be what the shapes give."""
+    for key, (value, what) in shape_values.items():
+        if key in meta and meta[key] != value:
+            raise MlxdiffError(f"GGUF metadata {arch}.{key} is {meta[key]}, but {what} {value}; the metadata does "
+                               "not describe these tensors; re-download or re-convert the file")
 
 
 def config_from_file(shapes: dict, metadata=None, base=None, expected=None) -> dict:
@@ -422,27 +461,58 @@ def config_from_file(shapes: dict, metadata=None, base=None, expected=None) -> d
     text = {k: v for k, v in text_base.items() if k not in NOT_TEXT}
     known = next((values for _, kind, match, values in KNOWN_MODELS if kind == model_type
                   and match == {"hidden_size": hidden, "vocab_size": vocab}), {})
-    meta = _gguf_values(metadata or {})
-    for key in ("rope_theta", "rms_norm_eps", "max_position_embeddings", "head_dim"):
+    gguf = metadata is not None   # a GGUF's metadata (maybe empty); None for safetensors
+    metadata = metadata or {}
+    meta = gguf_values(metadata, model_type, count)
+    arch = metadata.get("general.architecture")   # checked by gguf_values: absent or this kind's
+    for key, ours in GGUF_METADATA.items():
         if key in meta:
-            text[key] = meta[key]
-        elif text.get(key) is None and known.get(key) is not None:
+            text[ours] = meta[key]
+    head_source = f"GGUF metadata {arch}.attention.key_length" if "attention.key_length" in meta else None
+    for key in ("rope_theta", "rms_norm_eps", "max_position_embeddings", "head_dim"):
+        if text.get(key) is None and known.get(key) is not None:
             text[key] = known[key]
     if qwen:
         text["head_dim"] = shape("layers.0.self_attn.q_norm.weight")[0]
-    elif text.get("head_dim") is None and meta.get("num_attention_heads"):
-        text["head_dim"] = q_out // meta["num_attention_heads"]
+        _gguf_agrees(meta, arch, {"attention.key_length": (text["head_dim"], "q_norm's length (the head size) is")})
+    elif "attention.key_length" not in meta and "attention.head_count" in meta:
+        heads = meta["attention.head_count"]
+        if q_out % heads:
+            raise MlxdiffError(f"GGUF metadata {arch}.attention.head_count is {heads}, which does not divide q_proj's "
+                               f"{q_out} rows into heads; re-download or re-convert the file")
+        text["head_dim"] = q_out // heads
+        head_source = f"GGUF metadata {arch}.attention.head_count"
     missing = [k for k in ("head_dim", "rope_theta", "rms_norm_eps") if text.get(k) is None
                and not (k == "rope_theta" and (text.get("rope_parameters") or {}).get("rope_theta"))]
     if missing:
         kinds = "; ".join(f"{name}: hidden {m['hidden_size']}, vocab {m['vocab_size']}" for name, kind, m, _ in
                           KNOWN_MODELS if kind == model_type)
+        note = ""
+        if gguf and arch is None:
+            note = " (the GGUF metadata has no general.architecture, the prefix of its hyperparameters' keys)"
+        elif gguf:
+            keys = {"head_dim": ("attention.key_length", "attention.head_count"), "rope_theta": ("rope.freq_base",),
+                    "rms_norm_eps": ("attention.layer_norm_rms_epsilon",)}
+            note = " (the GGUF metadata has no " + " or ".join(f"{arch}.{k}" for m in missing for k in keys[m]) + ")"
         raise MlxdiffError(f"its shapes ({'Qwen3' if qwen else 'Mistral'}: hidden {hidden}, vocab {vocab}, {count} "
-                           f"layers) fit no known model ({kinds}), so {', '.join(missing)} cannot be told; put the "
-                           "model's config.json in the pipeline folder's text_encoder/")
+                           f"layers) fit no known model ({kinds}), so {', '.join(missing)} cannot be told{note}; put "
+                           "the model's config.json in the pipeline folder's text_encoder/")
     head_dim = text["head_dim"]
+    source = f" (from {head_source})" if head_source else ""
     if q_out % head_dim or kv_out % head_dim or (q_out // head_dim) % (kv_out // head_dim):
-        raise MlxdiffError(f"q_proj's {q_out} and k_proj's {kv_out} rows are not whole heads of head_dim {head_dim}")
+        raise MlxdiffError(f"q_proj's {q_out} and k_proj's {kv_out} rows are not whole heads of head_dim "
+                           f"{head_dim}{source}")
+    if head_dim % 2:
+        raise MlxdiffError(f"head_dim {head_dim}{source} is odd; the head size must be even (RoPE rotates pairs of "
+                           "channels)")
+    _gguf_agrees(meta, arch, {
+        "attention.head_count": (q_out // head_dim, f"q_proj's {q_out} rows in heads of {head_dim} are"),
+        "attention.head_count_kv": (kv_out // head_dim, f"k_proj's {kv_out} rows in heads of {head_dim} are"),
+        "attention.value_length": (head_dim, "the head size is"),
+        "embedding_length": (hidden, "the embedding's width is"),
+        "feed_forward_length": (inter, "gate_proj's rows are"),
+        "vocab_size": (vocab, "the embedding's rows are"),
+        "block_count": (count, "the file's decoder layers are")})
     full = max(count, text.get("num_hidden_layers") or 0, known.get("num_hidden_layers") or 0)
     text.update(hidden_size=hidden, vocab_size=vocab, intermediate_size=inter, num_hidden_layers=full,
                 num_attention_heads=q_out // head_dim, num_key_value_heads=kv_out // head_dim)

@@ -11,10 +11,10 @@ import numpy as np
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from ..memory import fmt_gb, reset_footprint_peak, snapshot
+from ..memory import PeakSampler, fmt_gb, gpu_baseline, process_memory
 
-# the size columns of Result.memory_report, in order
-MEMORY_COLUMNS = ("weights", "MLX peak", "overhead", "MLX after", "process peak", "process after")
+# the size columns of Result.memory_report, in order: what the process held first, MLX's breakdown after it
+MEMORY_COLUMNS = ("process peak", "weights", "MLX peak", "MLX cache", "overhead", "MLX after", "process after")
 
 
 @dataclass
@@ -22,7 +22,10 @@ class Result:
     image: object                 # PIL.Image.Image (the first image of the batch)
     latents: np.ndarray           # final latents, diffusers layout (before the VAE's scaling is undone)
     timings: dict = field(default_factory=dict)   # phase -> seconds
-    memory: dict = field(default_factory=dict)    # phase -> {"peak": bytes, "after": bytes, ...}
+    memory: dict = field(default_factory=dict)    # phase -> {"footprint_peak": what the process held at most
+                                                  # (memory.process_memory, sampled through the phase), "kind":
+                                                  # what that measured, "floor": weights, "peak": MLX active peak,
+                                                  # "cache": MLX cache peak, "after", "footprint": after the phase}
     images: list = field(default_factory=list)    # every image of the batch
     load_seconds: dict = field(default_factory=dict)  # component -> seconds to map and read its weights
     reused: list = field(default_factory=list)    # what came from an earlier call: components kept loaded
@@ -32,16 +35,22 @@ class Result:
     floors: dict = field(default_factory=dict, repr=False)    # phase -> the largest weights it loaded
 
     def summary(self) -> str:
-        """Time and peak memory per phase (what the CLI prints)."""
-        rows = [f"{'phase':<9} {'seconds':>8} {'MLX peak':>10} {'process peak':>13}"]
+        """Time and peak memory per phase (what the CLI prints): what the process held, then MLX's peak."""
+        rows = [f"{'phase':<9} {'seconds':>8} {'process peak':>13} {'MLX peak':>10}"]
         for name, seconds in self.timings.items():
             m = self.memory.get(name, {})
-            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('peak')):>10} {fmt_gb(m.get('footprint_peak')):>13}")
-        return "\n".join(rows + [f"note: {n}" for n in self.notes])
+            rows.append(f"{name:<9} {seconds:8.2f} {fmt_gb(m.get('footprint_peak')):>13} {fmt_gb(m.get('peak')):>10}")
+        return "\n".join(rows + self.measured() + [f"note: {n}" for n in self.notes])
+
+    def measured(self) -> list:
+        """The line that says what "process" measured (memory.process_memory)."""
+        kinds = sorted({m["kind"] for m in self.memory.values() if m.get("kind")})
+        return [f"process memory: {', '.join(kinds)}, sampled through each phase"] if kinds else []
 
     def memory_report(self) -> str:
-        """The per-phase memory table (--report-memory): the phase's weights (its floor: the largest model it
-        held), its MLX peak, the overhead above the floor, and what remains after it. Its size columns are
+        """The per-phase memory table (--report-memory): what the process held at most (the headline), then the
+        breakdown: the phase's weights (its floor: the largest model it held), MLX's active peak, MLX's buffer cache
+        at most, the active overhead above the floor, and what remains after it. Its size columns are
         MEMORY_COLUMNS, in that order (mlxdiff.footprint reads them by name)."""
         widths = [max(10, len(c) + 1) for c in MEMORY_COLUMNS]
         rows = [f"{'phase':<9} {'load s':>7} " + " ".join(f"{c:>{w}}" for c, w in zip(MEMORY_COLUMNS, widths))]
@@ -51,10 +60,10 @@ class Result:
             load = loads.get(name)
             floor, peak = m.get("floor"), m.get("peak")
             overhead = None if floor is None or peak is None else max(peak - floor, 0)
-            sizes = (floor, peak, overhead, m.get("after"), m.get("footprint_peak"), m.get("footprint"))
+            sizes = (m.get("footprint_peak"), floor, peak, m.get("cache"), overhead, m.get("after"), m.get("footprint"))
             rows.append(f"{name:<9} {'-' if load is None else f'{load:.2f}':>7} "
                         + " ".join(f"{fmt_gb(v):>{w}}" for v, w in zip(sizes, widths)))
-        return "\n".join(rows + [f"note: {n}" for n in self.notes])
+        return "\n".join(rows + self.measured() + [f"note: {n}" for n in self.notes])
 
     def count_weights(self, nbytes: int):
         """A component loaded in the running phase: the phase's floor is the largest one it loaded."""
@@ -79,21 +88,22 @@ class PhaseLog:
         self.mark(name, "start")
         self.result.phase = name
         mx.reset_peak_memory()
-        reset_footprint_peak()
         start = time.perf_counter()
+        sampler = PeakSampler(gpu_baseline=gpu_baseline())
         try:
-            yield
+            with sampler:
+                yield
+                mx.synchronize()
         finally:
-            mx.synchronize()
             peak = mx.get_peak_memory()
-            footprint_peak = snapshot().footprint_peak
-            mx.clear_cache()   # a freed model was collected where it was freed (Residency.use); gc.collect here
-                               # cost ~66 ms per phase on this CPU and found nothing
-            snap = snapshot()
+            mx.clear_cache()   # a freed model was collected where it was freed (Residency.use): no gc.collect here,
+                               # which cost time per phase and found nothing
             self.result.phase = None
             self.result.timings[name] = time.perf_counter() - start
-            self.result.memory[name] = {"peak": peak, "after": snap.active, "footprint": snap.footprint,
-                                        "footprint_peak": footprint_peak, "floor": self.result.floors.get(name, 0)}
+            self.result.memory[name] = {"footprint_peak": sampler.peak, "kind": sampler.kind, "peak": peak,
+                                        "cache": sampler.cache_peak, "after": mx.get_active_memory(),
+                                        "footprint": process_memory()["footprint"],
+                                        "floor": self.result.floors.get(name, 0)}
             self.mark(name, "end")
 
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..errors import MlxdiffError
 from ..loading.component import load_component
-from ..memory import decide
+from ..memory import cache_limit_for, decide
 from ..pacing import settle
 from ..policy import RunPolicy, installed
 
@@ -56,7 +56,8 @@ class Residency:
         """The model of `spec`, kept from an earlier call or loaded under `policy`, used under the policy decided
         for this phase; kept or emptied on leaving by the keep policy."""
         key = self.key(spec)
-        with installed(policy):
+        # the load too keeps MLX's buffer cache small: a GGUF load's converted chunks are not held beside the weights
+        with installed(policy.refined(cache_limit=cache_limit_for(policy))):
             held = self.models.pop(key, None)
             if held is not None:
                 model, nbytes = held

@@ -1,0 +1,226 @@
+"""LoRA files for the embedded default model's transformer (weights/klein-shapes, FLUX.2 klein layout) and the
+weight change each reader makes of them, shared by tests/test_bad_lora.py and bench/fuzz_readers.py --format lora.
+
+- `peft_file`: a diffusers/PEFT LoRA as diffusers' own `save_lora_weights` writes it (PEFT's LoraConfig packed into
+  the `lora_adapter_metadata` header entry), from numpy factors;
+- `to_kohya` / `to_bfl`: the same LoRA in kohya's names (BFL layer names, dots as underscores, fused qkv,
+  lora_down / lora_up / alpha) and in ai-toolkit's BFL names (`diffusion_model.double_blocks.N.img_attn.qkv...`);
+- `diffusers_delta(file)`: {diffusers layer: scaling x B @ A} after diffusers' own loading of the file
+  (Flux2KleinPipeline.load_lora_weights on the diffusers twin of the transformer); `ours_delta(file)` the same for
+  mlxdiff (lora.check, then apply_loras on the mlxdiff transformer, read back from its LoRALinear layers).
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "weights" / "klein-shapes" / "transformer" / "config.json"
+RANK = 4
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+           "ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out", "to_qkv_mlp_proj",
+           "single_transformer_blocks.0.attn.to_out", "single_transformer_blocks.1.attn.to_out"]
+
+
+def shapes_config() -> dict:
+    return {k: v for k, v in json.loads(CONFIG.read_text()).items() if not k.startswith("_")}
+
+
+def twin(cfg=None):
+    """The diffusers transformer of the config (random weights: only its layers and shapes matter here)."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(**(cfg or shapes_config())).eval()
+
+
+def linear_shapes(model) -> dict:
+    """{diffusers layer name: (out, in)} of a torch model's Linear layers."""
+    import torch
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def targeted(shapes, targets=TARGETS) -> list:
+    """The layers PEFT's target_modules (names matched whole or as a dotted suffix) puts a LoRA on."""
+    return sorted(n for n in shapes if any(n == t or n.endswith("." + t) for t in targets))
+
+
+def peft_tensors(shapes, layers, seed, rank=RANK, ranks=None, scale=0.1) -> dict:
+    """{transformer.<layer>.lora_A.weight / .lora_B.weight: float32 array}, seeded; `ranks`: {layer: rank}."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for layer in layers:
+        rows, cols = shapes[layer]
+        r = (ranks or {}).get(layer, rank)
+        out[f"transformer.{layer}.lora_A.weight"] = (rng.standard_normal((r, cols)) * scale).astype(np.float32)
+        out[f"transformer.{layer}.lora_B.weight"] = (rng.standard_normal((rows, r)) * scale).astype(np.float32)
+    return out
+
+
+def peft_config(targets=TARGETS, rank=RANK, alpha=8, **fields) -> dict:
+    """PEFT's LoraConfig.to_dict(), as diffusers' training scripts pass it to save_lora_weights."""
+    from peft import LoraConfig
+    return LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                      **fields).to_dict()
+
+
+def packed(config, component="transformer") -> str:
+    """A LoraConfig dict as diffusers packs it into lora_adapter_metadata ('<component>.<field>', sets as lists)."""
+    return json.dumps({f"{component}.{k}": sorted(v) if isinstance(v, set) else v for k, v in config.items()},
+                      indent=2, sort_keys=True)
+
+
+def peft_file(path, tensors, config) -> Path:
+    """`tensors` saved by diffusers' Flux2KleinPipeline.save_lora_weights with `config` as the transformer's
+    lora_adapter_metadata (None: no metadata), at `path`."""
+    import torch
+    from diffusers import Flux2KleinPipeline
+    path = Path(path)
+    state = {k[len("transformer."):]: torch.from_numpy(np.array(v)) for k, v in tensors.items()}
+    Flux2KleinPipeline.save_lora_weights(str(path.parent), transformer_lora_layers=state, weight_name=path.name,
+                                         transformer_lora_adapter_metadata=config)
+    return path
+
+
+def save(path, tensors, metadata=None) -> Path:
+    """numpy / torch tensors saved as they are (safetensors' own writer)."""
+    import torch
+    from safetensors.torch import save_file
+    save_file({k: (v if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v))).clone().contiguous()
+               for k, v in tensors.items()}, str(path), metadata=metadata)
+    return Path(path)
+
+
+# diffusers layer of a double block -> (BFL layer, part of its fused rows)
+_DOUBLE = {"attn.to_q": ("img_attn.qkv", 0), "attn.to_k": ("img_attn.qkv", 1), "attn.to_v": ("img_attn.qkv", 2),
+           "attn.add_q_proj": ("txt_attn.qkv", 0), "attn.add_k_proj": ("txt_attn.qkv", 1),
+           "attn.add_v_proj": ("txt_attn.qkv", 2), "attn.to_out.0": ("img_attn.proj", None),
+           "attn.to_add_out": ("txt_attn.proj", None), "ff.linear_in": ("img_mlp.0", None),
+           "ff.linear_out": ("img_mlp.2", None), "ff_context.linear_in": ("txt_mlp.0", None),
+           "ff_context.linear_out": ("txt_mlp.2", None)}
+_SINGLE = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2"}
+
+
+def bfl_layers(tensors, scales=None) -> dict:
+    """{BFL layer: (A, B)} of diffusers-named lora_A / lora_B tensors (a fused qkv needs its three parts with one
+    A: the parts' A must be equal, as a BFL-named LoRA's are), B times scales[layer] (alpha / rank) if given."""
+    parts = {}
+    for key, a in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        layer = key[len("transformer."):-len(".lora_A.weight")]
+        b = tensors[key.replace(".lora_A.", ".lora_B.")] * (scales or {}).get(layer, 1.0)
+        block, i, rest = layer.split(".", 2)
+        if block == "transformer_blocks":
+            name, part = _DOUBLE[rest]
+            parts.setdefault(f"double_blocks.{i}.{name}", {})[part] = (a, b)
+        else:
+            parts.setdefault(f"single_blocks.{i}.{_SINGLE[rest]}", {})[None] = (a, b)
+    out = {}
+    for name, pieces in parts.items():
+        if None in pieces:
+            out[name] = pieces[None]
+        else:
+            assert sorted(pieces) == [0, 1, 2], name
+            out[name] = (pieces[0][0], np.concatenate([pieces[p][1] for p in range(3)]))
+    return out
+
+
+def shared_a(tensors) -> dict:
+    """The same LoRA with each fused qkv's three parts given the to_q / add_q_proj part's A (so that it has a BFL
+    form): diffusers names."""
+    out = dict(tensors)
+    for key in tensors:
+        for q, others in ((".attn.to_q.", (".attn.to_k.", ".attn.to_v.")),
+                          (".attn.add_q_proj.", (".attn.add_k_proj.", ".attn.add_v_proj."))):
+            if q in key and key.endswith(".lora_A.weight"):
+                for o in others:
+                    if key.replace(q, o) in out:
+                        out[key.replace(q, o)] = tensors[key].copy()
+    return out
+
+
+def to_kohya(tensors, alpha) -> dict:
+    """kohya's names (lora_unet_<BFL name with underscores>.lora_down / lora_up / alpha), alpha for every layer."""
+    out = {}
+    for name, (a, b) in bfl_layers(tensors).items():
+        k = "lora_unet_" + name.replace(".", "_")
+        out[f"{k}.lora_down.weight"], out[f"{k}.lora_up.weight"] = a, b
+        out[f"{k}.alpha"] = np.array(alpha, np.float32)
+    return out
+
+
+def to_bfl(tensors, scales=None) -> dict:
+    """ai-toolkit's BFL names (diffusion_model.<BFL name>.lora_A / lora_B), alpha / rank baked into B."""
+    out = {}
+    for name, (a, b) in bfl_layers(tensors, scales).items():
+        out[f"diffusion_model.{name}.lora_A.weight"], out[f"diffusion_model.{name}.lora_B.weight"] = a, b
+    return out
+
+
+# -- the weight change each reader makes ---------------------------------------------------------------------------
+
+def diffusers_delta(path, model) -> dict:
+    """{layer: float64 scaling x B @ A} after Flux2KleinPipeline.load_lora_weights on `model` (a diffusers
+    transformer: changed in place) with the file at `path`; raises what diffusers raises."""
+    import torch
+    from diffusers.loaders.lora_pipeline import Flux2LoraLoaderMixin
+
+    class Pipeline(Flux2LoraLoaderMixin):   # what load_lora_weights needs of a pipeline: its transformer
+        components = {}
+        hf_device_map = None
+
+        def __init__(self, transformer):
+            self.transformer = transformer
+
+    Pipeline(model).load_lora_weights(str(path), adapter_name="x")
+    out = {}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if hasattr(m, "lora_A") and "x" in getattr(m, "lora_A", {}):
+                a = m.lora_A["x"].weight.double().numpy()
+                b = m.lora_B["x"].weight.double().numpy()
+                out[name] = m.scaling["x"] * (b @ a)
+    return out
+
+
+def ours_delta(path, cfg=None, dtype=None) -> dict:
+    """{layer: float64 scale x B @ A} of what mlxdiff adds to its transformer for the file: the checks a pipeline
+    makes (lora.components, lora.check), then lora.apply_loras, read back from the LoRALinear layers."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+    from mlxdiff import lora
+    from mlxdiff.errors import MlxdiffError
+    from mlxdiff.models import flux2
+    args = flux2.ModelArgs.from_dict(cfg or shapes_config())
+    for name in lora.components(path):
+        if name != "transformer":   # what Pipeline.load_lora says for a component FLUX.2 does not have
+            raise MlxdiffError(f"{path}: has LoRA layers for {name}, which this flux2 pipeline does not have")
+    lora.check(SimpleNamespace(name="transformer", arch=flux2, args=args), path)
+    model = flux2.Model(args)
+    lora.apply_loras(model, flux2, [(path, 1.0)], dtype or mx.float32)
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, lora.LoRALinear):
+            delta = 0
+            for a, b, s in m.adapters():
+                a, b = (np.array(t.astype(mx.float32)).astype(np.float64) for t in (a, b))
+                delta = delta + s * (b @ a)
+            out[name] = delta
+    return out
+
+
+def same_delta(ours, ref, tol=1e-5):
+    """None when the two {layer: weight change} agree (relative to the largest change), else what differs."""
+    if ours.keys() != ref.keys():
+        return f"layers differ: {sorted(ours.keys() ^ ref.keys())[:3]}"
+    for name, d in ref.items():
+        if d.shape != ours[name].shape:
+            return f"{name}: shape {ours[name].shape}, the reference {d.shape}"
+        top = max(float(np.abs(d).max()), 1e-30)
+        err = float(np.abs(ours[name] - d).max())
+        if not err <= tol * top:
+            return f"{name}: weight change differs by {err:.3g} (largest {top:.3g})"
+    return None
