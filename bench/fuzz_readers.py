@@ -3,6 +3,7 @@
     python bench/fuzz_readers.py --format safetensors --n 10000 --seed 1
     python bench/fuzz_readers.py --format gguf --n 10000 --seed 1
     python bench/fuzz_readers.py --format gguf-text --n 10000 --seed 1   (text-encoder metadata: fuzz_gguf_text.py)
+    python bench/fuzz_readers.py --format lora --n 10000 --seed 1        (LoRA files: fuzz_lora.py)
 
 Mutant i of a seed is a function of (seed, i) alone, so `--only i --keep DIR` writes that one file back out. The
 base files are small and valid: every safetensors dtype mlxdiff accepts (the F8 types and a zero-size tensor
@@ -57,6 +58,7 @@ from gguf import quants as gq  # noqa: E402
 
 from gguf_helpers import T, header_fields, random_blocks, write_gguf  # noqa: E402
 import fuzz_gguf_text as gguf_text  # noqa: E402  (--format gguf-text: text-encoder metadata mutants)
+import fuzz_lora as lora_fuzz  # noqa: E402  (--format lora: LoRA mutants against diffusers' loading)
 from mlxdiff.errors import MlxdiffError  # noqa: E402
 from mlxdiff.formats import open_weights  # noqa: E402
 import mlxdiff.formats.gguf  # noqa: E402,F401  (open_weights imports it lazily: once here, not in each child)
@@ -492,8 +494,12 @@ def compare_gguf(ours, path):
     return None
 
 
-def classify(path, fmt, tables):
-    """One outcome class (and a detail) for the file at `path`."""
+def classify(path, fmt, tables, report=lambda provisional: None):
+    """One outcome class (and a detail) for the file at `path`. `report(outcome)`: a provisional outcome, the one
+    counted if what follows it (a reference) hangs or crashes the child; for LoRA files `tables` is the context
+    fuzz_lora.lora_context() made."""
+    if fmt == "lora":
+        return lora_fuzz.classify(path, tables, report)
     if fmt == "gguf-text":   # ours: the text encoder read, built and run; the reference: bench/fuzz_gguf_text.py
         return gguf_text.classify(path)
     data = Path(path).read_bytes()
@@ -532,8 +538,11 @@ def _child(path, fmt, tables, wfd, timeout, memory):
     os.dup2(null, 1)
     os.dup2(null, 2)
     start = time.perf_counter()
+
+    def report(provisional):
+        os.write(wfd, (json.dumps({**provisional, "s": time.perf_counter() - start}) + "\n").encode())
     try:
-        outcome, detail = classify(path, fmt, tables)
+        outcome, detail = classify(path, fmt, tables, report)
     except MemoryError:
         outcome, detail = "memory", _where()
     except BaseException as e:
@@ -562,12 +571,16 @@ def run_one(path, fmt, tables, timeout=TIMEOUT_S, memory=MEMORY) -> dict:
         chunks.append(chunk)
     os.close(r)
     _, status = os.waitpid(pid, 0)
+    lines = b"".join(chunks).split(b"\n")
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        return {"class": "hang" if sig in (signal.SIGALRM, signal.SIGKILL) else f"crash {signal.Signals(sig).name}",
-                "detail": "", "s": None}
+        what = "hang" if sig in (signal.SIGALRM, signal.SIGKILL) else f"crash {signal.Signals(sig).name}"
+        if len(lines) > 1:   # ours was done, then the reference hung or crashed: the provisional outcome
+            provisional = json.loads(lines[-2])
+            return {**provisional, "detail": f"{provisional['detail'][:400]} (the reference: {what})", "s": None}
+        return {"class": what, "detail": "", "s": None}
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(lines[-1])
     except ValueError:
         return {"class": f"no answer (exit {os.WEXITSTATUS(status)})", "detail": "", "s": None}
 
@@ -599,7 +612,19 @@ def _reason(message, path):
     return text.split("; re-")[0][:110]
 
 
+def _virtual_size() -> int:
+    """This process's address space in bytes (torch, diffusers and MLX imported reserve some GB of it)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=MEMORY) -> dict:
+    if fmt == "lora":   # the cap is on what a child adds to the address space it inherits (torch's included)
+        return lora_fuzz.fuzz(n, seed, workdir, keep, only,
+                              lambda path, ctx: run_one(path, fmt, ctx, timeout, memory + _virtual_size()),
+                              ACCEPTABLE, _reason)
     if fmt == "gguf-text":   # mutants made from a metadata list, not from a base file's bytes
         return gguf_text.fuzz(n, seed, workdir, keep, only, lambda path: run_one(path, fmt, {}, timeout, memory),
                               ACCEPTABLE, _reason)
@@ -659,7 +684,7 @@ def table(result) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", choices=("safetensors", "gguf", "gguf-text"), required=True)
+    p.add_argument("--format", choices=("safetensors", "gguf", "gguf-text", "lora"), required=True)
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", type=int, help="run (and report) mutant i alone")

@@ -30,8 +30,7 @@ def run(work, interrupted="interrupted") -> int:
         from_switches()     # every MLXDIFF_* switch checked before any work
         code = work()
         finished = True
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_output()
         return code
     except MlxdiffError as e:
         print("mlxdiff: error: " + " ".join(str(e).splitlines()), file=sys.stderr)   # one line, whatever it says
@@ -43,6 +42,22 @@ def run(work, interrupted="interrupted") -> int:
             what = "interrupted as the command finished; its work was done" + (f" ({detail})" if detail else "")
         print(f"mlxdiff: {what}", file=sys.stderr)
         return 130
+
+
+def flush_output() -> None:
+    """Flush stdout and stderr now (inside run()'s guard, not at interpreter shutdown). A reader of the output that
+    has gone away (`| head`) takes nothing more: the stream is pointed at /dev/null, so that the shutdown's own
+    flush does not print a BrokenPipeError traceback either."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, stream.fileno())
+                os.close(devnull)
+            except (OSError, ValueError, AttributeError):   # a stream without a file descriptor
+                pass
 
 
 def main_exit(main):

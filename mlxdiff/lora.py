@@ -31,13 +31,15 @@ pipeline adds a file to every component it has layers for (Pipeline.load_lora).
 Refused, each in one line naming the file and the key: a name that reaches no layer of its component, a shape that
 does not fit the layer, a LoRA of another architecture (SD3 on FLUX.2, FLUX.1, an SD/SDXL UNet), text-encoder
 LoRAs for FLUX.2's LLM encoders, DoRA, LoKr/LoHa, LoRA biases; one layer reached twice from one file (two namings
-of the same layer); a tensor holding NaN or infinity, or factors and scale whose product leaves the compute dtype's
-range (every LoRA tensor is read whole when the file is checked: they are the file's own bytes); PEFT metadata of
-the wrong types, or that disagrees with the tensors (its ranks, the layers it names), or that asks for what mlxdiff
-does not apply (PiSSA-style inits that change the base weights, layer replication, ...); alpha given twice (.alpha
-tensors and metadata). With PEFT metadata the file is read as PEFT's LoraConfig reads it (defaults r = 8,
-lora_alpha = 8, rank_pattern / alpha_pattern matched as PEFT matches them); without, alpha = rank unless .alpha
-tensors say otherwise.
+of the same layer), and a component's layers named two ways in one file (prefixes or lora_A / lora_down styles
+mixed: each tool reads such a file its own way); factors stored other than float32 / float16 / bfloat16; a tensor
+holding NaN or infinity, or factors and scale whose product leaves the compute dtype's range (every LoRA tensor is
+read whole when the file is checked: they are the file's own bytes); an .alpha that is not one positive number;
+PEFT metadata of the wrong types, or that disagrees with the tensors (its ranks, the layers it names), or that asks
+for what mlxdiff does not apply (PiSSA-style inits that change the base weights, layer replication, ...); alpha
+given twice (.alpha tensors and metadata); a path that is not a regular .safetensors file. With PEFT metadata the
+file is read as PEFT's LoraConfig reads it (defaults r = 8, lora_alpha = 8, rank_pattern / alpha_pattern matched as
+PEFT matches them); without, alpha = rank unless .alpha tensors say otherwise.
 """
 
 import math
@@ -172,14 +174,21 @@ def _lora_path(path) -> Path:
     return path
 
 
+# what a LoRA file's tensors may be stored as: its factors in a float type every tool computes with (diffusers'
+# kohya conversion cannot even scale float8 ones), its alphas also as integers
+FACTOR_DTYPES = ("F32", "F16", "BF16")
+ALPHA_DTYPES = (*FACTOR_DTYPES, "I8", "I16", "I32", "I64", "U8", "U16", "U32", "U64")
+
+
 def _read(path):
-    """(lazy {name: array}, header metadata) of a LoRA file, checked by the safetensors gate."""
+    """(lazy {name: array}, header metadata, {name: stored dtype}) of a LoRA file, checked by the safetensors
+    gate."""
     from .formats.safetensors import check_safetensors, load_safetensors
     path = _lora_path(path)
     info, meta = check_safetensors(path, with_metadata=True)
     if not info:
         raise MlxdiffError(f"{path}: the LoRA file holds no tensors")
-    return load_safetensors(path, info=info), meta
+    return load_safetensors(path, info=info), meta, {k: dtype for k, (dtype, _) in info.items()}
 
 
 # -- PEFT's LoraConfig (diffusers' lora_adapter_metadata) ----------------------------------------------------------
@@ -497,12 +506,9 @@ def _scale(path, slot, config, target, rank):
     key, value = slot["alpha"]
     if value.size != 1:
         raise MlxdiffError(f"{path}: {_short(key)!r} must be one number, got shape {tuple(value.shape)}")
-    if not (mx.issubdtype(value.dtype, mx.floating) or mx.issubdtype(value.dtype, mx.integer)):
-        raise MlxdiffError(f"{path}: {_short(key)!r} is {str(value.dtype).rsplit('.', 1)[-1]}; an alpha is a number "
-                           "(float or integer)")
     alpha = float(value.reshape(-1)[0].item())
-    if not math.isfinite(alpha):
-        raise MlxdiffError(f"{path}: {_short(key)!r} is {alpha}; re-save the LoRA")
+    if not (math.isfinite(alpha) and alpha > 0):   # kohya's alpha: a positive number (0 would turn the LoRA off)
+        raise MlxdiffError(f"{path}: {_short(key)!r} is {alpha:g}, not a positive number; re-save the LoRA")
     return alpha / rank
 
 
@@ -511,9 +517,10 @@ def _coverage(path, config, layers, reached, component):
     them over the model's modules) must be exactly the linear layers the tensors reach: diffusers would skip tensors
     of other layers, and put freshly initialised factors on named layers the file has no tensors for."""
     named = set()
+    wrapped = {name for name, module in layers.modules.items() if isinstance(module, LoRALinear)}
     for name, module in layers.modules.items():
-        if not name or _names_module(config.get("exclude_modules"), name):
-            continue
+        if not name or name.rpartition(".")[0] in wrapped or _names_module(config.get("exclude_modules"), name):
+            continue   # (the base of a layer that has LoRAs already is that layer)
         linear = linear_dims(module) is not None
         if (linear and config["target_modules"] == "all-linear") or _names_module(config["target_modules"], name):
             if not linear:
@@ -557,7 +564,7 @@ def _check_values(path, planned, dtype):
     """Every factor finite and within `dtype`, and |scale| x rank x max|A| x max|B| (a bound on each element of the
     layer's weight change) too: a LoRA that passes cannot make a layer's output NaN or infinite by itself."""
     arrays = {}
-    for _, key_a, key_b, a, b, _ in planned:
+    for _, key_a, key_b, a, b, _, _ in planned:   # B whole (a fused layer's parts are row ranges of it)
         arrays.setdefault(key_a, a)
         arrays.setdefault(key_b, b)
     mags = _magnitudes(arrays.items())
@@ -571,7 +578,7 @@ def _check_values(path, planned, dtype):
         if m > top:
             raise MlxdiffError(f"{path}: LoRA tensor {_short(key)!r} has values beyond {name}'s range (|x| up to "
                                f"{m:.3g}); compute in float32 or bfloat16 (--dtype), or use another LoRA file")
-    for target, key_a, key_b, a, _, s in planned:
+    for target, key_a, key_b, a, _, _, s in planned:
         bound = abs(s) * a.shape[0] * mags[key_a] * mags[key_b]
         if not bound <= top:
             raise MlxdiffError(f"{path}: layer {target!r}: scale {s:.3g} x {_short(key_a)!r} x {_short(key_b)!r} can "
@@ -590,7 +597,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     an mlxdiff transformer, or a CLIP / T5 encoder, of `arch`), every tensor checked: its layer exists and is
     linear, no layer is reached twice, the shapes fit, the metadata agrees, and every value is finite and keeps the
     layer's weight change within `dtype` (float32 when not given). The LoRA's tensors are read; the model's are not."""
-    tensors, meta = _read(path)
+    tensors, meta, stored = _read(path)
     config = _peft_config(path, meta, component)
     entries = {k: v for k, v in _entries(path, tensors).items() if k[0] == component}
     if component == "transformer":
@@ -625,10 +632,13 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
             raise MlxdiffError(f"{path}: {_short(key_a)!r} {tuple(a.shape)} and {_short(key_b)!r} {tuple(b.shape)} "
                                "are not a LoRA pair (A: rank x in, B: out x rank)")
-        for key, t in ((key_a, a), (key_b, b)):
-            if not mx.issubdtype(t.dtype, mx.floating):
-                raise MlxdiffError(f"{path}: {_short(key)!r} is {str(t.dtype).rsplit('.', 1)[-1]}; LoRA tensors are "
-                                   "floating point")
+        for key in (key_a, key_b):
+            if stored[key] not in FACTOR_DTYPES:
+                raise MlxdiffError(f"{path}: {_short(key)!r} is {stored[key]}; LoRA factors are float32, float16 or "
+                                   "bfloat16: re-save the LoRA in one of them")
+        if "alpha" in slot and stored[slot["alpha"][0]] not in ALPHA_DTYPES:
+            raise MlxdiffError(f"{path}: {_short(slot['alpha'][0])!r} is {stored[slot['alpha'][0]]}; an alpha is one "
+                               "number (float or integer)")
         rank = a.shape[0]
         parts = targets[0][2]
         if b.shape[0] % parts:
@@ -647,7 +657,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
                     f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit layer "
                     f"{target!r} ({dims[0]} in, {dims[1] * parts} out); the LoRA is for another model size")
             s = scale * _scale(path, slot, config, target, rank)
-            planned.append((target, key_a, key_b, a, piece, s))
+            planned.append((target, key_a, key_b, a, b, piece, s))
     namings = {}
     for slot in entries.values():
         for role in ("A", "B"):
@@ -659,7 +669,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     if config is not None:
         _coverage(path, config, layers, reached, component)
     _check_values(path, planned, dtype or mx.float32)
-    return [(target, a, b, s) for target, _, _, a, b, s in planned]
+    return [(target, a, piece, s) for target, _, _, a, _, piece, s in planned]
 
 
 def lora_nbytes(path) -> int:
@@ -668,13 +678,13 @@ def lora_nbytes(path) -> int:
     return sum(tensor_nbytes(path).values())
 
 
-def check(spec, path, scale=1.0):
+def check(spec, path, scale=1.0, dtype=None):
     """Refuse a LoRA whose part for the component `spec` describes does not fit it, before any of the model's weights
     is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
-    and its values (the LoRA's tensors are read whole)."""
+    and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
     if spec.name == "transformer" and spec.arch.__name__ not in MODEL_NAMES:
         raise MlxdiffError(f"{path}: LoRAs apply to SD3.5 and FLUX.2 transformers, not {spec.arch.__name__}")
-    plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name)
+    plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
 
 
 def _cast(array, compute_dtype):

@@ -136,6 +136,25 @@ def process_memory(pid=None, device=None, gpu_baseline=None) -> dict:
     return out
 
 
+@functools.cache
+def _libc_trim():
+    """glibc's malloc_trim, or None (macOS, musl, Windows)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def release_host_memory():
+    """Give the C heap's free memory back to the system (glibc malloc_trim). Why: buffers freed by MLX on the CPU
+    and by numpy while a file is converted stay in glibc's heap once its mmap threshold has grown, so a phase's
+    transients would stay in the process's RSS after the phase (a GGUF load: bench/RESULTS.md, "The footprint the
+    user sees"). Elsewhere nothing to do."""
+    trim = _libc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def reset_footprint_peak():
     """Linux: reset VmHWM so that the next reading is the peak of the coming phase (writes 5 to clear_refs)."""
     try:

@@ -16,7 +16,6 @@ BFL forms, each giving exactly the weight change diffusers' own loading gives (t
 """
 
 import copy
-import json
 import os
 import sys
 
@@ -80,11 +79,15 @@ def _bad_files(root, base):
     peft("inf in lora_A", edited(t, f"{Q}.lora_A.weight", at(np.inf)), needle=f"{Q}.lora_A.weight")
     raw("-inf in lora_down", edited(kohya, f"{KQKV}.lora_down.weight", at(-np.inf)), f"{KQKV}.lora_down.weight")
     raw("NaN in lora_up", edited(kohya, f"{KQKV}.lora_up.weight", at(np.nan, (3, 1))), f"{KQKV}.lora_up.weight")
+    raw("NaN in a fused lora_up's last part", edited(kohya, f"{KQKV}.lora_up.weight", at(np.nan, (-1, 2))),
+        f"{KQKV}.lora_up.weight")
     raw("inf .alpha", edited(kohya, f"{KQKV}.alpha", lambda a: np.array(np.inf, np.float32)), f"{KQKV}.alpha")
     raw("NaN lora_alpha in the metadata", small, "transformer.lora_alpha = nan",
         meta(H.packed({**small_config, "lora_alpha": float("nan")})))
     peft("alpha whose scale overflows", cfg={**config, "lora_alpha": 1e300}, needle="beyond float32's range")
     peft("alpha beyond float16", cfg={**config, "lora_alpha": 1e7})
+    raw("zero .alpha", edited(kohya, f"{KQKV}.alpha", lambda a: np.array(0.0, np.float32)),
+        (f"{KQKV}.alpha", "not a positive number"))
     # 2. one layer named twice
     raw("PEFT and kohya names", {**small, f"{KQKV}.lora_down.weight": kohya[f"{KQKV}.lora_down.weight"],
                                  f"{KQKV}.lora_up.weight": kohya[f"{KQKV}.lora_up.weight"]},
@@ -94,9 +97,14 @@ def _bad_files(root, base):
                                     f"transformer.{L1}.lora_B.weight": t[f"transformer.{L1}.lora_B.weight"]},
         ("'diffusion_model.single_blocks.0.linear1.lora_A.weight'", f"'transformer.{L1}.lora_A.weight'",
          "one layer named twice"))
-    raw("bare and prefixed names", {**small, "transformer_blocks.0.attn.to_q.lora_A.weight": small[f"{Q}.lora_A.weight"],
-                                    "transformer_blocks.0.attn.to_q.lora_B.weight": small[f"{Q}.lora_B.weight"]},
+    bare = "transformer_blocks.0.attn.to_q"
+    raw("bare and prefixed names", {**small, f"{bare}.lora_A.weight": small[f"{Q}.lora_A.weight"],
+                                    f"{bare}.lora_B.weight": small[f"{Q}.lora_B.weight"]},
         (f"'{Q}.lora_", "'transformer_blocks.0.attn.to_q.lora_", "in two namings"))
+    raw("prefixed and bare names of two layers",
+        {**small, **{f"transformer_blocks.1.attn.to_q.lora_{r}.weight":
+                     t[f"transformer.transformer_blocks.1.attn.to_q.lora_{r}.weight"] for r in "AB"}},
+        "names its transformer LoRA layers two ways")
     # 3. malformed metadata
     peft("metadata r of another rank", cfg={**config, "r": 8}, needle="says rank 8")
     peft("metadata r a string", cfg={**config, "r": "4"}, needle="transformer.r = '4'")
@@ -122,9 +130,12 @@ def _bad_files(root, base):
         meta(H.packed(small_config, "text_encoder")))
     raw(".alpha of two numbers", edited(kohya, f"{KQKV}.alpha", lambda a: np.array([8.0, 8.0], np.float32)),
         "must be one number, got shape (2,)")
-    raw(".alpha of bools", edited(kohya, f"{KQKV}.alpha", lambda a: np.array(True)), "is bool")
+    raw(".alpha of bools", edited(kohya, f"{KQKV}.alpha", lambda a: np.array(True)), "is BOOL; an alpha is one number")
     raw(".alpha and metadata", {**small, f"{Q}.alpha": np.array(4.0, np.float32)}, "keep one",
         meta(H.packed(small_config)))
+    import torch
+    raw("float8 factors", {k: torch.from_numpy(v).to(torch.float8_e4m3fn) if k.endswith("lora_A.weight") else v
+                           for k, v in small.items()}, "is F8_E4M3; LoRA factors are float32, float16 or bfloat16")
     return files
 
 
@@ -148,9 +159,11 @@ def outcomes(tmp_path_factory, base):
     return tmp, files, results
 
 
-KINDS = ["NaN in lora_B", "inf in lora_A", "-inf in lora_down", "NaN in lora_up", "inf .alpha",
+KINDS = ["NaN in lora_B", "inf in lora_A", "-inf in lora_down", "NaN in lora_up", "NaN in a fused lora_up's last part",
+         "inf .alpha", "zero .alpha",
          "NaN lora_alpha in the metadata", "alpha whose scale overflows",
          "PEFT and kohya names", "BFL and diffusers names", "bare and prefixed names",
+         "prefixed and bare names of two layers", "float8 factors",
          "metadata r of another rank", "metadata r a string", "metadata lora_alpha a string",
          "metadata alpha_pattern a list", "metadata alpha_pattern of strings", "metadata rank_pattern not a pattern",
          "metadata pattern of exponential time", "metadata use_rslora a string", "metadata target_modules a number",
@@ -243,3 +256,9 @@ def test_valid_lora_gives_diffusers_weight_change(tmp_path, base, form):
     assert len(ref) == len(layers)
     assert H.same_delta(ours, ref) is None, H.same_delta(ours, ref)
     assert all(np.abs(d).max() > 0 for d in ours.values())
+
+
+def test_every_bad_file_is_checked(outcomes):
+    """Each file the fixture writes is asserted on by one of the tests above."""
+    _, files, _ = outcomes
+    assert set(files) == set(KINDS) | {"alpha beyond float16"}

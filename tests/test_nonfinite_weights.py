@@ -12,15 +12,14 @@ import os
 import shutil
 import sys
 
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from adversarial import refused, run_cases  # noqa: E402
 
-import mlx.core as mx  # noqa: E402
 from mlxdiff import default_model  # noqa: E402
 from mlxdiff.errors import MlxdiffError  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 CHEAP = ["--prompt", "a red circle", "--steps", "1", "--width", "16", "--height", "16", "--no-progress"]
 VAE = "vae/diffusion_pytorch_model.safetensors"
@@ -30,7 +29,6 @@ TEXT = "text_encoder/model.safetensors"
 
 def _edit(folder, file, key, fn):
     """The tensor `key` of `folder/file` replaced by fn(float32 copy), saved back in its dtype."""
-    import torch
     from safetensors.torch import load_file, save_file
     path = folder / file
     tensors = load_file(str(path))

@@ -685,14 +685,21 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
         raise MlxdiffError(f"{path}: tensor {t.name!r} has GGUF type {t.type_name}{more}, which mlxdiff does not "
                            f"support; supported types: {', '.join(SUPPORTED)}. Use a file quantized with one of them")
     sdtype, raw_types = _forms(layout, compute_dtype)
+    mapped = None
     try:
-        filemap = np.memmap(path, mode="r") if header.tensors else None
+        if header.tensors:
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        filemap = None if mapped is None else np.frombuffer(mapped, dtype=np.uint8)
     except (OSError, ValueError) as e:
         raise MlxdiffError(f"{path}: cannot map the file ({e})") from None
     if filemap is not None and filemap.size != header.file_size:
         raise MlxdiffError(f"{path}: the file changed size while being read; try again once it is complete")
     out = {}
     for info in header.tensors:
+        if out:      # the previous tensor is converted (copied into MLX): its file pages leave this process's RSS
+            _drop_pages(mapped, previous.offset, previous.nbytes)
+        previous = info
         data = filemap[info.offset:info.offset + info.nbytes]   # validated by check_gguf: inside the file
         if info.type_name in PLAIN:
             arr = mx.array(data.view(PLAIN_NUMPY[info.type_name]).reshape(info.shape))
@@ -707,4 +714,21 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
             qt = qt.dequantize().astype(qt.scales.dtype).reshape(info.shape)
             mx.eval(qt)
         out[info.name] = qt
+    if out:
+        _drop_pages(mapped, previous.offset, previous.nbytes)
     return out
+
+
+def _drop_pages(mapped, offset, nbytes):
+    """Tell the kernel this process is done with a byte range of the mapped file (MADV_DONTNEED): read through a
+    mapping, a file's pages count in the process's RSS until it is unmapped, so a whole GGUF would otherwise sit
+    there, as file-backed pages, beside the weights converted from it. The page cache keeps them; a page shared with
+    the next tensor is read again from there."""
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = mmap.PAGESIZE
+    start = offset // page * page
+    try:
+        mapped.madvise(mmap.MADV_DONTNEED, start, offset + nbytes - start)
+    except (OSError, ValueError):   # an advice the platform does not take: the pages simply stay until unmapped
+        pass

@@ -145,7 +145,8 @@ def check_stored_values(files, prefix="") -> None:
         if is_gguf(path):
             continue
         info = check_safetensors(path)
-        small = [k for k, (_, shape) in info.items() if k.startswith(prefix) and math.prod(shape) <= CHECK_WHOLE_ELEMENTS]
+        small = [k for k, (_, shape) in info.items()
+                 if k.startswith(prefix) and math.prod(shape) <= CHECK_WHOLE_ELEMENTS]
         if not small:
             continue
         arrays = load_safetensors(path, info=info)

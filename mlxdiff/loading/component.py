@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from .. import backend
 import mlx.core as mx
 
-from ..memory import check_fits, fmt_gb
+from ..memory import check_fits, fmt_gb, release_host_memory
 from ..policy import RunPolicy
 from .matmul import use_strategy
 from .quantize import materialize
@@ -38,4 +38,5 @@ def load_component(spec, compute_dtype, policy: RunPolicy) -> Loaded:
     use_strategy(model, fitted.matmul or policy.matmul or backend.default_matmul_strategy())
     materialize(model)
     mx.clear_cache()     # what the load converted and dropped (GGUF chunks, quantization inputs) is not kept
+    release_host_memory()
     return Loaded(model, mx.get_active_memory() - before, time.perf_counter() - start, notes)

@@ -11,7 +11,7 @@ import numpy as np
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from ..memory import PeakSampler, fmt_gb, gpu_baseline, process_memory
+from ..memory import PeakSampler, fmt_gb, gpu_baseline, process_memory, release_host_memory
 
 # the size columns of Result.memory_report, in order: what the process held first, MLX's breakdown after it
 MEMORY_COLUMNS = ("process peak", "weights", "MLX peak", "MLX cache", "overhead", "MLX after", "process after")
@@ -96,8 +96,10 @@ class PhaseLog:
                 mx.synchronize()
         finally:
             peak = mx.get_peak_memory()
-            mx.clear_cache()   # a freed model was collected where it was freed (Residency.use): no gc.collect here,
-                               # which cost time per phase and found nothing
+            # a freed model was collected where it was freed (Residency.use): no gc.collect here, which cost time
+            # per phase and found nothing
+            mx.clear_cache()
+            release_host_memory()
             self.result.phase = None
             self.result.timings[name] = time.perf_counter() - start
             self.result.memory[name] = {"footprint_peak": sampler.peak, "kind": sampler.kind, "peak": peak,

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from ..errors import MlxdiffError
 from ..loading.component import load_component
-from ..memory import cache_limit_for, decide
+from ..memory import cache_limit_for, decide, release_host_memory
 from ..pacing import settle
 from ..policy import RunPolicy, installed
 
@@ -21,6 +21,7 @@ AUTO_SHARE = 0.75   # keep="auto" without a memory limit: components stay while 
 def release():
     gc.collect()
     mx.clear_cache()
+    release_host_memory()
 
 
 class Residency:
