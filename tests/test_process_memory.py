@@ -10,6 +10,7 @@ For a mid-size GGUF transformer in bfloat16 compute and a mid-size safetensors p
 """
 
 import json
+import mmap
 import shutil
 import subprocess
 import sys
@@ -96,8 +97,9 @@ def test_process_memory_readers():
     assert now["kind"] == "RSS" and now["footprint"] == now["host"] > 10 * MiB and now["host_peak"] >= now["host"]
     assert memory.process_memory(device="gpu")["kind"] == "RSS"     # no NVML here: nothing to read on a GPU
     with memory.PeakSampler(interval=0.005) as sampler:
-        block = np.ones(64 * MiB // 8)     # 64 MiB touched, then freed inside the sampled span
-        del block
+        block = mmap.mmap(-1, 64 * MiB)    # 64 MiB of new pages (not reused heap), touched, then unmapped
+        block.write(b"\1" * (64 * MiB))
+        block.close()
     assert sampler.peak >= now["footprint"] + 60 * MiB and sampler.kind == "RSS"
     assert sampler.last < sampler.peak
 
