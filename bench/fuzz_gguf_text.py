@@ -151,6 +151,16 @@ def base(kind):
 ARCH_NAMES = ["llama", "mistral", "mistral3", "qwen3", "qwen2", "gpt2", "", "LLAMA", "llama\0", "x" * 300, "t5"]
 
 
+def _fits(entry) -> bool:
+    """Whether an integer (or integer array) encoding holds its value(s): an edit of an earlier edit's extreme value
+    (-(2^64 - 1) as int64) cannot be written at all."""
+    t, v, item = entry
+    rng_ = RANGES.get(item if t == V.ARRAY else t)
+    values = v if t == V.ARRAY else [v]
+    return rng_ is None or all(isinstance(x, bool) or not isinstance(x, int) or rng_[0] <= x <= rng_[1]
+                               for x in values)
+
+
 def _retypes(rng, vtype, value, layers):
     """Other encodings of a value: every integer width, float for an integer, integer for a float, string, bool,
     arrays of the right and wrong length."""
@@ -218,12 +228,12 @@ def mutate(metadata, rng, kind):
                       and not isinstance(x, bool)), 4)
         vtype = V.FLOAT32 if isinstance(value, float) else V.UINT32
     if op < 0.35:
-        t, v, it = rng.choice(_retypes(rng, vtype, value, d["layers"]))
+        t, v, it = rng.choice([e for e in _retypes(rng, vtype, value, d["layers"]) if _fits(e)])
         meta[i] = (key, t, v, it)
         return meta, f"{key} retyped: {V(t).name}{'[' + V(it).name + ']' if it is not None else ''} {str(v)[:30]}"
     if op < 0.78:
         if vtype in INTS or vtype in FLOATS:
-            t, v, it = rng.choice(_absurd(rng, vtype, value))
+            t, v, it = rng.choice([e for e in _absurd(rng, vtype, value) if _fits(e)])
         else:
             t, v, it = rng.choice([(V.STRING, x, None) for x in ARCH_NAMES])
         meta[i] = (key, t, v, it)
