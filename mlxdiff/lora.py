@@ -474,17 +474,22 @@ class _Layers:
         self.rules, self.folded_rules = _original_rules(arch, model.args) if arch.__name__ in MODEL_NAMES else ([], [])
 
     def resolve(self, kind, name):
+        """[(mlxdiff path, part, parts, transform)] of a LoRA's layer name, or None when it reaches no layer of this
+        model (an original name the rules map, of a block this model does not have, reaches none)."""
         def direct(path):
             return [(path, 0, 1, None)] if path in self.modules else None
 
+        def existing(found):
+            return found if found and all(target in self.modules for target, *_ in found) else None
+
         if kind == "kohya":
-            found = _by_rules(name + "_weight", self.folded_rules)
+            found = existing(_by_rules(name + "_weight", self.folded_rules))
             if found is None:
                 paths = self.folded.get(name, [])
                 found = [(paths[0], 0, 1, None)] if len(paths) == 1 else None
             return found
         if kind == "any":
-            return direct(name) or _by_rules(name + ".weight", self.rules)
+            return direct(name) or existing(_by_rules(name + ".weight", self.rules))
         return None
 
 

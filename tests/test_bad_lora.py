@@ -34,6 +34,7 @@ CHEAP = ["--model", MODEL, "--prompt", "a red circle", "--steps", "1", "--width"
 Q = "transformer.transformer_blocks.0.attn.to_q"
 KQKV = "lora_unet_double_blocks_0_img_attn_qkv"
 L1 = "single_transformer_blocks.0.attn.to_qkv_mlp_proj"
+BQKV = "double_blocks.0.img_attn.qkv"
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,7 @@ def _bad_files(root, base):
     _, shapes, layers, t = base
     config = H.peft_config()
     kohya = H.to_kohya(t, 8.0)
+    bfl = H.to_bfl(t)
     small = {k: v for k, v in t.items() if k.startswith(Q + ".")}
     small_config = H.peft_config(targets=["transformer_blocks.0.attn.to_q"])
     files = {}
@@ -88,11 +90,19 @@ def _bad_files(root, base):
     peft("alpha beyond float16", cfg={**config, "lora_alpha": 1e7})
     raw("zero .alpha", edited(kohya, f"{KQKV}.alpha", lambda a: np.array(0.0, np.float32)),
         (f"{KQKV}.alpha", "not a positive number"))
+    # (a layer of a block this model does not have, in original names the model's rules map: no traceback)
+    k7 = "lora_unet_double_blocks_7_img_attn_qkv"
+    raw("kohya layer of a missing block", {**kohya, f"{k7}.lora_down.weight": kohya[f"{KQKV}.lora_down.weight"],
+                                           f"{k7}.lora_up.weight": kohya[f"{KQKV}.lora_up.weight"]},
+        (f"'{k7}.lora_down.weight'", "has no layer 'double_blocks_7_img_attn_qkv'"))
+    b7 = "diffusion_model.double_blocks.7.img_attn.qkv"
+    raw("BFL layer of a missing block", {**bfl, f"{b7}.lora_A.weight": bfl[f"diffusion_model.{BQKV}.lora_A.weight"],
+                                         f"{b7}.lora_B.weight": bfl[f"diffusion_model.{BQKV}.lora_B.weight"]},
+        (f"'{b7}.lora_A.weight'", "has no layer 'double_blocks.7.img_attn.qkv'"))
     # 2. one layer named twice
     raw("PEFT and kohya names", {**small, f"{KQKV}.lora_down.weight": kohya[f"{KQKV}.lora_down.weight"],
                                  f"{KQKV}.lora_up.weight": kohya[f"{KQKV}.lora_up.weight"]},
         (f"'{Q}.lora_A.weight'", f"'{KQKV}.lora_down.weight'", "are both LoRAs of layer"))
-    bfl = H.to_bfl(t)
     raw("BFL and diffusers names", {**bfl, f"transformer.{L1}.lora_A.weight": t[f"transformer.{L1}.lora_A.weight"],
                                     f"transformer.{L1}.lora_B.weight": t[f"transformer.{L1}.lora_B.weight"]},
         ("'diffusion_model.single_blocks.0.linear1.lora_A.weight'", f"'transformer.{L1}.lora_A.weight'",
@@ -160,7 +170,7 @@ def outcomes(tmp_path_factory, base):
 
 
 KINDS = ["NaN in lora_B", "inf in lora_A", "-inf in lora_down", "NaN in lora_up", "NaN in a fused lora_up's last part",
-         "inf .alpha", "zero .alpha",
+         "inf .alpha", "zero .alpha", "kohya layer of a missing block", "BFL layer of a missing block",
          "NaN lora_alpha in the metadata", "alpha whose scale overflows",
          "PEFT and kohya names", "BFL and diffusers names", "bare and prefixed names",
          "prefixed and bare names of two layers", "float8 factors",
