@@ -32,8 +32,6 @@ import math
 import random
 import re
 import struct
-import time
-from collections import Counter
 from pathlib import Path
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
@@ -410,34 +408,17 @@ def classify(path):
 # ---------------------------------------------------------------------------------------------------------------
 # The run (fuzz_readers.fuzz's loop, on these mutants)
 
-def fuzz(n, seed, workdir, keep, only, run_one, acceptable, reason) -> dict:
-    """`run_one(path)`: fuzz_readers' forked classification; `acceptable`: its acceptable class prefixes;
-    `reason(message, path)`: its refusal-reason digest."""
+def fuzz(n, seed, workdir, keep, only, run_one, run_mutants) -> dict:
+    """`run_one(path)`: fuzz_readers' forked classification; `run_mutants`: its loop over the mutants."""
     workdir = Path(workdir)
     for kind in KINDS:   # the bases themselves load as the reference says
         metadata, tensors = base(kind)
         check = run_one(write(workdir / f"base-{kind}.gguf", metadata, tensors))
         if check["class"] != "loaded = reference":
             raise SystemExit(f"the {kind} base file does not read as the reference: {check}")
-    counts, failures, stricter, slowest = Counter(), [], Counter(), (0.0, None)
-    started = time.perf_counter()
-    for i in (range(n) if only is None else [only]):
+
+    def write_case(i):
         kind, metadata, tensors, what = mutant(seed, i)
-        path = write(workdir / f"mutant-{i}.gguf", metadata, tensors)
-        result = run_one(path)
-        cls = result["class"]
-        counts[cls] += 1
-        if cls == "refused (reference accepts)":
-            stricter[reason(result["detail"], path)] += 1
-        if result["s"] is not None and result["s"] > slowest[0]:
-            slowest = (result["s"], i)
-        if not cls.startswith(acceptable) or only is not None:
-            failures.append({"i": i, "mutation": what, **result})
-            if keep:
-                Path(keep).mkdir(parents=True, exist_ok=True)
-                (Path(keep) / path.name).write_bytes(path.read_bytes())
-        path.unlink()
-    return {"format": "gguf-text", "n": sum(counts.values()), "seed": seed, "counts": dict(counts),
-            "unacceptable": sum(c for k, c in counts.items() if not k.startswith(acceptable)),
-            "slowest_s": slowest[0], "slowest_mutant": slowest[1], "wall_s": time.perf_counter() - started,
-            "stricter": dict(stricter.most_common()), "failures": failures[:500]}
+        return write(workdir / f"mutant-{i}.gguf", metadata, tensors), what
+
+    return run_mutants("gguf-text", n, seed, only, keep, write_case, run_one)

@@ -35,8 +35,6 @@ in their own dtype); not acceptable: `WRONG: loaded non-finite values`, `WRONG: 
 import json
 import random
 import struct
-import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -483,9 +481,8 @@ def mutant(ctx, seed, i):
     return mutate_lora(ctx, random.Random(f"lora-{seed}-{i}"))
 
 
-def fuzz(n, seed, workdir, keep, only, run_one, acceptable, reason) -> dict:
-    """`run_one(path, ctx)`: fuzz_readers' forked classification; `acceptable`: its acceptable class prefixes;
-    `reason(message, path)`: its refusal-reason digest."""
+def fuzz(n, seed, workdir, keep, only, run_one, run_mutants) -> dict:
+    """`run_one(path, ctx)`: fuzz_readers' forked classification; `run_mutants`: its loop over the mutants."""
     workdir = Path(workdir)
     ctx = lora_context()
     base_path = workdir / "base.safetensors"
@@ -493,26 +490,10 @@ def fuzz(n, seed, workdir, keep, only, run_one, acceptable, reason) -> dict:
     check = run_one(base_path, ctx)
     if check["class"] != "loaded = reference":
         raise SystemExit(f"the base LoRA does not read as the reference: {check}")
-    counts, failures, stricter, slowest = Counter(), [], Counter(), (0.0, None)
-    started = time.perf_counter()
-    for i in (range(n) if only is None else [only]):
+    def write_case(i):
         case, what = mutant(ctx, seed, i)
         path = workdir / f"mutant-{i}.safetensors"
         path.write_bytes(case.to_bytes())
-        result = run_one(path, ctx)
-        cls = result["class"]
-        counts[cls] += 1
-        if cls == "refused (reference accepts)":
-            stricter[reason(result["detail"], path)] += 1
-        if result["s"] is not None and result["s"] > slowest[0]:
-            slowest = (result["s"], i)
-        if not cls.startswith(acceptable) or only is not None:
-            failures.append({"i": i, "mutation": what, **result})
-            if keep:
-                Path(keep).mkdir(parents=True, exist_ok=True)
-                (Path(keep) / path.name).write_bytes(path.read_bytes())
-        path.unlink()
-    return {"format": "lora", "n": sum(counts.values()), "seed": seed, "counts": dict(counts),
-            "unacceptable": sum(c for k, c in counts.items() if not k.startswith(acceptable)),
-            "slowest_s": slowest[0], "slowest_mutant": slowest[1], "wall_s": time.perf_counter() - started,
-            "stricter": dict(stricter.most_common()), "failures": failures[:500]}
+        return path, what
+
+    return run_mutants("lora", n, seed, only, keep, write_case, lambda path: run_one(path, ctx))

@@ -624,10 +624,10 @@ def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=
     if fmt == "lora":   # the cap is on what a child adds to the address space it inherits (torch's included)
         return lora_fuzz.fuzz(n, seed, workdir, keep, only,
                               lambda path, ctx: run_one(path, fmt, ctx, timeout, memory + _virtual_size()),
-                              ACCEPTABLE, _reason)
+                              run_mutants)
     if fmt == "gguf-text":   # mutants made from a metadata list, not from a base file's bytes
         return gguf_text.fuzz(n, seed, workdir, keep, only, lambda path: run_one(path, fmt, {}, timeout, memory),
-                              ACCEPTABLE, _reason)
+                              run_mutants)
     workdir = Path(workdir)
     ext = ".safetensors" if fmt == "safetensors" else ".gguf"
     base_path = (safetensors_base if fmt == "safetensors" else gguf_base)(workdir / f"base{ext}")
@@ -637,13 +637,25 @@ def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=
     check = run_one(base_path, fmt, tables, timeout, memory)
     if check["class"] != "loaded = reference":
         raise SystemExit(f"the base file does not read as the reference: {check}")
-    counts, failures, stricter, slowest = Counter(), [], Counter(), (0.0, None)
-    started = time.perf_counter()
-    for i in (range(n) if only is None else [only]):
+
+    def write_case(i):
         data, what = mutant(fmt, base, layout, seed, i)
         path = workdir / f"mutant-{i}{ext}"
         path.write_bytes(data)
-        result = run_one(path, fmt, tables, timeout, memory)
+        return path, what
+
+    return run_mutants(fmt, n, seed, only, keep, write_case,
+                       lambda path: run_one(path, fmt, tables, timeout, memory))
+
+
+def run_mutants(fmt, n, seed, only, keep, write_case, classify) -> dict:
+    """The loop every format shares: mutant i written (`write_case(i)` -> (path, what it changed)), classified in a
+    forked child (`classify(path)`, run_one), counted; the unacceptable ones (and `only`) listed, and kept in `keep`."""
+    counts, failures, stricter, slowest = Counter(), [], Counter(), (0.0, None)
+    started = time.perf_counter()
+    for i in (range(n) if only is None else [only]):
+        path, what = write_case(i)
+        result = classify(path)
         cls = result["class"]
         counts[cls] += 1
         if cls == "refused (reference accepts)":
@@ -654,7 +666,7 @@ def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=
             failures.append({"i": i, "mutation": what, **result})
             if keep:
                 Path(keep).mkdir(parents=True, exist_ok=True)
-                (Path(keep) / path.name).write_bytes(data)
+                (Path(keep) / path.name).write_bytes(path.read_bytes())
         path.unlink()
     return {"format": fmt, "n": sum(counts.values()), "seed": seed, "counts": dict(counts),
             "unacceptable": sum(c for k, c in counts.items() if not k.startswith(ACCEPTABLE)),

@@ -14,16 +14,23 @@ FUZZER = Path(__file__).resolve().parents[1] / "bench" / "fuzz_readers.py"
 N = 300
 
 
-@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
-def test_mutants_are_refused_or_read_as_the_reference(tmp_path, fmt):
-    # a process of its own: the fuzzer forks a child per mutant, safe only in a process that has run no MLX work
+def fuzzed(tmp_path, fmt, n):
+    """bench/fuzz_readers.py's result for `n` seeded mutants of `fmt`, after the checks every format shares (all ran,
+    none unacceptable). A process of its own: the fuzzer forks a child per mutant, safe only in a process that has
+    run no MLX work."""
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(FUZZER), "--format", fmt, "--n", str(N), "--seed", "13",
+    proc = subprocess.run([sys.executable, str(FUZZER), "--format", fmt, "--n", str(n), "--seed", "13",
                            "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert out.exists(), f"rc {proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(out.read_text())
-    assert result["n"] == N
+    assert result["n"] == n
     assert result["unacceptable"] == 0, proc.stdout[-6000:]
+    return result
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_mutants_are_refused_or_read_as_the_reference(tmp_path, fmt):
+    result = fuzzed(tmp_path, fmt, N)
     counts = result["counts"]
     # the mutants reach both paths: most are refused, some load (and match the reference)
     assert sum(c for k, c in counts.items() if k.startswith("refused")) > N // 2, counts
