@@ -8,7 +8,7 @@ never called on a GGUF. Tensor bytes are then read through a numpy memmap of exa
 GGUFReader does too, without its per-metadata-element cost: 13 s and 0.9 GB RSS for a 786k-entry tokenizer).
 
 Each GGUF type maps onto MLX's affine quantization (`mx.dequantize`: w = scale * code + bias per group), converted
-with MLX ops, a bounded chunk of rows at a time (never a float copy of a whole tensor):
+with MLX ops, a slab of blocks of one fixed size at a time, written in place (never a float copy of a whole tensor):
 
 | GGUF  | MLX        | scale        | bias        | how                                                        |
 |-------|------------|--------------|-------------|------------------------------------------------------------|
@@ -36,6 +36,7 @@ compute dtype's 16-bit type; a tensor whose 16-bit scales would overflow keeps f
 import math
 import mmap
 import struct
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,8 +60,8 @@ MAX_ARRAY_DEPTH = 4                 # arrays of arrays of ...
 MAX_DIMS = 4                        # GGML_MAX_DIMS
 MAX_DIM = (1 << 31) - 1             # MLX shapes are int32
 DEFAULT_ALIGNMENT = 32
-CHUNK_WEIGHTS = 1 << 22             # rows are converted in chunks of about this many weights (on the CPU)
-GPU_CHUNK_WEIGHTS = 1 << 25         # on a GPU, where each chunk costs a round trip (FLUX.2-dev: 8000 chunks)
+CHUNK_WEIGHTS = 1 << 22             # weights converted per slab of blocks (on the CPU)
+GPU_CHUNK_WEIGHTS = 1 << 25         # on a GPU, where each slab costs a round trip (FLUX.2-dev: 1000 slabs)
 
 
 def chunk_weights() -> int:
@@ -512,64 +513,105 @@ def scale_dtype(compute_dtype) -> mx.Dtype:
     return compute_dtype if compute_dtype in (mx.float16, mx.bfloat16) else mx.float32
 
 
-def _convert_chunk(raw, type_name, block_bytes):
-    """raw uint8 [R, row bytes] -> (packed uint32, scales float32, biases float32)."""
-    rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, block_bytes)
+def _convert_slab(raw, type_name):
+    """raw uint8 [blocks, block bytes] -> (packed uint32, scales float32, biases float32), each flat in block
+    order: a row-major tensor's blocks run along its rows, so a slab of blocks is a flat piece of each output."""
+    blocks = raw[:, None, :]
     if type_name in REQUANTIZED:
         decode, bits, group = REQUANTIZED[type_name]
-        return mx.quantize(decode(blocks).reshape(rows, -1), group_size=group, bits=bits)
+        w, s, b = mx.quantize(decode(blocks).reshape(-1, group), group_size=group, bits=bits)
+        return w.reshape(-1), s.reshape(-1), b.reshape(-1)
     decode, bits, _ = AFFINE[type_name]
     codes, scales, biases = decode(blocks)
-    return pack_codes(codes.reshape(rows, -1), bits), scales.reshape(rows, -1), biases.reshape(rows, -1)
+    return pack_codes(codes.reshape(raw.shape[0], -1), bits).reshape(-1), scales.reshape(-1), biases.reshape(-1)
+
+
+def _slabs(blocks, block):
+    """(slab size, [(first block, blocks written)]) for a tensor of `blocks` blocks of `block` weights.
+
+    Every slab of a load has the same size (chunk_weights() weights; a tensor smaller than that, the next power of
+    two of its blocks, zero-padded), and the last one ends at the tensor's end, overlapping the one before: so
+    each slab's transient buffers come back from MLX's cache, sized alike, instead of returning to the device's
+    memory pool at odd sizes between the weights kept, which fragmented it (bench/RESULTS.md, "The footprint the
+    user sees": 3.2 GiB of FLUX.2-dev's CUDA pool held and unused)."""
+    per = max(1, chunk_weights() // block)
+    if blocks <= per:
+        return 1 << (blocks - 1).bit_length(), [(0, blocks)]
+    return per, [(min(first, blocks - per), per) for first in range(0, blocks, per)]
+
+
+def _slab_array(data, first, count, size):
+    """Blocks [first, first + count) of `data` ([blocks, block bytes]) as an MLX array of `size` blocks."""
+    piece = data[first:first + count]
+    if count < size:
+        piece = np.concatenate([piece, np.zeros((size - count, piece.shape[1]), piece.dtype)])
+    return mx.array(piece)
 
 
 def _raw(path, info, data):
-    """The tensor's blocks as they are in the file, checked to decode to finite weights (a chunk at a time)."""
+    """The tensor's blocks as they are in the file, checked to decode to finite weights (a slab at a time)."""
     block, block_bytes = BLOCKS[info.type_name]
     k = info.shape[-1]
     blocks = mx.array(np.ascontiguousarray(data).reshape(-1, k // block * block_bytes))
     mx.eval(blocks)
-    step = max(1, chunk_weights() // k)
-    finite = [pace(mx.all(mx.isfinite(decode_rows(blocks[r:r + step], info.type_name))))
-              for r in range(0, blocks.shape[0], step)]
+    flat = data.reshape(-1, block_bytes)
+    size, slabs = _slabs(flat.shape[0], block)
+    finite = []
+    for first, count in slabs:
+        slab = blocks.reshape(-1, block_bytes)[first:first + size] if count == size else \
+            _slab_array(flat, first, count, size)
+        finite.append(pace(mx.all(mx.isfinite(FLOAT[info.type_name](slab[:, None, :])))))
     settle()
-    if not all(f.item() for f in finite):   # one check per tensor, not a round trip per chunk
+    if not all(f.item() for f in finite):   # one check per tensor, not a round trip per slab
         raise MlxdiffError(f"{path}: tensor {info.name!r} ({info.type_name}) has non-finite scales; the file is "
                            "corrupt, re-download it")
     return RawBlocks(blocks, info.type_name, tuple(info.shape), decode_rows)
 
 
 def _quantized(path, info, data, sdtype):
-    """Convert one quantized tensor, `CHUNK_WEIGHTS` weights at a time. Returns a QuantizedTensor (2-D for a
-    1-D tensor: one row)."""
+    """Convert one quantized tensor a slab of blocks at a time (_slabs), each written in place into the tensor's
+    outputs, allocated once (no chunks to concatenate). Returns a QuantizedTensor (2-D for a 1-D tensor: one
+    row)."""
     type_name = info.type_name
     block, block_bytes = BLOCKS[type_name]
     bits, group = (AFFINE.get(type_name) or REQUANTIZED[type_name])[1:]
-    k = info.shape[-1]
-    raw = data.reshape(-1, k // block * block_bytes)
-    step = max(1, chunk_weights() // k)
-    parts, checks = [], []
-    for r in range(0, raw.shape[0], step):
-        # each chunk scheduled (pacing: the next one is read from the file while the device converts this one),
-        # its checks read once the tensor is done: a round trip per tensor, not per chunk
-        w, s, b = _convert_chunk(mx.array(raw[r:r + step]), type_name, block_bytes)
-        finite = mx.all(mx.isfinite(s) & mx.isfinite(b))
-        s16, b16 = s.astype(sdtype), b.astype(sdtype)
+    flat = data.reshape(-1, block_bytes)
+    blocks = flat.shape[0]
+    words = block * bits // 32
+    n = blocks * block
+    w_out = mx.zeros((blocks * words,), mx.uint32)
+    s_out, b_out = mx.zeros((n // group,), sdtype), mx.zeros((n // group,), sdtype)
+    size, slabs = _slabs(blocks, block)
+    checks = deque()
+    for first, count in slabs:
+        # each slab written in place (its outputs' only reference is the one here, so MLX donates the buffer) and
+        # scheduled, the next one read from the file while the device converts this one; its checks read once
+        # the tensor is done: a round trip per tensor, not per slab
+        w, s, b = _convert_slab(_slab_array(flat, first, count, size), type_name)
+        n_groups = count * block // group
+        finite = mx.all(mx.isfinite(s[:n_groups]) & mx.isfinite(b[:n_groups]))
+        s16, b16 = s[:n_groups].astype(sdtype), b[:n_groups].astype(sdtype)
         fits = mx.all(mx.isfinite(s16) & mx.isfinite(b16))
-        pace(w, s16, b16, finite, fits)
-        parts.append((w, s16, b16))
+        g = first * block // group
+        if count < size:   # one zero-padded slab: the outputs are copies (a view would keep the padding)
+            w_out, s_out, b_out = (mx.contiguous(a) for a in (w[:count * words], s16, b16))
+        else:
+            w_out[first * words:(first + count) * words] = w
+            s_out[g:g + n_groups] = s16
+            b_out[g:g + n_groups] = b16
+        mx.async_eval(w_out, s_out, b_out, finite, fits)
         checks.append((finite, fits))
-    settle()
+        if len(checks) > 1:
+            mx.eval(checks[-2])   # at most two slabs in flight: their transient buffers, not the tensor's
     if not all(finite.item() for finite, _ in checks):
         raise MlxdiffError(f"{path}: tensor {info.name!r} ({type_name}) has non-finite scales; the file is "
                            "corrupt, re-download it")
     if not all(fits.item() for _, fits in checks):   # float16 overflow (|d| * 128 > 65504): float32 scales
-        del parts
+        del w_out, s_out, b_out
         return _quantized(path, info, data, mx.float32)
-    arrays = [mx.concatenate(a, axis=0) if len(a) > 1 else a[0] for a in zip(*parts)]
-    if len(info.shape) > 2:
-        arrays = [a.reshape(*info.shape[:-1], a.shape[-1]) for a in arrays]
+    k = info.shape[-1]
+    lead = info.shape[:-1] if len(info.shape) > 1 else (1,)
+    arrays = (w_out.reshape(*lead, k * bits // 32), s_out.reshape(*lead, k // group), b_out.reshape(*lead, k // group))
     return QuantizedTensor(*arrays, bits, group, type_name)
 
 
