@@ -716,8 +716,8 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
     Shapes are in PyTorch order. F32/F16/BF16 stay as stored; quantized types become QuantizedTensor (see the
     module docstring for each type's form); any other type is an MlxdiffError naming the tensor. Scales and biases
     are float32 for float32 compute (the default on the CPU), else float16/bfloat16 like the compute dtype.
-    Each tensor is converted and evaluated before the next: the peak is what is loaded so far plus about twice
-    the tensor being converted (its chunks, then their concatenation).
+    Each tensor is converted and evaluated before the next: the peak is what is loaded so far plus the tensor being
+    converted and two slabs' transient buffers (_slabs).
     """
     header = check_gguf(path)
     unsupported = [t for t in header.tensors if t.type_name not in SUPPORTED]
