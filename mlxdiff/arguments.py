@@ -9,10 +9,10 @@ range), never a default in disguise.
 import math
 import numbers
 import os
-import stat
 from dataclasses import dataclass
 
 from .errors import MlxdiffError
+from .files import file_kind
 
 MAX_SIZE = 4096          # pixels a side: FLUX.2 goes up to 4 MP (2048x2048), 4096 leaves room for wide formats;
                          # SD3.5's position table stops at 3072 anyway
@@ -169,19 +169,6 @@ def _image_name(item, index) -> str:
 
 def _size(n) -> str:
     return f"{n >> 20} MB" if n >= 1 << 20 else f"{n} bytes"
-
-
-# what a path that is not a regular file is: open() blocks on a FIFO until a writer comes, a character device
-# (/dev/zero, /dev/urandom) has no end, a socket cannot be opened at all
-_NOT_REGULAR = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-
-
-def file_kind(mode) -> str | None:
-    """None for a regular file; else what it is ("a FIFO (named pipe)", "a character device", ...)."""
-    if stat.S_ISREG(mode):
-        return None
-    return next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
 
 
 def _not_regular(what, kind, limit) -> MlxdiffError:

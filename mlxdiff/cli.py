@@ -26,6 +26,8 @@ def run(work, interrupted="interrupted") -> int:
     traceback at interpreter shutdown; main_exit then keeps the shutdown itself from being interrupted."""
     from .policy import from_switches
     finished = False
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (PipeSafe(s) if s is not None and not isinstance(s, PipeSafe) else s for s in streams)
     try:
         from_switches()     # every MLXDIFF_* switch checked before any work
         code = work()
@@ -42,6 +44,47 @@ def run(work, interrupted="interrupted") -> int:
             what = "interrupted as the command finished; its work was done" + (f" ({detail})" if detail else "")
         print(f"mlxdiff: {what}", file=sys.stderr)
         return 130
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _to_devnull(stream) -> None:
+    """Point a stream whose reader has gone away at /dev/null: what is still buffered, and what comes, is dropped."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):   # a stream without a file descriptor
+        pass
+
+
+class PipeSafe:
+    """A command's stdout or stderr inside run(): when its reader goes away (`... | head -1`), the stream goes to
+    /dev/null and the command goes on: the images are the work, what it prints on the way is not (a BrokenPipeError
+    raised from a print would otherwise end the run with a traceback and no image)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            _to_devnull(self._stream)
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            _to_devnull(self._stream)
+            try:
+                self._stream.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
 
 
 def flush_output() -> None:
@@ -52,12 +95,7 @@ def flush_output() -> None:
         try:
             stream.flush()
         except BrokenPipeError:
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, stream.fileno())
-                os.close(devnull)
-            except (OSError, ValueError, AttributeError):   # a stream without a file descriptor
-                pass
+            _to_devnull(stream)
 
 
 def main_exit(main):

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MlxdiffError
+from .files import file_kind
 
 ASSETS = Path(__file__).parent / "assets" / "tokenizers"
 MAX_TOKENIZER_BYTES = 256 << 20   # the largest real tokenizer.json (Gemma's) is 34 MB
@@ -49,7 +50,6 @@ TOKENIZER_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
 def check_tokenizer_files(folder) -> None:
     """Every file of a tokenizer folder before transformers opens any: a regular file (a FIFO would block it, a
     device never end), tokenizer-sized; the JSON files it reads parsed and of the shape transformers expects."""
-    from .arguments import file_kind
     folder = Path(folder)
     try:
         entries = sorted(folder.iterdir())

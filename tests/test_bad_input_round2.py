@@ -6,7 +6,8 @@ line (exit 2; Ctrl-C: 130) naming the file, key or value and what to do, with no
 3. forged metadata in a text-encoder GGUF: typed, bounded reads naming the key (plus the gguf-text fuzzer);
 4. a transformer file whose fused projections do not fit its width: refused naming the key and the shape;
 5. a tokenizer of the other family (or none) given with --tokenizer: refused when the pipeline is resolved;
-6. Ctrl-C in the moment a command ends: one line and 130, or (during the interpreter's shutdown) ignored;
+6. Ctrl-C in the moment a command ends: one line and 130, or (during the interpreter's shutdown) ignored; a reader
+   of the output that goes away (`| head`): the output is dropped, the work goes on;
 7. empty or degenerate values: convert's empty DEST, a 0-pixel image, a numpy array as an image;
 8. folders written by convert get the umask's mode, not mkdtemp's 0700.
 
@@ -64,8 +65,9 @@ def copy_model(dest) -> Path:
 
 def test_special_files_are_refused_before_they_are_opened(tmp_path):
     """A FIFO would block open() forever and a character device be read without end: every small file mlxdiff
-    reads (input images, the prompts file, footprint.json, a model folder's configs, a tokenizer folder's files) is
-    stat'ed first and refused in one line that says what it is."""
+    reads (input images, the prompts file, footprint.json, a model folder's configs, a tokenizer folder's files)
+    and every weights file named on the command line is stat'ed first and refused in one line that says what it
+    is."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     model = copy_model(tmp_path / "model")
@@ -74,6 +76,8 @@ def test_special_files_are_refused_before_they_are_opened(tmp_path):
     tokenizer = Path(shutil.copytree(Path(MODEL) / "tokenizer", tmp_path / "tokenizer"))
     (tokenizer / "tokenizer_config.json").unlink()
     os.mkfifo(tokenizer / "tokenizer_config.json")
+    weights_fifo = tmp_path / "transformer.safetensors"
+    os.mkfifo(weights_fifo)
     out = tmp_path / "out.png"
     api = f"import mlxdiff\nmlxdiff.load({MODEL!r}).generate('a', steps=1, width=16, height=16, progress_bar=False, "
     cases = {
@@ -91,6 +95,8 @@ def test_special_files_are_refused_before_they_are_opened(tmp_path):
         "tokenizer file a FIFO": (gen(out, "--tokenizer", str(tokenizer)),
                                   ["tokenizer_config.json", "a FIFO", "tokenizer folder"]),
         "API image=FIFO": ({"api": api + f"image={str(fifo)!r})", "timeout": FAST}, [str(fifo), "a FIFO"]),
+        "--transformer FIFO": (gen(out, "--transformer", str(weights_fifo)),
+                               [str(weights_fifo), "a FIFO", "not a regular file"]),
     }
     outcomes = run_cases([case for case, _ in cases.values()], tmp_path)
     for (name, (_, needles)), outcome in zip(cases.items(), outcomes):
@@ -393,6 +399,24 @@ def test_ctrl_c_as_the_command_ends(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, \
         (proc.returncode, proc.stderr[-3000:])
     assert PIL.Image.open(late).size == (16, 16)
+
+
+def test_a_reader_that_goes_away(tmp_path):
+    """`mlxdiff.generate ... | head -c 10`: once the reader of stdout (or stderr) has gone, what the command prints is
+    dropped and the work goes on: the image is written whole, exit 0, no BrokenPipeError traceback."""
+    for stream in ("stdout", "stderr"):
+        out = tmp_path / f"{stream}.png"
+        argv = [sys.executable, "-m", "mlxdiff.generate", *CHEAP, "--output", str(out)]
+        read, write = os.pipe()
+        os.close(read)   # nobody reads: the first write of the stream meets a broken pipe
+        pipes = {"stdout": write, "stderr": subprocess.PIPE} if stream == "stdout" else \
+            {"stdout": subprocess.PIPE, "stderr": write}
+        proc = subprocess.run(argv, cwd=ROOT, timeout=300, text=True, **pipes)
+        os.close(write)
+        other = proc.stderr if stream == "stdout" else proc.stdout
+        assert proc.returncode == 0, (stream, proc.returncode, other[-2000:])
+        assert "Traceback" not in (other or "") and "BrokenPipe" not in (other or ""), other[-2000:]
+        assert PIL.Image.open(out).size == (16, 16)
 
 
 # -- 7. empty or degenerate values ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Key-map tables (keymaps.py) rename what the readers return.
 from pathlib import Path
 
 from ..errors import MlxdiffError
+from ..files import file_kind
 from . import fp8, safetensors
 
 WEIGHT_SUFFIXES = (".safetensors", ".gguf")
@@ -21,10 +22,16 @@ def is_gguf(path) -> bool:
 def check_weight_file(path, what="weights file") -> Path:
     """A path that names an existing .safetensors or .gguf file, or one line saying what is wrong."""
     path = Path(path)
-    if path.is_dir():
+    try:
+        kind = file_kind(path.stat().st_mode)
+    except FileNotFoundError:
+        raise MlxdiffError(f"{path}: {what} not found") from None
+    except OSError as e:
+        raise MlxdiffError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
+    if kind == "a folder":
         raise MlxdiffError(f"{path}: is a folder; expected a .safetensors or .gguf {what}")
-    if not path.is_file():
-        raise MlxdiffError(f"{path}: {what} not found")
+    if kind is not None:
+        raise MlxdiffError(f"{path}: is {kind}, not a regular file; give the .safetensors or .gguf {what} itself")
     if path.suffix not in WEIGHT_SUFFIXES:
         raise MlxdiffError(f"{path}: expected a .safetensors or .gguf {what}")
     return path
