@@ -256,8 +256,8 @@ def compile_blocks_for(model, in_flight: int) -> bool:
     matmuls."""
     if mx.default_device() == mx.cpu or in_flight < 2:
         return False
-    if getattr(model, "eager_is_faster", lambda: False)():
-        return False
+    if getattr(model, "eager_is_faster", lambda: False)() or getattr(model, "streamed_blocks", 0):
+        return False      # (a streamed block's weights change at every call: nothing to compile them into)
     return not any(getattr(m, "decodes_per_call", False) for _, m in model.named_modules())
 
 
@@ -293,32 +293,33 @@ def decide(policy: RunPolicy, model) -> RunPolicy:
 
 
 def check_fits(spec, policy: RunPolicy, compute_dtype=None):
-    """Before a component loads: the spec to load, or a refusal, with a line saying what would fit, if its weights
-    exceed the budget (the memory limit, else the free memory). A GGUF component whose default layout does not
-    fit but whose raw blocks do (formats/gguf.py: the file's own size, decoded a layer at a time) gets the raw
-    layout, unless the spec (or MLXDIFF_GGUF_LAYOUT, through the policy) fixes one."""
+    """Before a component loads: the spec to load. A GGUF component whose default layout does not fit the budget
+    (the memory limit, else the free memory) but whose raw blocks do (formats/gguf.py: the file's own size, decoded a
+    layer at a time) gets the raw layout, unless the spec (or MLXDIFF_GGUF_LAYOUT, through the policy) fixes one. One
+    that does not fit at all gets `stream_budget`: its blocks are then streamed from the file
+    (loading/streaming.py), which refuses, in one line saying what would fit, a budget too small even for that."""
     budget = [b for b in (policy.memory_limit, available_bytes()) if b]
     if not budget:
         return spec
     need, budget = spec.loaded_nbytes(compute_dtype=compute_dtype), min(budget)
     if need <= budget:
         return spec
-    gguf = any(is_gguf(f) for f in spec.files)
-    if gguf:
-        hint = "use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K) or a machine with more memory"
-        if spec.gguf_layout is None:
-            raw = replace(spec, gguf_layout="raw")
-            if raw.loaded_nbytes(compute_dtype=compute_dtype) <= budget:
-                return raw
-    else:
-        hint = "no quantization makes it fit; use a machine with more memory"
-        for bits in (8, 4):
-            estimate = spec.loaded_nbytes(quantize=bits)
-            if estimate <= budget:
-                hint = f"quantize it: --quantize {spec.name}={bits} (about {fmt_gb(estimate)})"
-                break
-    limit = "the memory limit" if policy.memory_limit and budget == policy.memory_limit else "the free memory"
-    raise MlxdiffError(f"{spec.name} needs {fmt_gb(need)} of weights but {limit} is {fmt_gb(budget)}; {hint}")
+    if any(is_gguf(f) for f in spec.files) and spec.gguf_layout is None:
+        raw = replace(spec, gguf_layout="raw")
+        if raw.loaded_nbytes(compute_dtype=compute_dtype) <= budget:
+            return raw
+    return replace(spec, stream_budget=int(budget))
+
+
+def fit_hint(spec, budget) -> str:
+    """What would make `spec` fit `budget` bytes, for a refusal's line."""
+    if any(is_gguf(f) for f in spec.files):
+        return "use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K) or a machine with more memory"
+    for bits in (8, 4):
+        estimate = spec.loaded_nbytes(quantize=bits)
+        if estimate <= budget:
+            return f"quantize it: --quantize {spec.name}={bits} (about {fmt_gb(estimate)})"
+    return "no quantization makes it fit; use a machine with more memory"
 
 
 @functools.cache

@@ -37,29 +37,47 @@ def check_weight_file(path, what="weights file") -> Path:
     return path
 
 
-def open_weights(path, compute_dtype=None, gguf_layout=None) -> dict:
+def open_weights(path, compute_dtype=None, gguf_layout=None, names=None, standins=False) -> dict:
     """{name: mx.array} from a safetensors file (mx.array | Float8Weight for float8 ones, formats/fp8.py), or
     {name: mx.array | QuantizedTensor | RawBlocks} from a GGUF file (in `gguf_layout`, formats/gguf.py); lazy where
-    the format allows (safetensors are mapped, not read). Every header is checked first."""
+    the format allows (safetensors are mapped, not read). Every header is checked first.
+
+    `names`: only these tensors (a GGUF reads only them). `standins`: nothing read at all: a GGUF's tensors as lazy
+    zeros of the form they load in (formats/gguf.standins), a safetensors file's as its lazy mapped arrays, for a
+    model whose blocks are streamed (loading/streaming.py) to be built around."""
     if is_gguf(path):
-        from .gguf import load_gguf
-        return load_gguf(path, compute_dtype, gguf_layout)
+        from .gguf import load_gguf, standins as gguf_standins
+        return (gguf_standins if standins else load_gguf)(path, compute_dtype, gguf_layout, names=names)
     info, meta = safetensors.check_safetensors(path, with_metadata=True)
     if fp8.applies(info, meta):
-        return fp8.load(path, info, meta, compute_dtype)
-    return safetensors.load_safetensors(path, info=info)
+        arrays = fp8.load(path, info, meta, compute_dtype)
+    else:
+        arrays = safetensors.load_safetensors(path, info=info)
+    return arrays if names is None else {k: v for k, v in arrays.items() if k in names}
 
 
-def loaded_nbytes(path, compute_dtype=None, gguf_layout=None) -> int:
+def tensor_ranges(path) -> dict:
+    """{name: (byte offset, bytes)} of every tensor of a safetensors or GGUF file, from its checked header."""
+    if is_gguf(path):
+        from .gguf import check_gguf
+        return {t.name: (t.offset, t.nbytes) for t in check_gguf(path).tensors}
+    return safetensors.tensor_ranges(path)
+
+
+def loaded_nbytes(path, compute_dtype=None, gguf_layout=None, names=None) -> int:
     """Bytes a weight file's tensors take once opened: a GGUF file's in its layout, a float8 safetensors file's in
-    fp8.py's form, another safetensors file's as stored."""
+    fp8.py's form, another safetensors file's as stored. `names`: only these tensors (a float8 file's in
+    proportion to their stored bytes)."""
     if is_gguf(path):
         from .gguf import loaded_nbytes as gguf_loaded_nbytes
-        return gguf_loaded_nbytes(path, compute_dtype, gguf_layout)
+        return gguf_loaded_nbytes(path, compute_dtype, gguf_layout, names=names)
     info, meta = safetensors.check_safetensors(path, with_metadata=True)
+    stored = {k: safetensors.nbytes(dtype, shape) for k, (dtype, shape) in info.items()}
+    chosen = sum(n for k, n in stored.items() if names is None or k in names)
     if fp8.applies(info, meta):
-        return fp8.loaded_nbytes(info, meta, compute_dtype)
-    return sum(safetensors.nbytes(dtype, shape) for dtype, shape in info.values())
+        total = fp8.loaded_nbytes(info, meta, compute_dtype)
+        return total if names is None else round(total * chosen / max(1, sum(stored.values())))
+    return chosen
 
 
 class TensorShape:

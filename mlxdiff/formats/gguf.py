@@ -691,13 +691,15 @@ def _forms(layout, compute_dtype):
     return sdtype, raw_types
 
 
-def loaded_nbytes(path, compute_dtype=None, layout=None) -> int:
+def loaded_nbytes(path, compute_dtype=None, layout=None, names=None) -> int:
     """Bytes the tensors of a GGUF file take once `load_gguf` has read them with `layout`, from the header alone:
     plain tensors and raw blocks as stored, affine triplets as packed codes plus 16- or 32-bit scales and biases,
     quantized vectors dequantized to the scale dtype."""
     sdtype, raw_types = _forms(layout, compute_dtype)
     total = 0
     for info in check_gguf(path).tensors:
+        if names is not None and info.name not in names:
+            continue
         n = math.prod(info.shape)
         if info.type_name in PLAIN or (info.type_name in raw_types and len(info.shape) >= 2):
             total += info.nbytes
@@ -710,7 +712,7 @@ def loaded_nbytes(path, compute_dtype=None, layout=None) -> int:
     return total
 
 
-def load_gguf(path, compute_dtype=None, layout=None) -> dict:
+def load_gguf(path, compute_dtype=None, layout=None, names=None) -> dict:
     """Check `path` (check_gguf), then read every tensor: {GGUF name: mx.array | QuantizedTensor}.
 
     Shapes are in PyTorch order. F32/F16/BF16 stay as stored; quantized types become QuantizedTensor (see the
@@ -720,7 +722,7 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
     converted and two slabs' transient buffers (_slabs).
     """
     header = check_gguf(path)
-    unsupported = [t for t in header.tensors if t.type_name not in SUPPORTED]
+    unsupported = [t for t in header.tensors if t.type_name not in SUPPORTED and (names is None or t.name in names)]
     if unsupported:
         t = unsupported[0]
         more = f" (and {len(unsupported) - 1} more tensors)" if len(unsupported) > 1 else ""
@@ -739,6 +741,8 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
         raise MlxdiffError(f"{path}: the file changed size while being read; try again once it is complete")
     out = {}
     for info in header.tensors:
+        if names is not None and info.name not in names:   # a streamed block's tensors only (loading/streaming.py)
+            continue
         if out:      # the previous tensor is converted (copied into MLX): its file pages leave this process's RSS
             _drop_pages(mapped, previous.offset, previous.nbytes)
         previous = info
@@ -758,6 +762,41 @@ def load_gguf(path, compute_dtype=None, layout=None) -> dict:
         out[info.name] = qt
     if out:
         _drop_pages(mapped, previous.offset, previous.nbytes)
+    return out
+
+
+def standins(path, compute_dtype=None, layout=None, names=None) -> dict:
+    """What load_gguf would return, from the header alone and nothing read: each tensor (of `names`) as lazy zeros of
+    the form it loads in (plain, raw blocks, affine triplets with the scale dtype, a quantized vector dequantized),
+    never evaluated. A model whose blocks are streamed (loading/streaming.py) is built around these, so its layers
+    get their quantized or raw forms; the streamed blocks' real weights are read (load_gguf with `names`) per use."""
+    header = check_gguf(path)
+    sdtype, raw_types = _forms(layout, compute_dtype)
+    out = {}
+    for info in header.tensors:
+        if names is not None and info.name not in names:
+            continue
+        shape = tuple(info.shape)
+        if info.type_name in PLAIN:
+            out[info.name] = mx.zeros(shape, {"F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16}[info.type_name])
+            continue
+        if info.type_name not in SUPPORTED:
+            raise MlxdiffError(f"{path}: tensor {info.name!r} has GGUF type {info.type_name}, which mlxdiff does not "
+                               f"support; supported types: {', '.join(SUPPORTED)}")
+        block, block_bytes = BLOCKS[info.type_name]
+        k = shape[-1]
+        if info.type_name in raw_types and len(shape) >= 2:
+            rows = math.prod(shape[:-1])
+            out[info.name] = RawBlocks(mx.zeros((rows, k // block * block_bytes), mx.uint8), info.type_name, shape,
+                                       decode_rows)
+            continue
+        if len(shape) == 1:
+            out[info.name] = mx.zeros(shape, sdtype)
+            continue
+        bits, group = (AFFINE.get(info.type_name) or REQUANTIZED[info.type_name])[1:]
+        lead = shape[:-1]
+        out[info.name] = QuantizedTensor(mx.zeros((*lead, k * bits // 32), mx.uint32), mx.zeros((*lead, k // group),
+                                         sdtype), mx.zeros((*lead, k // group), sdtype), bits, group, info.type_name)
     return out
 
 

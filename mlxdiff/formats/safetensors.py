@@ -161,6 +161,18 @@ def check_safetensors(path, with_metadata=False):
     return (info, meta or {}) if with_metadata else info
 
 
+def tensor_ranges(path) -> dict:
+    """{name: (byte offset in the file, bytes)} of every tensor, from the checked header (where a streamed block's
+    tensors lie, to read them ahead: loading/streaming.py)."""
+    path = Path(path)
+    header, data_len = _read_header(path)
+    header.pop("__metadata__", None)
+    _check_tensors(path, header, data_len)
+    start = path.stat().st_size - data_len
+    return {name: (start + entry["data_offsets"][0], entry["data_offsets"][1] - entry["data_offsets"][0])
+            for name, entry in header.items()}
+
+
 def parse_json(text, bad):
     """json.loads with bounded work, duplicate keys refused, every failure `bad(what)` (for JSON a file carries:
     a header's metadata value, a tensor of JSON bytes)."""

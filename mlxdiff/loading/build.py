@@ -33,12 +33,25 @@ def load_into(module, weights: dict, source) -> None:
     module.load_weights(list(weights.items()), strict=True)
 
 
-def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False, quantize=None):
+def in_model_names(model, weights: dict, native=False) -> dict:
+    """Mapped weights in the names and layouts of the model's own parameters: Model.sanitize, or, for mlxdiff's own
+    checkpoints (`native`, saved after sanitize), the float8 layers' codes and row scales paired again. Also what a
+    streamed block's weights go through at every use (loading/streaming.py)."""
+    if not native:
+        return model.sanitize(weights)
+    from ..formats.fp8 import saved_fp8
+    return saved_fp8(weights)
+
+
+def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False, quantize=None,
+          check=True):
     """Make `arch.Model` from its config dict and weights in the names `arch.Model.sanitize` reads (already remapped
     from any other naming), for every architecture alike, LLM text encoders included.
 
     `arch` is a model module (mlxdiff.models.clip, ...) with `ModelArgs`, `Model` and `Model.sanitize`.
-    The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters.
+    The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters,
+    except the small ones check_finite reads (`check` False: not even those; loading/streaming.py, whose
+    stand-ins must stay unread, checks what it reads itself).
     """
     import mlx.core as mx
     from ..formats.quantized import flatten_quantized, quantized_predicate
@@ -46,13 +59,8 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
     given = {id(v): k for k, v in weights.items()}   # a refusal names a tensor as given, where sanitize only renamed it
-    # mlxdiff's own checkpoints (`native`) are saved after sanitize, in the module's own names and layouts
     rename = None if native else model.sanitize
-    if not native:
-        weights = model.sanitize(weights)
-    else:  # float8 layers saved as they are held (mlxdiff.convert of an fp8 file): codes and row scales again
-        from ..formats.fp8 import saved_fp8
-        weights = saved_fp8(weights)
+    weights = in_model_names(model, weights, native)
     if config.get("quantization"):  # saved quantized (mlxdiff.convert, mlx-lm's convert)
         prepare_quantized(model, weights, config["quantization"], rename)
     weights, gguf_layers = flatten_quantized(weights)
@@ -69,7 +77,8 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     # the weights that quantize-while-loading quantizes stay unread here (materialize streams them, layer by layer)
     skip = set() if not quantize else {
         f"{path}.weight" for path, m in model.named_modules() if quantizable(model, path, m, quantize["group_size"])}
-    check_finite(model, source, stored, skip, given)
+    if check:
+        check_finite(model, source, stored, skip, given)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
         quantize_model(model, quantize["bits"], quantize["group_size"])
     return model
@@ -99,7 +108,7 @@ def keep_activations_in(model, compute_dtype) -> dict:
     return stored
 
 
-def check_finite(model, source, stored=None, skip=(), given=None) -> None:
+def check_finite(model, source, stored=None, skip=(), given=None, compute_dtype=None) -> None:
     """Refuse, in one line naming `source` and the parameter, a model whose floating parameters small enough to read
     whole (formats/safetensors.CHECK_WHOLE_ELEMENTS: norm weights, biases, scales, BatchNorm statistics; the small
     layers of small models) hold a NaN or an infinity, as they compute (after keep_activations_in's casts), or whose
@@ -125,7 +134,7 @@ def check_finite(model, source, stored=None, skip=(), given=None) -> None:
     original = (stored or {}).get(bad)
     name = (given or {}).get(id(original if original is not None else dict(params).get(bad)), bad)
     if original is not None and first_false(finite_flags([(bad, original)], limit=None)) is None:
-        dtype = str(model.compute_dtype).rsplit(".", 1)[-1]
+        dtype = str(compute_dtype or model.compute_dtype).rsplit(".", 1)[-1]
         raise MlxdiffError(f"{source}: tensor {name!r} has values beyond {dtype}'s range, which the {dtype} compute "
                            "dtype makes infinite; use dtype bfloat16 or float32 (--dtype)")
     raise MlxdiffError(f"{source}: tensor {name!r} holds NaN or infinite values (it would draw a black image); the "

@@ -34,8 +34,14 @@ def load_component(spec, compute_dtype, policy: RunPolicy) -> Loaded:
         notes.append(f"{spec.name}: GGUF weights kept as the file's {fitted.gguf_layout} blocks "
                      f"({fmt_gb(fitted.loaded_nbytes(compute_dtype=compute_dtype))}) to fit the memory budget")
     start, before = time.perf_counter(), mx.get_active_memory()
-    model = fitted.build(compute_dtype)
-    use_strategy(model, fitted.matmul or policy.matmul or backend.default_matmul_strategy())
+    strategy = fitted.matmul or policy.matmul or backend.default_matmul_strategy()
+    if fitted.stream_budget:
+        from .streaming import load_streamed
+        model, plan = load_streamed(fitted, compute_dtype, fitted.stream_budget, strategy)
+        notes.append(plan.note(spec.name))
+    else:
+        model = fitted.build(compute_dtype)
+        use_strategy(model, strategy)
     materialize(model)
     mx.clear_cache()     # what the load converted and dropped (GGUF chunks, quantization inputs) is not kept
     release_host_memory()

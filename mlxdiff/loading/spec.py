@@ -56,6 +56,8 @@ class ComponentSpec:
     gguf_layout: str | None = None    # "raw" | "affine" for GGUF files (None: "auto", formats/gguf.py); the memory
                                       # budget may pick "raw" (memory.check_fits)
     loras: tuple = ()                 # ((file, scale), ...): LoRAs added to the built model (mlxdiff/lora.py)
+    stream_budget: int | None = None  # bytes the weights must fit by streaming blocks from the file (memory.check_fits
+                                      # sets it when they do not fit resident; loading/streaming.py)
 
     @property
     def source(self):
@@ -69,16 +71,28 @@ class ComponentSpec:
     def with_config(self, **changes) -> "ComponentSpec":
         return replace(self, config={**self.config, **changes})
 
-    def weights(self, compute_dtype=None) -> dict:
+    def weights(self, compute_dtype=None, names=None, standins=frozenset()) -> dict:
+        """The component's tensors in diffusers names (mapped from the file's), lazy where the format allows.
+        `names`: only these file tensors (a streamed block's, loading/streaming.py; no `extra`); `standins`: these
+        file tensors as stand-ins that read nothing (formats.open_weights), for the blocks streamed later."""
         weights = {}
         for f in self.files:
-            weights.update(open_weights(f, compute_dtype, self.gguf_layout))
+            if standins:
+                chosen = set(tensor_nbytes(f)) if names is None else set(tensor_nbytes(f)) & set(names)
+                if chosen & standins:
+                    weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen & standins,
+                                                standins=True))
+                if chosen - standins:
+                    weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen - standins))
+            else:
+                weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=names))
         if self.prefix:
             weights = strip_prefix(weights, self.prefix)
         if self.keymap:
             weights = self.keymap(weights)
-        for k, fn in self.extra.items():
-            weights.setdefault(k, fn(weights))
+        if names is None:
+            for k, fn in self.extra.items():
+                weights.setdefault(k, fn(weights))
         return weights
 
     def nbytes(self) -> int:
@@ -121,14 +135,16 @@ class ComponentSpec:
         from ..lora import lora_nbytes
         return sum(lora_nbytes(f) for f, _ in self.loras)
 
-    def build(self, compute_dtype=None):
+    def build(self, compute_dtype=None, standins=frozenset(), check=True):
+        """The model, its weights lazily mapped (GGUF ones read); `standins`: file tensors left as stand-ins that read
+        nothing (the blocks loading/streaming.py streams); `check`: the small tensors' values checked (build)."""
         check = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization, once final
         if check:   # a folder's encoder is named by its folder, a text_encoder=FILE by the file
             single = self.config.get("file_layers") is not None
             check(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
                   else self.name)
-        model = build(self.arch, self.config, self.weights(compute_dtype), self.source, compute_dtype,
-                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize)
+        model = build(self.arch, self.config, self.weights(compute_dtype, standins=standins), self.source, compute_dtype,
+                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize, check=check)
         if self.loras:
             from ..lora import apply_loras
             apply_loras(model, self.arch, self.loras, model.compute_dtype, self.name)

@@ -9,7 +9,8 @@ tests/test_architecture_protocol.py holds every registered module to it.
 Adding a family, the checklist:
 1. `ModelArgs`: a config_checks.CheckedArgs dataclass (`from_dict(config, where)` checks types, LIMITS, RULES).
 2. `Model(args)`: an mlx.nn.Module that keeps `args`, with `sanitize(weights)`; `quant_predicate(path, module)`
-   when some layers must stay in full precision; `eager_is_faster()` if its eager blocks beat compiled ones.
+   when some layers must stay in full precision; `eager_is_faster()` if its eager blocks beat compiled ones;
+   `resident_blocks()` if it reads a block outside that block's call (streaming must keep it resident).
 3. Register the class name in loading/spec.py ARCHITECTURES (and the pipeline's components in sources.COMPONENTS).
 4. Then the hooks of the capabilities it has: a denoiser read from one original file (`OriginalFile`) and its
    LoRAs (`OriginalRules`, plus lora.MODEL_NAMES), an encoder whose config a single file's shapes give
@@ -69,6 +70,16 @@ class EagerPreference(Protocol):
 
 
 @runtime_checkable
+class ResidentBlocks(Protocol):
+    """Optional on `Model`."""
+
+    def resident_blocks(self) -> tuple:
+        """loading/streaming.plan: the paths of blocks the model reads outside their own call (T5: block 0's
+        relative attention bias, read before the loop), which are never streamed. Absent: none."""
+        ...
+
+
+@runtime_checkable
 class Architecture(Protocol):
     """Required of every module in loading/spec.py ARCHITECTURES."""
 
@@ -76,7 +87,7 @@ class Architecture(Protocol):
     """The typed config: `ModelArgs.from_dict(config, where)` (ArchitectureArgs)."""
     Model: type[ArchitectureModel]
     """`Model(ModelArgs)`: the mlx.nn.Module loading/build.build makes and loads (ArchitectureModel; optionally
-    QuantRule, EagerPreference)."""
+    QuantRule, EagerPreference, ResidentBlocks)."""
 
 
 @runtime_checkable
@@ -152,7 +163,7 @@ class PartialReader(Protocol):
 # it has every member of the capability (tests/test_architecture_protocol.py)
 CAPABILITIES = {OriginalFile: "is_original", OriginalRules: "_ORIGINAL_RULES", ConfigFromWeights: "config_from_weights",
                 PartialReader: "reads_stored"}
-MODEL_HOOKS = (QuantRule, EagerPreference)     # optional methods of `Model`
+MODEL_HOOKS = (QuantRule, EagerPreference, ResidentBlocks)     # optional methods of `Model`
 
 
 def protocol_members(protocol) -> tuple:

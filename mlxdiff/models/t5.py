@@ -276,6 +276,9 @@ class Model(nn.Module):
             x = block(x, bias, dtype)
         return self.encoder.final_layer_norm(x, dtype)
 
+    def resident_blocks(self) -> tuple:
+        return ("encoder.block.0",)     # its relative attention bias is read before the blocks run
+
     def sanitize(self, weights: dict) -> dict:
         weights = remap(weights, ORIGINAL_KEYMAP)
         # encoder.embed_tokens is tied to shared: keep one (lazy arrays, so the other is never read)

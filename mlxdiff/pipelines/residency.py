@@ -80,6 +80,11 @@ class Residency:
                     yield model
             finally:
                 settle()
+                stream = getattr(model, "block_stream", None)   # loading/streaming.py: what this phase read
+                if stream is not None and result is not None and stream.bytes_read:
+                    result.notes.append(stream.summary(spec.name))
+                if stream is not None:
+                    stream.reset()
                 if self.keeps(nbytes, largest_other, policy):
                     self.models[key] = (model, nbytes)
                 else:

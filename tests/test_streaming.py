@@ -1,0 +1,217 @@
+"""Below the weights (loading/streaming.py): a component that does not fit its budget runs with blocks streamed from
+its file, and gives exactly the numbers of a resident run.
+
+- a mid-size FLUX.2 transformer as a Q4_K_M GGUF (raw blocks in float32, affine in bfloat16), as a diffusers bf16
+  folder and as BFL's original safetensors file, a mid-size T5 and a Qwen3 encoder: streamed outputs identical to
+  resident ones, with LoRAs on streamed layers too;
+- the plan follows the budget (resident blocks while they fit) and is said; a budget too small even for streaming
+  and a streamed re-quantization are refused in one line, naming what works;
+- the CLI end to end under --memory-limit at about a third of the transformer's weights: the same image as the
+  resident run, and the process (sampled from outside) holds at most the limit plus the embedded default's own
+  overhead (interpreter, imports, tokenizers) and a load's host buffers.
+"""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import PIL.Image
+import pytest
+
+import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
+from mlxdiff import default_model, memory
+from mlxdiff.errors import MlxdiffError
+from mlxdiff.footprint import report_peaks
+from mlxdiff.loading import sources, streaming
+from mlxdiff.loading.component import load_component
+from mlxdiff.loading.streaming import StreamedBlock
+from mlxdiff.models import flux2, t5
+from mlxdiff.policy import RunPolicy, installed
+
+MiB = 2 ** 20
+# many small blocks: D = 512 (4 x 128), 8 double + 24 single blocks, 0.14 B parameters (0.27 GB in bf16); the
+# text width is the embedded default's encoder's, so the CLI runs it with that encoder and VAE
+MANY = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=8, num_single_layers=24,
+            attention_head_dim=128, num_attention_heads=4, joint_attention_dim=192, timestep_guidance_channels=64,
+            mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False)
+LOAD_BUFFERS = 96 * MiB    # as tests/test_process_memory.py: a load's host buffers MLX does not count
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """{"folder": a pipeline folder (the embedded default with the MANY transformer in bf16), "gguf": the same
+    shapes as a Q4_K_M GGUF, "bfl": the folder's transformer as BFL's original safetensors file}."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import save_file
+    from test_gguf_models import write_city96_gguf
+    from twins import flux2_to_bfl
+    root = tmp_path_factory.mktemp("streaming")
+    folder = root / "many"
+    shutil.copytree(default_model.folder(), folder)
+    shutil.rmtree(folder / "transformer")
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(**MANY).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    model.save_pretrained(str(folder / "transformer"))
+    bfl = root / "many-bfl.safetensors"
+    save_file({k: v.contiguous() for k, v in flux2_to_bfl(model.state_dict(), MANY).items()}, str(bfl))
+    with torch.device("meta"):
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**MANY).state_dict(), MANY)
+    gguf = root / "many-Q4_K_M.gguf"
+    write_city96_gguf(gguf, shapes, "flux2", "flux", random=True)
+    return {"folder": folder, "gguf": gguf, "bfl": bfl}
+
+
+def flux2_inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    return dict(hidden_states=rng.standard_normal((1, 24, 32)).astype(np.float32),
+                encoder_hidden_states=rng.standard_normal((1, 7, 192)).astype(np.float32),
+                timestep=np.array([0.4], np.float32),
+                img_ids=rng.integers(0, 4, (24, 4)).astype(np.int32), txt_ids=np.zeros((7, 4), np.int32))
+
+
+def forward(loaded, policy, inputs):
+    with installed(memory.decide(policy, loaded.model)):
+        return np.array(loaded.model(**{k: mx.array(v) for k, v in inputs.items()}).astype(mx.float32))
+
+
+def streamed_count(model) -> int:
+    return sum(isinstance(m, StreamedBlock) for blocks in (model.transformer_blocks, model.single_transformer_blocks)
+               for m in blocks)
+
+
+def transformer_spec(files, form):
+    if form == "gguf":
+        return sources.transformer_from_file(files["gguf"], flux2)
+    if form == "bfl":
+        return sources.transformer_from_file(files["bfl"], flux2)
+    return mlxdiff.load(str(files["folder"])).components["transformer"]
+
+
+@pytest.mark.parametrize("form, dtype", [("gguf", "float32"), ("gguf", "bfloat16"), ("folder", "bfloat16"),
+                                         ("bfl", "float32")])
+def test_streamed_transformer_is_exact(files, form, dtype):
+    """Under a budget of 60% of its weights the transformer streams most of its blocks (and says so), and its
+    output is the resident one, bit for bit; a larger budget keeps more blocks resident."""
+    spec = transformer_spec(files, form)
+    compute = getattr(mx, dtype)
+    need = spec.loaded_nbytes(compute_dtype=compute)
+    inputs = flux2_inputs()
+    resident = load_component(spec, compute, RunPolicy())
+    assert streamed_count(resident.model) == 0
+    expected = forward(resident, RunPolicy(), inputs)
+    del resident
+    counts = []
+    for share in (0.6, 0.85):
+        policy = RunPolicy(memory_limit=int(share * need))
+        loaded = load_component(spec, compute, policy)
+        counts.append(streamed_count(loaded.model))
+        assert any("blocks streamed from the file" in n for n in loaded.notes), loaded.notes
+        assert loaded.nbytes <= 0.5 * share * need, (loaded.nbytes, need)   # the reserve is half the budget
+        got = forward(loaded, policy, inputs)
+        assert np.array_equal(got, expected), np.abs(got - expected).max()
+        assert loaded.model.block_stream.bytes_read > 0
+        del loaded
+    assert counts[0] > counts[1] > 0, counts
+
+
+def test_streamed_t5_is_exact(tmp_path):
+    """A mid-size T5 encoder (transformers' layout), streamed under 60% of its weights: the same hidden states;
+    block 0, whose relative attention bias the model reads before the loop, stays resident."""
+    import torch
+    from transformers import T5Config, T5EncoderModel
+    torch.manual_seed(1)
+    config = T5Config(vocab_size=320, d_model=256, d_kv=32, d_ff=704, num_layers=12, num_heads=8,
+                      relative_attention_num_buckets=32, feed_forward_proj="gated-gelu")
+    T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
+    spec = sources.folder_component(tmp_path, "t5", "T5EncoderModel")
+    ids = np.random.default_rng(2).integers(0, 320, (1, 19))
+    resident = load_component(spec, mx.float32, RunPolicy())
+    expected = np.array(resident.model(ids))
+    need = spec.loaded_nbytes(compute_dtype=mx.float32)
+    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.6 * need)))
+    blocks = loaded.model.encoder.block
+    assert not isinstance(blocks[0], StreamedBlock) and sum(isinstance(b, StreamedBlock) for b in blocks) >= 6
+    assert np.array_equal(np.array(loaded.model(ids)), expected)
+
+
+def test_streamed_layers_take_loras(files, tmp_path):
+    """A LoRA on the transformer stays resident and applies to streamed layers as to resident ones."""
+    from lora_helpers import linear_shapes, peft_config, peft_file, peft_tensors, targeted, twin
+    shapes = linear_shapes(twin(MANY))
+    layers = targeted(shapes, ["to_q", "to_v", "ff.linear_in", "to_qkv_mlp_proj"])
+    lora = peft_file(tmp_path / "l.safetensors", peft_tensors(shapes, layers, seed=3),
+                     peft_config(["to_q", "to_v", "ff.linear_in", "to_qkv_mlp_proj"]))
+    spec = dataclasses.replace(transformer_spec(files, "folder"), loras=((lora, 0.8),))
+    inputs = flux2_inputs(1)
+    expected = forward(load_component(spec, mx.float32, RunPolicy()), RunPolicy(), inputs)
+    need = spec.loaded_nbytes(compute_dtype=mx.float32)
+    policy = RunPolicy(memory_limit=int(0.4 * need))
+    loaded = load_component(spec, mx.float32, policy)
+    assert streamed_count(loaded.model) > 0
+    assert np.array_equal(forward(loaded, policy, inputs), expected)
+
+
+def test_refusals_are_one_line(files):
+    spec = transformer_spec(files, "gguf")
+    need = spec.loaded_nbytes(compute_dtype=mx.float32)
+    with pytest.raises(MlxdiffError) as err:
+        load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.05 * need)))
+    message = str(err.value)
+    assert "\n" not in message and "cannot hold even its streamed form" in message
+    assert "the smallest limit that works is about" in message and "smaller quantization type" in message
+    folder = transformer_spec(files, "folder")
+    quantized = dataclasses.replace(folder, quantize={"bits": 4, "group_size": 64})
+    with pytest.raises(MlxdiffError, match=r"quantized again at every step.*python -m mlxdiff.convert .* "
+                                           r"--quantize transformer=4"):
+        load_component(quantized, mx.float32, RunPolicy(memory_limit=int(0.01 * need)))
+
+
+def test_file_groups():
+    assert streaming.file_group("double_blocks.3.img_attn.qkv.weight") == "double_blocks.3"
+    assert streaming.file_group("model.diffusion_model.single_blocks.12.linear1.weight") == \
+        "model.diffusion_model.single_blocks.12"
+    assert streaming.file_group("blk.7.attn_q.weight") == "blk.7"
+    assert streaming.file_group("encoder.block.2.layer.0.SelfAttention.q.weight") == "encoder.block.2"
+    assert streaming.file_group("img_in.weight") is None and streaming.file_group("norm.weight") is None
+
+
+def _cli(tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, "-m", "mlxdiff.footprint", "run", "--interval", "0.01", "--json", str(out), "--",
+           sys.executable, "-m", "mlxdiff.generate", "--prompt", default_model.PROMPT, "--steps", "2",
+           "--no-progress", "--report-memory", "--output", str(tmp_path / f"{name}.png"), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    saved = json.loads(out.read_text())
+    peaks = report_peaks(saved["run"]["stdout"])
+    return saved["run"]["stdout"], max(peaks["mlx"].values()), saved["summary"]["peak"]
+
+
+def test_cli_streams_under_a_third_of_the_weights(files, tmp_path):
+    """`--memory-limit` at a third of the transformer's bf16 weights: the image is the resident run's, the plan and
+    what was read are in the report, and the process holds at most the limit plus the embedded default's overhead
+    (its outside peak less its MLX peak) and LOAD_BUFFERS."""
+    folder = files["folder"]
+    need = mlxdiff.load(str(folder)).components["transformer"].loaded_nbytes(compute_dtype=mx.float32)
+    limit = need / 3 / 2 ** 30
+    _, tiny_mlx, tiny_outside = _cli(tmp_path, "default")
+    overhead = tiny_outside - tiny_mlx
+    _, _, resident_outside = _cli(tmp_path, "resident", "--model", str(folder))
+    stdout, mlx_peak, outside = _cli(tmp_path, "streamed", "--model", str(folder), "--memory-limit", f"{limit:.4f}")
+    print(f"\ntransformer {need / MiB:.0f} MiB, limit {limit * 1024:.0f} MiB: outside peak {outside / MiB:.0f} MiB "
+          f"(resident run {resident_outside / MiB:.0f}), MLX peak {mlx_peak / MiB:.0f} MiB, embedded default's "
+          f"overhead {overhead / MiB:.0f} MiB")
+    assert "blocks streamed from the file" in stdout and "of streamed blocks per forward" in stdout
+    assert np.array_equal(np.array(PIL.Image.open(tmp_path / "streamed.png")),
+                          np.array(PIL.Image.open(tmp_path / "resident.png")))
+    assert mlx_peak <= limit * 2 ** 30
+    assert outside <= limit * 2 ** 30 + 1.15 * overhead + LOAD_BUFFERS, (outside, limit, overhead)
