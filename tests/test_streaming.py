@@ -143,6 +143,23 @@ def test_streamed_t5_is_exact(tmp_path):
     assert np.array_equal(np.array(loaded.model(ids)), expected)
 
 
+@pytest.mark.parametrize("kind", ["dev", "klein_base"])
+def test_streamed_llm_encoders_are_exact(tmp_path, monkeypatch, kind):
+    """FLUX.2's Mistral3 (dev) and Qwen3 (klein) encoders, layer by layer: the same tapped hidden states. These
+    twins are so small that their embeddings outweigh the layers, so the activations' reserve is set aside here
+    (RESERVE_SHARE 0) to leave room for streaming at 95% of the weights."""
+    from twins import TAPS, build_pipeline
+    monkeypatch.setattr(streaming, "RESERVE_SHARE", 0.0)
+    _, folder, _ = build_pipeline(kind, tmp_path)
+    spec = mlxdiff.load(str(folder)).components["text_encoder"].with_config(taps=list(TAPS))
+    ids = mx.array(np.random.default_rng(0).integers(0, 300, (1, 9)))
+    expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(ids))
+    need = spec.loaded_nbytes(compute_dtype=mx.float32)
+    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.95 * need)))
+    assert sum(isinstance(layer, StreamedBlock) for layer in loaded.model.layers) >= 2
+    assert np.array_equal(np.array(loaded.model(ids)), expected)
+
+
 def test_streamed_layers_take_loras(files, tmp_path):
     """A LoRA on the transformer stays resident and applies to streamed layers as to resident ones."""
     from lora_helpers import linear_shapes, peft_config, peft_file, peft_tensors, targeted, twin

@@ -138,13 +138,13 @@ class ComponentSpec:
     def build(self, compute_dtype=None, standins=frozenset(), check=True):
         """The model, its weights lazily mapped (GGUF ones read); `standins`: file tensors left as stand-ins that read
         nothing (the blocks loading/streaming.py streams); `check`: the small tensors' values checked (build)."""
-        check = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization, once final
-        if check:   # a folder's encoder is named by its folder, a text_encoder=FILE by the file
+        check_config = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization
+        if check_config:   # once final; a folder's encoder is named by its folder, a text_encoder=FILE by the file
             single = self.config.get("file_layers") is not None
-            check(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
+            check_config(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
                   else self.name)
-        model = build(self.arch, self.config, self.weights(compute_dtype, standins=standins), self.source, compute_dtype,
-                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize, check=check)
+        model = build(self.arch, self.config, self.weights(compute_dtype, standins=standins), self.source,
+                      compute_dtype, native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize, check=check)
         if self.loras:
             from ..lora import apply_loras
             apply_loras(model, self.arch, self.loras, model.compute_dtype, self.name)

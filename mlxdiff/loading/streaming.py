@@ -179,6 +179,9 @@ def plan(spec, model, compute_dtype, budget, native=False):
                            for f, names in group.names.items())
         ranges = {f: tensor_ranges(f) for f in group.names}
         group.ranges = sorted((f, *ranges[f][n]) for f, names in group.names.items() for n in names)
+    reads = getattr(spec.arch, "reads_stored", None)   # an LLM encoder's vision tower, say, is never read
+    if reads is not None:
+        rest = {f: {n for n in names if reads(n[len(spec.prefix):], spec.args)} for f, names in rest.items()}
     rest_nbytes = sum(loaded_nbytes(f, compute_dtype, spec.gguf_layout, names=names) for f, names in rest.items())
     rest_nbytes += spec.lora_nbytes()
     # model order: container by container, index by index

@@ -1,0 +1,92 @@
+"""Streaming below the weights, one image per process (bench/RESULTS.md, "Streaming below the weights").
+
+    python bench/streaming_gpu.py run FOLDER [--transformer F.gguf] [--memory-limit GB] --out DIR
+    python bench/streaming_gpu.py compare DIR_A DIR_B      # same latents? (0 levels of difference in the image)
+    python bench/streaming_gpu.py rate FILE...             # read rate of files (bytes / s), as the run reads them
+
+`run`: a throwaway image at the same size with 1 step (MLX's CUDA kernels are compiled at run time on first use),
+then the measured image (4 steps, seed 1, keep="none") in a new pipeline object; writes latents.npy, image.png and
+result.json (timings, the transformer's load seconds, s/step = (denoise - load) / steps, memory per phase, notes)
+to DIR and prints one RESULT json line. Run it under `python -m mlxdiff.footprint run` for the whole process's
+memory. Random weights: only memory and speed mean anything.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+PROMPT = "a photo of a fox in the snow"
+
+
+def run(a):
+    import mlxdiff
+    import mlx.core as mx
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kw = dict(transformer=a.transformer, memory_limit=a.memory_limit, keep="none")
+    t = time.perf_counter()
+    mlxdiff.load(a.folder, **kw).generate(PROMPT, width=a.size, height=a.size, steps=1, seed=0, progress_bar=False)
+    mx.synchronize()
+    warm = time.perf_counter() - t
+    pipe = mlxdiff.load(a.folder, **kw)
+    t = time.perf_counter()
+    result = pipe.generate(PROMPT, width=a.size, height=a.size, steps=a.steps, seed=1, progress_bar=False)
+    mx.synchronize()
+    total = time.perf_counter() - t
+    np.save(out / "latents.npy", result.latents)
+    result.image.save(out / "image.png")
+    load = result.load_seconds.get("transformer", 0.0)
+    row = {"memory_limit": a.memory_limit, "warmup_s": warm, "image_s": total, "timings": result.timings,
+           "transformer_load_s": load, "step_s": (result.timings["denoise"] - load) / a.steps,
+           "memory": result.memory, "notes": result.notes}
+    (out / "result.json").write_text(json.dumps(row, indent=1, default=str))
+    print(result.memory_report())
+    print("RESULT" + json.dumps(row, default=str), flush=True)
+
+
+def compare(a):
+    x, y = (np.load(Path(d) / "latents.npy") for d in (a.a, a.b))
+    import PIL.Image
+    i, j = (np.asarray(PIL.Image.open(Path(d) / "image.png"), np.int16) for d in (a.a, a.b))
+    row = {"same_latents": bool(np.array_equal(x, y)), "latents_max_abs_diff": float(np.abs(x - y).max()),
+           "image_max_levels": int(np.abs(i - j).max())}
+    print("RESULT" + json.dumps(row), flush=True)
+
+
+def rate(a):
+    t, n = time.perf_counter(), 0
+    for f in a.files:
+        with open(f, "rb", buffering=0) as fh:
+            while chunk := fh.read(64 << 20):
+                n += len(chunk)
+    seconds = time.perf_counter() - t
+    print("RESULT" + json.dumps({"bytes": n, "seconds": seconds, "bytes_per_s": n / seconds}), flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("folder")
+    r.add_argument("--transformer")
+    r.add_argument("--memory-limit", type=float)
+    r.add_argument("--size", type=int, default=1024)
+    r.add_argument("--steps", type=int, default=4)
+    r.add_argument("--out", required=True)
+    c = sub.add_parser("compare")
+    c.add_argument("a")
+    c.add_argument("b")
+    s = sub.add_parser("rate")
+    s.add_argument("files", nargs="+")
+    a = p.parse_args()
+    {"run": run, "compare": compare, "rate": rate}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
