@@ -143,14 +143,18 @@ def test_streamed_t5_is_exact(tmp_path):
     assert np.array_equal(np.array(loaded.model(ids)), expected)
 
 
-@pytest.mark.parametrize("kind", ["dev", "klein_base"])
+@pytest.mark.parametrize("kind", ["dev", "klein_base", "dev 4-bit"])
 def test_streamed_llm_encoders_are_exact(tmp_path, monkeypatch, kind):
-    """FLUX.2's Mistral3 (dev) and Qwen3 (klein) encoders, layer by layer: the same tapped hidden states. These
-    twins are so small that their embeddings outweigh the layers, so the activations' reserve is set aside here
-    (RESERVE_SHARE 0) to leave room for streaming at 95% of the weights."""
+    """FLUX.2's Mistral3 (dev) and Qwen3 (klein) encoders, layer by layer, and the Mistral3 one converted once to 4
+    bits (mlxdiff.convert): the same tapped hidden states. These twins are so small that their embeddings outweigh
+    the layers, so the activations' reserve is set aside here (RESERVE_SHARE 0) to leave room for streaming at 95%
+    of the weights."""
+    from mlxdiff.convert import convert
     from twins import TAPS, build_pipeline
     monkeypatch.setattr(streaming, "RESERVE_SHARE", 0.0)
-    _, folder, _ = build_pipeline(kind, tmp_path)
+    _, folder, _ = build_pipeline(kind.split()[0], tmp_path)
+    if kind.endswith("4-bit"):
+        folder = convert(str(folder), tmp_path / "converted", quantize={"text_encoder": 4}, progress=lambda *_: None)
     spec = mlxdiff.load(str(folder)).components["text_encoder"].with_config(taps=list(TAPS))
     ids = mx.array(np.random.default_rng(0).integers(0, 300, (1, 9)))
     expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(ids))
@@ -232,3 +236,19 @@ def test_cli_streams_under_a_third_of_the_weights(files, tmp_path):
                           np.array(PIL.Image.open(tmp_path / "resident.png")))
     assert mlx_peak <= limit * 2 ** 30
     assert outside <= limit * 2 ** 30 + 1.15 * overhead + LOAD_BUFFERS, (outside, limit, overhead)
+
+
+def test_streamed_encoder_with_padded_prompts(tmp_path, monkeypatch):
+    """The Mistral3 encoder streamed, on a batch of two prompts with left padding: rows that see no key go through
+    models/fused.through (text_llm reads the layer's parts there); the resident encoder's states, exactly."""
+    from twins import TAPS, build_pipeline
+    monkeypatch.setattr(streaming, "RESERVE_SHARE", 0.0)
+    _, folder, _ = build_pipeline("dev", tmp_path)
+    spec = mlxdiff.load(str(folder)).components["text_encoder"].with_config(taps=list(TAPS))
+    ids = mx.array(np.random.default_rng(4).integers(3, 300, (2, 11)))
+    mask = mx.array(np.array([[0] * 6 + [1] * 5, [1] * 11]))
+    expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(ids, mask))
+    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.95 * spec.loaded_nbytes(
+        compute_dtype=mx.float32))))
+    assert sum(isinstance(layer, StreamedBlock) for layer in loaded.model.layers) >= 2
+    assert np.array_equal(np.array(loaded.model(ids, mask)), expected)

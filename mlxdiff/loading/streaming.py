@@ -327,10 +327,15 @@ class StreamedBlock(nn.Module):
         self.__dict__.update(_block=block, _stream=stream, _group=group, _standins=standins)
 
     def __call__(self, *args, **kwargs):
+        return self.call_with(lambda block, *a, **k: block(*a, **k), *args, **kwargs)
+
+    def call_with(self, fn, *args, **kwargs):
+        """fn(the block with its weights read in, *args): a call, or a computation with the block's parts
+        (models/fused.through)."""
         block = self.__dict__["_block"]
         self.__dict__["_stream"].load(self.__dict__["_group"], block)
         try:
-            return block(*args, **kwargs)
+            return fn(block, *args, **kwargs)
         finally:
             block.update(self.__dict__["_standins"])
 

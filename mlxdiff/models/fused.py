@@ -80,6 +80,14 @@ def compiled_block(block, *args):
     return cache[key](*flat)
 
 
+def through(block, fn, *args):
+    """fn(block, *args), for a computation that reads a block's parts rather than calling it (text_llm's blind
+    rows): a block the loader wraps (loading/streaming.StreamedBlock, whose weights are in memory only during a
+    call) runs it through its `call_with`; any other block is just passed to fn."""
+    call_with = getattr(block, "call_with", None)
+    return call_with(fn, *args) if call_with is not None else fn(block, *args)
+
+
 def fusion_on() -> bool:
     policy = current()
     return policy is None or policy.fuse

@@ -40,6 +40,7 @@ from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
                              Rule, between, check_rules, check_values, field_types, one_of, positive, require_object)
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap
+from .fused import through
 
 # diffusers' text_encoder_out_layers defaults
 TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
@@ -317,7 +318,7 @@ class Model(nn.Module):
         states = {0: h}
         for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
             mask, blind = masks[window]
-            h = layer(h, mask) if blind is None else block_with_blind_rows(layer, h, mask, blind)
+            h = layer(h, mask) if blind is None else through(layer, block_with_blind_rows, h, mask, blind)
             states[i + 1] = h
         if self.args.tapped_final_norm:
             states[self.args.depth] = self.norm(h)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Streaming below the weights on the lent GPU, in one job (bench/RESULTS.md, "Streaming below the weights"): FLUX.2-dev
+# end to end at 1024x1024, 4 steps, random weights at the real configs: the Q4_K_M GGUF transformer, the Mistral
+# encoder as the folder's bf16 (18.5 B parameters; no disk here for a 4-bit copy beside both), the VAE. One process
+# per run (bench/streaming_gpu.py run), each under `python -m mlxdiff.footprint run` (NVML, the whole process):
+# resident (no limit), --memory-limit 8 and 4; then the latents and images compared, and the GGUF's read rate.
+# Run on the GPU machine after the device recipe's activate step; logs in $LOGS.
+set -u
+cd "$(dirname "$0")/.."
+L=${LOGS:-/tmp/logs}
+mkdir -p "$L"
+stamp() { echo "$(date +%T) $1" >> "$L/steps.txt"; }
+stamp start
+[ -f /tmp/dev/model_index.json ] || python3 bench/make_random_models.py flux2-dev --out /tmp/dev --device cuda \
+  > "$L/make_flux2-dev.txt" 2>&1
+stamp make_dev
+[ -f /tmp/f2.gguf ] || python3 bench/flux2_dev_gpu.py write-gguf /tmp/f2.gguf > "$L/make_gguf.txt" 2>&1
+stamp gguf
+python3 bench/streaming_gpu.py rate /tmp/f2.gguf > "$L/rate_gguf.txt" 2>&1
+for limit in ${LIMITS:-none 8 4}; do
+  extra=(); [ "$limit" = none ] || extra=(--memory-limit "$limit")
+  python3 -m mlxdiff.footprint run --interval 0.1 --json "$L/fp_$limit.json" -- \
+    python3 bench/streaming_gpu.py run /tmp/dev --transformer /tmp/f2.gguf "${extra[@]}" --out "$L/run_$limit" \
+    > "$L/run_$limit.txt" 2>&1
+  tail -1 "$L/run_$limit.txt" >> "$L/summary.txt"
+  stamp "run_$limit"
+done
+for limit in ${LIMITS:-none 8 4}; do
+  [ "$limit" = none ] || python3 bench/streaming_gpu.py compare "$L/run_none" "$L/run_$limit" > "$L/compare_$limit.txt" 2>&1
+done
+stamp JOB-DONE
