@@ -2,8 +2,9 @@
 its file, and gives exactly the numbers of a resident run.
 
 - a mid-size FLUX.2 transformer as a Q4_K_M GGUF (raw blocks in float32, affine in bfloat16), as a diffusers bf16
-  folder and as BFL's original safetensors file, a mid-size T5 and a Qwen3 encoder: streamed outputs identical to
-  resident ones, with LoRAs on streamed layers too;
+  folder, as BFL's original safetensors file and as ComfyUI's scaled-fp8 file, SD3.5's MMDiT, a mid-size T5, the
+  Mistral3 (also converted to 4 bits) and Qwen3 encoders: streamed outputs identical to resident ones, with LoRAs
+  on streamed layers too;
 - the plan follows the budget (resident blocks while they fit) and is said; a budget too small even for streaming
   and a streamed re-quantization are refused in one line, naming what works;
 - the CLI end to end under --memory-limit at about a third of the transformer's weights: the same image as the
@@ -62,12 +63,16 @@ def files(tmp_path_factory):
             p.mul_(0.5)
     model.save_pretrained(str(folder / "transformer"))
     bfl = root / "many-bfl.safetensors"
-    save_file({k: v.contiguous() for k, v in flux2_to_bfl(model.state_dict(), MANY).items()}, str(bfl))
+    original = flux2_to_bfl(model.state_dict(), MANY)
+    save_file({k: v.contiguous() for k, v in original.items()}, str(bfl))
+    from test_fp8 import comfy_file
+    _, fp8 = comfy_file({k: v.float().contiguous() for k, v in original.items()}, root / "many-fp8.safetensors",
+                        "scaled_fp8")
     with torch.device("meta"):
         shapes = flux2_to_bfl(Flux2Transformer2DModel(**MANY).state_dict(), MANY)
     gguf = root / "many-Q4_K_M.gguf"
     write_city96_gguf(gguf, shapes, "flux2", "flux", random=True)
-    return {"folder": folder, "gguf": gguf, "bfl": bfl}
+    return {"folder": folder, "gguf": gguf, "bfl": bfl, "fp8": fp8}
 
 
 def flux2_inputs(seed=0):
@@ -91,13 +96,13 @@ def streamed_count(model) -> int:
 def transformer_spec(files, form):
     if form == "gguf":
         return sources.transformer_from_file(files["gguf"], flux2)
-    if form == "bfl":
-        return sources.transformer_from_file(files["bfl"], flux2)
+    if form in ("bfl", "fp8"):
+        return sources.transformer_from_file(files[form], flux2)
     return mlxdiff.load(str(files["folder"])).components["transformer"]
 
 
 @pytest.mark.parametrize("form, dtype", [("gguf", "float32"), ("gguf", "bfloat16"), ("folder", "bfloat16"),
-                                         ("bfl", "float32")])
+                                         ("bfl", "float32"), ("fp8", "bfloat16")])
 def test_streamed_transformer_is_exact(files, form, dtype):
     """Under a budget of 60% of its weights the transformer streams most of its blocks (and says so), and its
     output is the resident one, bit for bit; a larger budget keeps more blocks resident."""
@@ -252,3 +257,20 @@ def test_streamed_encoder_with_padded_prompts(tmp_path, monkeypatch):
         compute_dtype=mx.float32))))
     assert sum(isinstance(layer, StreamedBlock) for layer in loaded.model.layers) >= 2
     assert np.array_equal(np.array(loaded.model(ids, mask)), expected)
+
+
+def test_streamed_mmdit_is_exact(sd3_tiny, monkeypatch):
+    """SD3.5's MMDiT (the tiny twin: dual attention in block 0, qk RMSNorm, a context-free last block) streamed block
+    by block: the resident output. The twin's embedders outweigh its blocks, so the activations' reserve is set
+    aside here (RESERVE_SHARE 0)."""
+    monkeypatch.setattr(streaming, "RESERVE_SHARE", 0.0)
+    folder, _ = sd3_tiny
+    spec = mlxdiff.load(str(folder)).components["transformer"]
+    rng = np.random.default_rng(5)
+    args = [mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 16, 16, 16), (1, 9, 96), (1, 64))]
+    t = mx.array([0.3])
+    expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(*args, t))
+    need = spec.loaded_nbytes(compute_dtype=mx.float32)
+    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.95 * need)))
+    assert sum(isinstance(b, StreamedBlock) for b in loaded.model.transformer_blocks) >= 1
+    assert np.array_equal(np.array(loaded.model(*args, t)), expected)
