@@ -1,6 +1,7 @@
 """Write random-weight pipelines at the REAL configs, in the diffusers layout, for bench/ runs.
 
     python bench/make_random_models.py sd3.5-medium [--out weights/bench-sd3.5-medium-random] [--device cuda]
+    python bench/make_random_models.py sd3.5-large [--out DIR] [--device cuda]      # 8.1 B-parameter MMDiT
     python bench/make_random_models.py klein-4b [--out DIR] [--device cuda]
     python bench/make_random_models.py flux2-dev [--out DIR] [--device cuda] [--text-layers 30]
 
@@ -39,7 +40,7 @@ def save_components(out: Path, builders: dict):
         gc.collect()
 
 
-def sd35_medium(out: Path):
+def sd35_medium(out: Path, large=False):
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -48,7 +49,11 @@ def sd35_medium(out: Path):
 
     torch.set_default_dtype(torch.bfloat16)
     builders = {
-        "transformer": lambda: SD3Transformer2DModel(
+        "transformer": lambda: SD3Transformer2DModel(   # SD3.5 Large: 38 blocks of 38 heads, no dual attention
+            sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+            num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
+        if large else SD3Transformer2DModel(
             sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
             num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
             pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
@@ -194,7 +199,8 @@ def flux2_dev(out: Path, text_layers=30):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
-MODELS = {"sd3.5-medium": sd35_medium, "klein-4b": klein_4b, "flux2-dev": flux2_dev}
+MODELS = {"sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
+          "flux2-dev": flux2_dev}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
