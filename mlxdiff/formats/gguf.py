@@ -33,10 +33,13 @@ compute dtype's 16-bit type; a tensor whose 16-bit scales would overflow keeps f
 1-D quantized tensors (biases, norm scales; rare) are returned dequantized, in the scales' dtype.
 """
 
+import contextvars
 import math
 import mmap
+import os
 import struct
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -237,6 +240,21 @@ def metadata_value(metadata: dict, key: str, kind: str, lo=None, hi=None, gt=Non
     return value
 
 
+_HEADERS = contextvars.ContextVar("gguf_headers", default=None)
+
+
+@contextmanager
+def reuse_headers(cache: dict):
+    """Within it, check_gguf keeps each header it parses in `cache`, keyed by the file's path, size, modification
+    time and inode, and gives it back for the same file: a streamed block re-reads its file at every use
+    (loading/streaming.py). Everywhere else every call parses the file again."""
+    token = _HEADERS.set(cache)
+    try:
+        yield
+    finally:
+        _HEADERS.reset(token)
+
+
 def check_gguf(path) -> GGUFHeader:
     """Parse and validate a GGUF header without trusting any count, length or offset in it. Raises MlxdiffError.
 
@@ -248,13 +266,22 @@ def check_gguf(path) -> GGUFHeader:
     path = Path(path)
     try:
         with open(path, "rb") as f:
+            cache = _HEADERS.get()
+            if cache is not None:
+                st = os.fstat(f.fileno())
+                key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+                if key in cache:
+                    return cache[key]
             size = f.seek(0, 2)
             if size < 24:
                 raise _bad(path, f"file is {size} bytes, too short for a GGUF header")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-                return _parse(buf, size, path)
+                header = _parse(buf, size, path)
     except OSError as e:
         raise MlxdiffError(f"{path}: cannot read ({e.strerror or e})") from None
+    if cache is not None:
+        cache[key] = header
+    return header
 
 
 def _parse(buf, size, path):
@@ -554,12 +581,11 @@ def _raw(path, info, data):
     k = info.shape[-1]
     blocks = mx.array(np.ascontiguousarray(data).reshape(-1, k // block * block_bytes))
     mx.eval(blocks)
-    flat = data.reshape(-1, block_bytes)
-    size, slabs = _slabs(flat.shape[0], block)
+    flat = blocks.reshape(-1, block_bytes)
+    _, slabs = _slabs(flat.shape[0], block)
     finite = []
-    for first, count in slabs:
-        slab = blocks.reshape(-1, block_bytes)[first:first + size] if count == size else \
-            _slab_array(flat, first, count, size)
+    for first, count in slabs:   # views of the blocks (a tensor smaller than a slab: the whole of it)
+        slab = flat[first:first + count]
         finite.append(pace(mx.all(mx.isfinite(FLOAT[info.type_name](slab[:, None, :])))))
     settle()
     if not all(f.item() for f in finite):   # one check per tensor, not a round trip per slab

@@ -36,6 +36,7 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from ..errors import MlxdiffError
 from ..formats import loaded_nbytes, tensor_nbytes, tensor_ranges
+from ..formats.gguf import reuse_headers
 from ..formats.quantized import flatten_quantized
 from ..memory import GB, fit_hint, fmt_gb
 from .build import check_finite, in_model_names, keep_activations_in
@@ -241,6 +242,8 @@ class ReadAhead:
 
     def start(self, ranges):
         self.wait()
+        if not ranges:
+            return
         self._thread = threading.Thread(target=self._read, args=(ranges,), daemon=True,
                                         name="mlxdiff-read-ahead")
         self._thread.start()
@@ -268,6 +271,7 @@ class BlockStream:
         self.compute_dtype, self.native = compute_dtype, native
         self.next_of = {g.key: groups[(i + 1) % len(groups)] for i, g in enumerate(groups)}
         self.read_ahead = ReadAhead()
+        self.headers = {}      # each GGUF header parsed once (formats/gguf.reuse_headers)
         self.checked = set()
         self.reset()
 
@@ -285,7 +289,8 @@ class BlockStream:
     def weights_of(self, group, block) -> dict:
         """{parameter path in `block` (the model for a loose group): array} of `group`, read and mapped as a
         resident load maps them."""
-        weights = self.spec.weights(self.compute_dtype, names=group.all_names)
+        with reuse_headers(self.headers):
+            weights = self.spec.weights(self.compute_dtype, names=group.all_names)
         flat, _ = flatten_quantized(in_model_names(self.model, weights, self.native))
         wrapped = _lora_paths(block)
         skip = len(group.block) + 1 if group.block else 0
@@ -299,12 +304,13 @@ class BlockStream:
     def load(self, group, block):
         start = time.perf_counter()
         self.read_ahead.wait()
+        # the next group is read while this one is mapped, converted and computed
+        self.read_ahead.start(self.next_of[group.key].ranges)
         block.update(tree_unflatten(list(self.weights_of(group, block).items())))
         stored = keep_activations_in(block, self.compute_dtype)
         if group.key not in self.checked:    # the small tensors' values, once per block (as a resident load)
             check_finite(block, self.spec.source, stored, compute_dtype=self.compute_dtype)
             self.checked.add(group.key)
-        self.read_ahead.start(self.next_of[group.key].ranges)
         self.bytes_read += group.nbytes
         self.forwards += group is self.groups[0]
         self.seconds_reading += time.perf_counter() - start
