@@ -368,7 +368,7 @@ def check_saved(saved):
 
 def show(path) -> int:
     """Print the table of a saved compare (its footprint.json) again, read with this version's parser: the file
-    read as a user's file (a regular file, bounded: arguments.read_capped) and its structure checked whole
+    read as a user's file (a regular file, bounded: files.read_capped) and its structure checked whole
     (check_saved) before any of it is used."""
     from .arguments import read_json_capped
 

@@ -10,7 +10,8 @@ between images (--keep auto).
 import time
 from pathlib import Path
 
-from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text, read_capped
+from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text
+from .files import read_capped
 from .cli import (ArgumentParser, check_writable, parse_layers, parse_loras, parse_quantize, parse_text_encoders,
                   main_exit, run, save_png)
 from .errors import MlxdiffError

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import MlxdiffError
-from .files import file_kind
+from .files import file_kind, read_capped
 
 ASSETS = Path(__file__).parent / "assets" / "tokenizers"
 MAX_TOKENIZER_BYTES = 256 << 20   # the largest real tokenizer.json (Gemma's) is 34 MB
@@ -79,8 +79,7 @@ def check_tokenizer_files(folder) -> None:
 
 
 def _read_json(path, what):
-    """A JSON file of a tokenizer folder, read through arguments.read_capped (regular, bounded)."""
-    from .arguments import read_capped
+    """A JSON file of a tokenizer folder, read through files.read_capped (regular, bounded)."""
     data = read_capped(path, MAX_TOKENIZER_BYTES, f"{path}: {what}", "give the model's own tokenizer files")
     try:
         return json.loads(data.decode("utf-8"))

@@ -54,8 +54,9 @@ def mid_models(tmp_path_factory):
     return folder, gguf
 
 
-def _run(tmp_path, name, *args):
-    """(the CLI's reported process peak, its largest MLX peak, the outside sampler's peak) for one generate call."""
+def sampled_generate(tmp_path, name, *args):
+    """(what it printed, the --report-memory peaks, the outside sampler's peak) for one `mlxdiff.generate` call
+    (2 steps of the embedded default's prompt, image at tmp_path / NAME.png) sampled from outside every 10 ms."""
     out = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "mlxdiff.footprint", "run", "--interval", "0.01", "--json", str(out), "--",
            sys.executable, "-m", "mlxdiff.generate", "--prompt", default_model.PROMPT, "--steps", "2",
@@ -63,10 +64,15 @@ def _run(tmp_path, name, *args):
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-2000:]
     saved = json.loads(out.read_text())
-    peaks = report_peaks(saved["run"]["stdout"])
-    assert "process memory: RSS, sampled through each phase" in saved["run"]["stdout"]
     assert saved["run"]["measured"] == ["RSS"]
-    return max(peaks["process"].values()), max(peaks["mlx"].values()), saved["summary"]["peak"]
+    return saved["run"]["stdout"], report_peaks(saved["run"]["stdout"]), saved["summary"]["peak"]
+
+
+def _run(tmp_path, name, *args):
+    """(the CLI's reported process peak, its largest MLX peak, the outside sampler's peak) for one generate call."""
+    stdout, peaks, outside = sampled_generate(tmp_path, name, *args)
+    assert "process memory: RSS, sampled through each phase" in stdout
+    return max(peaks["process"].values()), max(peaks["mlx"].values()), outside
 
 
 def test_reported_process_peak_matches_an_outside_sampler(mid_models, tmp_path):

@@ -13,10 +13,7 @@ its file, and gives exactly the numbers of a resident run.
 """
 
 import dataclasses
-import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import PIL.Image
@@ -27,11 +24,10 @@ import mlx.core as mx
 
 from mlxdiff import default_model, memory
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.footprint import report_peaks
 from mlxdiff.loading import sources, streaming
 from mlxdiff.loading.component import load_component
 from mlxdiff.loading.streaming import StreamedBlock
-from mlxdiff.models import flux2, t5
+from mlxdiff.models import flux2
 from mlxdiff.policy import RunPolicy, installed
 
 MiB = 2 ** 20
@@ -211,15 +207,10 @@ def test_file_groups():
 
 
 def _cli(tmp_path, name, *args):
-    out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "mlxdiff.footprint", "run", "--interval", "0.01", "--json", str(out), "--",
-           sys.executable, "-m", "mlxdiff.generate", "--prompt", default_model.PROMPT, "--steps", "2",
-           "--no-progress", "--report-memory", "--output", str(tmp_path / f"{name}.png"), *args]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-2000:]
-    saved = json.loads(out.read_text())
-    peaks = report_peaks(saved["run"]["stdout"])
-    return saved["run"]["stdout"], max(peaks["mlx"].values()), saved["summary"]["peak"]
+    """(what the CLI printed, its largest MLX peak, the outside sampler's peak)."""
+    from test_process_memory import sampled_generate
+    stdout, peaks, outside = sampled_generate(tmp_path, name, *args)
+    return stdout, max(peaks["mlx"].values()), outside
 
 
 def test_cli_streams_under_a_third_of_the_weights(files, tmp_path):

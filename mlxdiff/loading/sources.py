@@ -143,8 +143,8 @@ def not_a_folder(path, what) -> Path:
 
 def read_json(path, what, root=None) -> dict:
     """A JSON object from `path` (inside the model folder `root`, when given): a regular file (a FIFO or a device is
-    refused before it is opened: arguments.read_capped) of at most MAX_CONFIG_BYTES."""
-    from ..arguments import read_capped
+    refused before it is opened: files.read_capped) of at most MAX_CONFIG_BYTES."""
+    from ..files import read_capped
     if root is not None:
         inside(root, path, what)
     try:
