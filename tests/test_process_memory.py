@@ -110,6 +110,16 @@ def test_process_memory_readers():
     assert sampler.last < sampler.peak
 
 
+def test_phys_footprint_reader_is_guarded():
+    """The macOS reader: rusage_info_v2 as <sys/resource.h> lays it out (phys_footprint after a 16-byte uuid and
+    seven uint64 fields: offset 72), and off macOS no libSystem: None, never an exception."""
+    import ctypes
+    assert memory._RusageInfoV2.phys_footprint.offset == 16 + 7 * 8
+    assert ctypes.sizeof(memory._RusageInfoV2) == 16 + 8 * 18    # v2: 18 uint64 fields after the uuid
+    if sys.platform != "darwin":
+        assert memory.phys_footprint(1) is None
+
+
 def test_gpu_reader_without_nvml(monkeypatch):
     """No NVML (this machine): the GPU readers say None, never a number made up."""
     assert memory.gpu_bytes(1) is None and memory.gpu_used_bytes() is None
