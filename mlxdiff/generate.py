@@ -136,6 +136,7 @@ def generate(args, written) -> int:
     check_number("memory_limit", args.memory_limit)
 
     import mlxdiff
+    from .distributed import check_same_job, job_group, share
     model = args.model
     if model is None and args.transformer is None:   # with --transformer: FLUX.2 from files alone
         from . import default_model
@@ -173,10 +174,17 @@ def generate(args, written) -> int:
         from .lora import describe
         base["lora"] = describe(loras)
     job = [(prompt, seed) for prompt in prompts for seed in seeds]
-    bar = job_bar(count * pipe.steps_run(steps, strength if images else None), not args.no_progress)
+    group = job_group()       # started by mlx.launch: this rank's share of the images (mlxdiff/distributed.py)
+    if group is not None:
+        check_same_job(group, repr(sorted(vars(args).items())))
+        images_here = ", ".join(str(k + 1) for k in share(count, group)) or "none"
+        print(f"mlxdiff: rank {group.rank()} of {group.size()}: images {images_here} of {count}")
+    mine = share(count, group)
+    bar = job_bar(len(mine) * pipe.steps_run(steps, strength if images else None), not args.no_progress)
     callback = None if bar is None else lambda i, t, x: bar.update(1)
     try:
-        for k, ((prompt, seed), output) in enumerate(zip(job, outputs)):
+        for k in mine:
+            (prompt, seed), output = job[k], outputs[k]
             if bar is not None and count > 1:
                 bar.set_description(f"image {k + 1}/{count}")
             start = time.perf_counter()
@@ -195,8 +203,11 @@ def generate(args, written) -> int:
         if bar is not None:
             bar.close()
         pipe.release()
-    what = (f"image written to {outputs[0].resolve()}" if count == 1 else
-            f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")
+    if group is not None:
+        what = f"rank {group.rank()}: {len(written)} of the {count} images written"
+    else:
+        what = (f"image written to {outputs[0].resolve()}" if count == 1 else
+                f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")
     print(f"mlxdiff: total {time.perf_counter() - t0:.1f} s; {what}")
     return 0
 

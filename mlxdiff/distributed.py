@@ -1,0 +1,40 @@
+"""Several processes, one job: the mx.distributed group that `mlx.launch` started this process in (the ring backend
+over TCP or Thunderbolt, MPI, NCCL), and what a command splits over it. Data-parallel jobs: a command's images
+(`--seed` lists, `--num-images`, `--prompts-file`) go round-robin over the ranks, each made exactly as a single
+process makes it, each written by the rank that made it. Nothing here runs without mlx.launch: a plain process is a
+group of one, and every command behaves as before.
+
+    mlx.launch --backend ring -n 2 -- python -m mlxdiff.generate --seed 1 2 3 4 --output fox.png
+    mlx.launch --backend ring --hostfile macs.json -- python -m mlxdiff.generate ...   # two Macs
+"""
+
+import hashlib
+
+from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+import numpy as np
+
+from .errors import MlxdiffError
+
+
+def job_group():
+    """The group of this process's ranks when mlx.launch started several, else None."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return group if group.size() > 1 else None
+
+
+def check_same_job(group, key: str) -> None:
+    """Every rank must run the same job (the same arguments): refused on every rank, in one line, if they differ
+    (a rank that split a job differently would write other images under the same names)."""
+    mine = mx.array(np.frombuffer(hashlib.sha256(key.encode()).digest()[:16], np.uint8).astype(np.int32))
+    total = mx.distributed.all_sum(mine, group=group)     # every rank's digest bytes, summed: N x its own if alike
+    if not bool(mx.array_equal(total, mine * group.size()).item()):
+        raise MlxdiffError(f"rank {group.rank()} of {group.size()}: the ranks were started with different arguments; "
+                           "start every rank with the same command (mlx.launch does)")
+
+
+def share(count: int, group) -> range:
+    """The job's items (0 .. count-1) this rank makes: every size-th from its rank on."""
+    return range(count) if group is None else range(group.rank(), count, group.size())
