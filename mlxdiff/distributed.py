@@ -1,8 +1,10 @@
 """Several processes, one job: the mx.distributed group that `mlx.launch` started this process in (the ring backend
 over TCP or Thunderbolt, MPI, NCCL), and what a command splits over it. Data-parallel jobs: a command's images
 (`--seed` lists, `--num-images`, `--prompts-file`) go round-robin over the ranks, each made exactly as a single
-process makes it, each written by the rank that made it. Nothing here runs without mlx.launch: a plain process is a
-group of one, and every command behaves as before.
+process makes it, each written by the rank that made it. Guidance-parallel runs (`--split guidance`,
+`mlxdiff.load(group=...)`): the two forwards of classifier-free guidance on two ranks (pipelines/base.guidance_pair),
+rank 0 writing. Nothing here runs without mlx.launch: a plain process is a group of one, and every command behaves as
+before.
 
     mlx.launch --backend ring -n 2 -- python -m mlxdiff.generate --seed 1 2 3 4 --output fox.png
     mlx.launch --backend ring --hostfile macs.json -- python -m mlxdiff.generate ...   # two Macs
@@ -33,6 +35,19 @@ def check_same_job(group, key: str) -> None:
     if not bool(mx.array_equal(total, mine * group.size()).item()):
         raise MlxdiffError(f"rank {group.rank()} of {group.size()}: the ranks were started with different arguments; "
                            "start every rank with the same command (mlx.launch does)")
+
+
+def check_guidance_group(group):
+    """mlxdiff.load's group=: None, or an mx.distributed group of exactly two ranks (one per guidance forward)."""
+    if group is None:
+        return None
+    if not isinstance(group, mx.distributed.Group):
+        raise MlxdiffError(f"group={type(group).__name__}: give an mx.distributed group (mx.distributed.init()) or "
+                           "None")
+    if group.size() != 2:
+        raise MlxdiffError(f"group of {group.size()} ranks: guidance-parallel runs take exactly 2 (one per forward "
+                           "of classifier-free guidance); start two ranks, or give group=None")
+    return group
 
 
 def share(count: int, group) -> range:

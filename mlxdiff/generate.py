@@ -56,7 +56,10 @@ def parse_args(argv=None):
     p.add_argument("--matmul", choices=("qmm", "dequantize"), default=None,
                    help="how quantized layers multiply (default per backend; see bench/RESULTS.md)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
-                   help="cap MLX memory; a phase whose weights cannot fit stops before loading")
+                   help="cap MLX memory; a component that cannot fit streams its blocks from its file")
+    p.add_argument("--split", choices=("images", "guidance"), default="images",
+                   help="under mlx.launch: the images over the ranks (default), or each image's two guidance "
+                        "forwards over two ranks (rank 0 writes)")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
     p.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -148,7 +151,11 @@ def generate(args, written) -> int:
             print(f"mlxdiff: prompt: {default_model.PROMPT}")
     prompts = prompts or ["a red circle on a blue background"]
     t0 = time.perf_counter()
-    pipe = mlxdiff.load(model, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
+    group = job_group()       # started by mlx.launch (mlxdiff/distributed.py)
+    if group is not None:
+        check_same_job(group, repr(sorted(vars(args).items())))
+    guidance_group = group if args.split == "guidance" else None
+    pipe = mlxdiff.load(model, group=guidance_group, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
                         text_encoder=text_encoder, text_encoders=text_encoders, vae=args.vae,
                         tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
                         keep=args.keep or ("auto" if count > 1 else "none"), memory_limit=args.memory_limit)
@@ -174,12 +181,13 @@ def generate(args, written) -> int:
         from .lora import describe
         base["lora"] = describe(loras)
     job = [(prompt, seed) for prompt in prompts for seed in seeds]
-    group = job_group()       # started by mlx.launch: this rank's share of the images (mlxdiff/distributed.py)
+    mine = share(count, None if guidance_group else group)    # data-parallel: this rank's share of the images
+    writes = guidance_group is None or group.rank() == 0      # guidance-parallel: rank 0 writes
     if group is not None:
-        check_same_job(group, repr(sorted(vars(args).items())))
-        images_here = ", ".join(str(k + 1) for k in share(count, group)) or "none"
-        print(f"mlxdiff: rank {group.rank()} of {group.size()}: images {images_here} of {count}")
-    mine = share(count, group)
+        images_here = ", ".join(str(k + 1) for k in mine) or "none"
+        print(f"mlxdiff: rank {group.rank()} of {group.size()}: "
+              + (f"images {images_here} of {count}" if guidance_group is None else
+                 f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"))
     bar = job_bar(len(mine) * pipe.steps_run(steps, strength if images else None), not args.no_progress)
     callback = None if bar is None else lambda i, t, x: bar.update(1)
     try:
@@ -189,6 +197,8 @@ def generate(args, written) -> int:
                 bar.set_description(f"image {k + 1}/{count}")
             start = time.perf_counter()
             result = pipe.generate(prompt, seed=seed, callback=callback, progress_bar=False, **options)
+            if not writes:
+                continue
             save_png(result.image, output, {"prompt": prompt, **base, "width": result.image.width,
                                             "height": result.image.height, "seed": seed})
             written.append(output)
@@ -205,6 +215,8 @@ def generate(args, written) -> int:
         pipe.release()
     if group is not None:
         what = f"rank {group.rank()}: {len(written)} of the {count} images written"
+        if not writes:
+            what = f"rank {group.rank()}: computed its guidance forwards; rank 0 wrote the images"
     else:
         what = (f"image written to {outputs[0].resolve()}" if count == 1 else
                 f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")

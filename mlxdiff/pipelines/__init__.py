@@ -6,7 +6,7 @@ from ..loading.resolve import resolve
 
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
-         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None):
+         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
     FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; loading/flux2_files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
@@ -26,6 +26,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     phase checks before loading that its weights fit, and the budget decides pacing, block compilation, VAE bands
     and tiles, GGUF layouts and keep="auto"); None: the free memory is the budget. The pipeline's run policy
     (mlxdiff/policy.py) is built here, from it and the MLXDIFF_* switches.
+    `group`: an mx.distributed group of two ranks (mlx.launch) over which a run with classifier-free guidance splits
+    its two forwards (guidance-parallel: each rank one of them, one exchange per step); None: one process.
     """
     from ..arguments import check_load
     from .flux2 import Flux2Pipeline
@@ -46,7 +48,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline}[found.family]
-    pipe = family(found, dtype, keep, policy)
+    from ..distributed import check_guidance_group
+    pipe = family(found, dtype, keep, policy, check_guidance_group(group))
     from ..arguments import check_loras
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)

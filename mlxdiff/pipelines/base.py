@@ -51,6 +51,16 @@ def evaluate_each_block(*outputs):
     pace(*[o for o in outputs if o is not None])
 
 
+def guidance_pair(group, uncond, cond):
+    """(uncond(), cond()): both here, or, guidance-parallel over a group of two ranks (mlxdiff/distributed.py),
+    rank 0 computes the first and rank 1 the second, and one all_gather gives both to each."""
+    if group is None:
+        return uncond(), cond()
+    mine = (uncond if group.rank() == 0 else cond)()
+    both = mx.distributed.all_gather(mine, group=group)
+    return both[:mine.shape[0]], both[mine.shape[0]:]
+
+
 def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
     """The flow-match Euler loop: `velocity(i, x)` is the family's prediction at step i (CFG, skip-layer or
     embedded guidance included). Latents stay float32 whatever the compute dtype; each step is evaluated."""
@@ -122,7 +132,7 @@ class Pipeline:
 
     PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
 
-    def __init__(self, sources, dtype=None, keep="none", policy: RunPolicy | None = None):
+    def __init__(self, sources, dtype=None, keep="none", policy: RunPolicy | None = None, group=None):
         self.pipeline_class = sources.pipeline_class
         self.components = sources.components     # name -> ComponentSpec (or None for an absent text_encoder_3)
         self.tokenizers = sources.tokenizers
@@ -131,6 +141,7 @@ class Pipeline:
         self.dtype = backend.compute_dtype(dtype)
         self.policy = policy or RunPolicy()     # how runs spend memory and time (mlxdiff/policy.py)
         self.residency = Residency(keep)
+        self.group = group       # guidance-parallel over two ranks (mlxdiff/distributed.py), or None
         self._prompts = {}       # encode settings -> Conditioning, most recent last
         self._sizes = {}         # spec key -> loaded bytes (for keep="auto")
         self._encoding = None    # the Result of the run whose encode phase is running

@@ -21,7 +21,7 @@ from ..arguments import check_generate
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize_dev, tokenize_klein
 from . import image_inputs
-from .base import Pipeline, as_numpy, evaluate_each_block, initial_latents
+from .base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
 @dataclass
@@ -42,8 +42,8 @@ class Flux2Pipeline(Pipeline):
     patch_size = 2      # the latents are patchified 2x2 before the transformer
     OPTIONS = {"max_sequence_length": None, "text_encoder_out_layers": None}
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None):
-        super().__init__(sources, dtype, keep, policy)
+    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
+        super().__init__(sources, dtype, keep, policy, group)
         self.is_klein = self.pipeline_class == "Flux2KleinPipeline"
         self.is_distilled = self.options.get("is_distilled", False)
         self.sample_size = self.options.get("sample_size")   # default image size in pixels (diffusers: 128 * factor)
@@ -154,13 +154,17 @@ class Flux2Pipeline(Pipeline):
         # reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
         refs, n_img, st = run.state["ref_tokens"], x.shape[1], run.state
         tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
-        v = transformer(tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"],
-                        guidance=st["guidance"], after_block=evaluate_each_block)[:, :n_img]
-        if run.cfg:
-            v_neg = transformer(tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"],
-                                guidance=None, after_block=evaluate_each_block)[:, :n_img]
-            v = v_neg + run.guidance * (v - v_neg)
-        return v
+        def cond():
+            return transformer(tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"],
+                               guidance=st["guidance"], after_block=evaluate_each_block)[:, :n_img]
+        if not run.cfg:
+            return cond()
+
+        def uncond():
+            return transformer(tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"],
+                               guidance=None, after_block=evaluate_each_block)[:, :n_img]
+        v_neg, v = guidance_pair(self.group, uncond, cond)
+        return v_neg + run.guidance * (v - v_neg)
 
     def unpack(self, run, x):
         return x.transpose(0, 2, 1).reshape(run.state["shape"])       # (ids are a regular grid)

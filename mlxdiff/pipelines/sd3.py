@@ -17,7 +17,7 @@ from ..arguments import check_generate, check_latents, check_layers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
 from . import image_inputs
-from .base import Pipeline, as_numpy, evaluate_each_block, initial_latents
+from .base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
 @dataclass
@@ -168,11 +168,19 @@ class SD3Pipeline(Pipeline):
     def velocity(self, run, transformer, i, x):
         batch, cond, o = run.batch, run.conditioning, run.options
         t = mx.full((2 * batch if run.cfg else batch,), run.timesteps[i], dtype=mx.float32)
-        v = transformer(mx.concatenate([x, x]).astype(self.dtype) if run.cfg else x.astype(self.dtype),
-                        run.state["embeds"], run.state["pooled"], t, after_block=evaluate_each_block)
+        embeds, pooled = run.state["embeds"], run.state["pooled"]
         if not run.cfg:
-            return v
-        v_uncond, v_cond = v[:batch], v[batch:]
+            return transformer(x.astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block)
+        if self.group is None:    # one batch of two: [uncond; cond]
+            v = transformer(mx.concatenate([x, x]).astype(self.dtype), embeds, pooled, t,
+                            after_block=evaluate_each_block)
+            v_uncond, v_cond = v[:batch], v[batch:]
+        else:                     # guidance-parallel: each rank its half
+            def half(k):
+                return lambda: transformer(x.astype(self.dtype), embeds[k * batch:(k + 1) * batch],
+                                           pooled[k * batch:(k + 1) * batch], t[:batch],
+                                           after_block=evaluate_each_block)
+            v_uncond, v_cond = guidance_pair(self.group, half(0), half(1))
         v = v_uncond + run.guidance * (v_cond - v_uncond)
         layers = o["skip_guidance_layers"]
         if layers and run.steps * o["skip_layer_guidance_start"] < i < run.steps * o["skip_layer_guidance_stop"]:
