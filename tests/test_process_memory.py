@@ -33,6 +33,23 @@ MID = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=2, num_si
            axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False)
 
 
+def default_with_transformer(folder, config, scale=None):
+    """The embedded default copied to `folder` with a random bf16 FLUX.2 transformer of `config` (seed 0; its
+    weights times `scale` if given) in place of its own. Returns the torch transformer."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    shutil.copytree(default_model.folder(), folder)
+    shutil.rmtree(folder / "transformer")
+    torch.manual_seed(0)
+    model = Flux2Transformer2DModel(**config).to(torch.bfloat16)
+    if scale is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+    model.save_pretrained(str(folder / "transformer"))
+    return model
+
+
 @pytest.fixture(scope="module")
 def mid_models(tmp_path_factory):
     """(a pipeline folder with a mid-size bf16 safetensors transformer, a mid-size Q4_K_M GGUF transformer file)."""
@@ -42,11 +59,7 @@ def mid_models(tmp_path_factory):
     from twins import flux2_to_bfl
     root = tmp_path_factory.mktemp("process_memory")
     folder = root / "mid"
-    shutil.copytree(default_model.folder(), folder)
-    shutil.rmtree(folder / "transformer")
-    torch.manual_seed(0)
-    model = Flux2Transformer2DModel(**MID).to(torch.bfloat16)
-    model.save_pretrained(str(folder / "transformer"))
+    default_with_transformer(folder, MID)
     with torch.device("meta"):
         shapes = flux2_to_bfl(Flux2Transformer2DModel(**MID).state_dict(), MID)
     gguf = root / "mid-Q4_K_M.gguf"

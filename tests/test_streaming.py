@@ -13,7 +13,6 @@ its file, and gives exactly the numbers of a resident run.
 """
 
 import dataclasses
-import shutil
 
 import numpy as np
 import PIL.Image
@@ -49,15 +48,9 @@ def files(tmp_path_factory):
     from test_gguf_models import write_city96_gguf
     from twins import flux2_to_bfl
     root = tmp_path_factory.mktemp("streaming")
+    from test_process_memory import default_with_transformer
     folder = root / "many"
-    shutil.copytree(default_model.folder(), folder)
-    shutil.rmtree(folder / "transformer")
-    torch.manual_seed(0)
-    model = Flux2Transformer2DModel(**MANY).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(0.5)
-    model.save_pretrained(str(folder / "transformer"))
+    model = default_with_transformer(folder, MANY, scale=0.5)
     bfl = root / "many-bfl.safetensors"
     original = flux2_to_bfl(model.state_dict(), MANY)
     save_file({k: v.contiguous() for k, v in original.items()}, str(bfl))

@@ -27,7 +27,7 @@ import os
 import re
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
@@ -370,8 +370,10 @@ def load_streamed(spec, compute_dtype, budget, strategy):
                            "then use DEST")
     native = bool(spec.config.get(NATIVE_KEY))
     everything = frozenset(n for f in spec.files for n in tensor_nbytes(f))
-    streaming = plan(spec, spec.build(compute_dtype, standins=everything, check=False), compute_dtype, budget,
-                     native)
+    # planned on a model built around stand-ins for everything (nothing read; without LoRAs, which the real build
+    # reads once below: a block's parameters are compared as named before LoRAs wrap its layers)
+    probe = replace(spec, loras=()).build(compute_dtype, standins=everything, check=False)
+    streaming = plan(spec, probe, compute_dtype, budget, native)
     # built again, for real, around stand-ins for the block groups only (unread: the values checked below)
     blocks = frozenset().union(*(g.all_names for g in streaming.resident + streaming.streamed))
     model = spec.build(compute_dtype, standins=blocks, check=False)
