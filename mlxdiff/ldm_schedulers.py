@@ -1,0 +1,136 @@
+"""Discrete-time samplers of the UNet family (SD 1.5, SDXL): diffusers' EulerDiscreteScheduler and
+EulerAncestralDiscreteScheduler, as one small class over their shared sigma schedule.
+
+The schedule (`sigmas`, `timesteps`, `init_noise_sigma`) is computed as diffusers computes it after `set_timesteps`,
+in the same numpy float64/float32 order, so it is equal bit for bit; `scale_model_input` and `step` are the
+schedulers' own. The config is the dict in scheduler/scheduler_config.json. Latents stay float32.
+DPM++ 2M, DDIM and PNDM are not here yet.
+"""
+
+import numpy as np
+
+from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
+from .errors import MlxdiffError
+
+# the schedulers' __init__ defaults: what diffusers uses for keys the JSON leaves out
+DEFAULTS = {
+    "num_train_timesteps": 1000, "beta_start": 0.0001, "beta_end": 0.02, "beta_schedule": "linear",
+    "trained_betas": None, "prediction_type": "epsilon", "timestep_spacing": "linspace", "steps_offset": 0,
+    "interpolation_type": "linear", "use_karras_sigmas": False, "final_sigmas_type": "zero",
+    "timestep_type": "discrete", "rescale_betas_zero_snr": False, "sigma_min": None, "sigma_max": None,
+}
+# name (the --scheduler value) -> (diffusers class name, ancestral, config overrides)
+SCHEDULERS = {
+    "euler": ("EulerDiscreteScheduler", False, {}),
+    "euler_karras": ("EulerDiscreteScheduler", False, {"use_karras_sigmas": True}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", True, {}),
+}
+_NOT_IMPLEMENTED = {"use_exponential_sigmas", "use_beta_sigmas", "rescale_betas_zero_snr", "trained_betas"}
+
+
+def _check(config):
+    on = sorted(k for k in _NOT_IMPLEMENTED if config.get(k))
+    if on:
+        raise MlxdiffError(f"scheduler_config.json: {', '.join(on)} not supported by mlxdiff's samplers; use the "
+                           "model's original scheduler config")
+    choices = {"beta_schedule": ("linear", "scaled_linear"), "prediction_type": ("epsilon", "v_prediction"),
+               "timestep_spacing": ("linspace", "leading", "trailing"), "interpolation_type": ("linear",),
+               "final_sigmas_type": ("zero",), "timestep_type": ("discrete",)}
+    for key, allowed in choices.items():
+        if config[key] not in allowed:
+            raise MlxdiffError(f"scheduler_config.json: {key} {config[key]!r} is not supported; use one of "
+                               f"{', '.join(map(repr, allowed))}")
+
+
+def train_sigmas(config) -> np.ndarray:
+    """The training schedule's sigmas, sqrt((1 - alphas_cumprod) / alphas_cumprod), computed in float32 torch as
+    the schedulers compute them (numpy's float32 cumprod and power round differently in the last bit)."""
+    import torch
+    n, start, end = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
+    if config["beta_schedule"] == "linear":
+        betas = torch.linspace(start, end, n, dtype=torch.float32)
+    else:
+        betas = torch.linspace(start ** 0.5, end ** 0.5, n, dtype=torch.float32) ** 2
+    cumprod = torch.cumprod(1.0 - betas, dim=0)
+    return (((1 - cumprod) / cumprod) ** 0.5).numpy()
+
+
+def _spaced_timesteps(config, steps):
+    n = config["num_train_timesteps"]
+    if config["timestep_spacing"] == "linspace":
+        return np.linspace(0, n - 1, steps, dtype=np.float32)[::-1].copy()
+    if config["timestep_spacing"] == "leading":
+        ratio = n // steps
+        return (np.arange(0, steps) * ratio).round()[::-1].copy().astype(np.float32) + config["steps_offset"]
+    return np.arange(n, 0, -n / steps).round().copy().astype(np.float32) - 1
+
+
+def _sigma_to_t(sigma, log_sigmas):
+    log_sigma = np.log(np.maximum(sigma, 1e-10))
+    dists = log_sigma - log_sigmas[:, np.newaxis]
+    low = np.cumsum(dists >= 0, axis=0).argmax(axis=0).clip(max=log_sigmas.shape[0] - 2)
+    w = np.clip((log_sigmas[low] - log_sigma) / (log_sigmas[low] - log_sigmas[low + 1]), 0, 1)
+    return ((1 - w) * low + w * (low + 1)).reshape(np.shape(sigma))
+
+
+def _karras(sigmas, steps, config):
+    sigma_min = config["sigma_min"] if config["sigma_min"] is not None else sigmas[-1].item()
+    sigma_max = config["sigma_max"] if config["sigma_max"] is not None else sigmas[0].item()
+    rho = 7.0
+    ramp = np.linspace(0, 1, steps)
+    return (sigma_max ** (1 / rho) + ramp * (sigma_min ** (1 / rho) - sigma_max ** (1 / rho))) ** rho
+
+
+class EulerSampler:
+    """Euler (and, with `ancestral`, Euler ancestral) in sigma space: x_{i+1} = x_i + (x_i - x0) / sigma_i * dt."""
+
+    def __init__(self, config: dict, steps: int, ancestral=False):
+        if steps < 1:
+            raise MlxdiffError(f"steps must be at least 1, got {steps}")
+        self.config, self.ancestral = config, ancestral
+        timesteps = _spaced_timesteps(config, steps)
+        train = train_sigmas(config)
+        sigmas = np.interp(timesteps, np.arange(0, len(train)), train)
+        if config["use_karras_sigmas"]:
+            sigmas = _karras(sigmas, steps, config)
+            timesteps = np.array([_sigma_to_t(s, np.log(train)) for s in sigmas])
+        self.sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
+        self.timesteps = timesteps.astype(np.float32)
+        peak = float(self.sigmas.max())
+        self.init_noise_sigma = peak if config["timestep_spacing"] in ("linspace", "trailing") else (
+            float((np.float32(peak) ** 2 + 1) ** 0.5))
+
+    def scale_model_input(self, x, i):
+        return x / ((float(self.sigmas[i]) ** 2 + 1) ** 0.5)
+
+    def step(self, model_output, i, x, noise=None):
+        """x at step i+1 from the model's output at step i. Euler ancestral adds `noise` (standard normal, like x)."""
+        sigma, sigma_next = float(self.sigmas[i]), float(self.sigmas[i + 1])
+        x = x.astype(mx.float32)
+        out = model_output.astype(mx.float32)
+        if self.config["prediction_type"] == "epsilon":
+            x0 = x - sigma * out
+        else:
+            x0 = out * (-sigma / (sigma ** 2 + 1) ** 0.5) + x / (sigma ** 2 + 1)
+        if not self.ancestral:
+            return x + (x - x0) / sigma * (sigma_next - sigma)
+        sigma_up = (sigma_next ** 2 * (sigma ** 2 - sigma_next ** 2) / sigma ** 2) ** 0.5
+        sigma_down = (sigma_next ** 2 - sigma_up ** 2) ** 0.5
+        x = x + (x - x0) / sigma * (sigma_down - sigma)
+        if noise is None:
+            raise MlxdiffError("Euler ancestral needs noise for every step")
+        return x + noise.astype(mx.float32) * sigma_up
+
+
+def make_sampler(name: str, config: dict, steps: int) -> EulerSampler:
+    """The sampler `name` (SCHEDULERS) over the folder's scheduler config (diffusers' defaults filled in)."""
+    if name not in SCHEDULERS:
+        raise MlxdiffError(f"--scheduler {name!r} does not exist; use one of {', '.join(SCHEDULERS)}")
+    _, ancestral, overrides = SCHEDULERS[name]
+    full = dict(DEFAULTS)
+    full.update({k: v for k, v in (config or {}).items() if not k.startswith("_")})
+    full.update(overrides)
+    _check(full)
+    return EulerSampler(full, steps, ancestral)

@@ -1,0 +1,74 @@
+"""The UNet family's samplers against diffusers' schedulers: the same schedule, and the same trajectory from the same
+model outputs (a fixed function of the latents and the timestep) and, for the ancestral sampler, the same noise."""
+
+import numpy as np
+import pytest
+import torch
+
+from mlxdiff import ldm_schedulers
+from mlxdiff.errors import MlxdiffError
+import mlx.core as mx
+
+SD15 = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
+        "timestep_spacing": "leading", "num_train_timesteps": 1000}
+CONFIGS = [SD15, dict(SD15, timestep_spacing="linspace", steps_offset=0),
+           dict(SD15, timestep_spacing="trailing", prediction_type="v_prediction"),
+           {"beta_schedule": "linear", "num_train_timesteps": 800}]
+
+
+def fake_model(x, t):
+    """A deterministic 'noise prediction' that depends on both inputs, in numpy float32."""
+    return (np.tanh(0.7 * x) + 0.01 * np.float32(t) * np.cos(x)).astype(np.float32)
+
+
+def relative_error(ours, theirs):
+    """max |ours - theirs| / max |theirs| (the project's max relative error)."""
+    theirs = theirs.numpy()
+    return float(np.abs(np.array(ours) - theirs).max() / np.abs(theirs).max())
+
+
+def diffusers_scheduler(name, config):
+    import diffusers
+    cls, _, overrides = ldm_schedulers.SCHEDULERS[name]
+    return getattr(diffusers, cls).from_config({**config, **overrides})
+
+
+@pytest.mark.parametrize("name", list(ldm_schedulers.SCHEDULERS))
+@pytest.mark.parametrize("config", range(len(CONFIGS)))
+def test_trajectory_equals_diffusers(name, config):
+    config, steps, shape = CONFIGS[config], 7, (1, 4, 6, 5)
+    theirs = diffusers_scheduler(name, config)
+    theirs.set_timesteps(steps)
+    ours = ldm_schedulers.make_sampler(name, config, steps)
+    np.testing.assert_array_equal(ours.sigmas, theirs.sigmas.numpy())
+    np.testing.assert_array_equal(ours.timesteps, theirs.timesteps.numpy())
+    assert ours.init_noise_sigma == pytest.approx(float(theirs.init_noise_sigma), rel=1e-6)
+    start = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    drawn = torch.Generator().manual_seed(5)      # diffusers draws one normal sample per step, as here
+    noises = [torch.randn(shape, generator=drawn) for _ in range(steps)]
+    generator = torch.Generator().manual_seed(5)
+    x_t = torch.from_numpy(start) * theirs.init_noise_sigma
+    x_m = mx.array(start) * ours.init_noise_sigma
+    for i, t in enumerate(theirs.timesteps):
+        in_t = theirs.scale_model_input(x_t, t)
+        in_m = ours.scale_model_input(x_m, i)
+        assert relative_error(in_m, in_t) <= 1e-5, i
+        out = fake_model(in_t.numpy(), float(t))
+        if ours.ancestral:
+            x_t = theirs.step(torch.from_numpy(out), t, x_t, generator=generator).prev_sample
+            x_m = ours.step(mx.array(out), i, x_m, noise=mx.array(noises[i].numpy()))
+        else:
+            x_t = theirs.step(torch.from_numpy(out), t, x_t).prev_sample
+            x_m = ours.step(mx.array(out), i, x_m)
+        assert relative_error(x_m, x_t) <= 1e-5, i
+
+
+def test_bad_names_and_options_are_one_line():
+    with pytest.raises(MlxdiffError, match="does not exist; use one of euler"):
+        ldm_schedulers.make_sampler("dpm_5m", SD15, 4)
+    with pytest.raises(MlxdiffError, match="timestep_spacing 'sideways'"):
+        ldm_schedulers.make_sampler("euler", dict(SD15, timestep_spacing="sideways"), 4)
+    with pytest.raises(MlxdiffError, match="rescale_betas_zero_snr not supported"):
+        ldm_schedulers.make_sampler("euler", dict(SD15, rescale_betas_zero_snr=True), 4)
+    with pytest.raises(MlxdiffError, match="steps must be at least 1"):
+        ldm_schedulers.make_sampler("euler_a", SD15, 0)
