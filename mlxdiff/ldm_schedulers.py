@@ -1,10 +1,10 @@
 """Discrete-time samplers of the UNet family (SD 1.5, SDXL): diffusers' EulerDiscreteScheduler and
-EulerAncestralDiscreteScheduler, as one small class over their shared sigma schedule.
+EulerAncestralDiscreteScheduler (one small class over their shared sigma schedule) and DDIMScheduler (eta 0).
 
 The schedule (`sigmas`, `timesteps`, `init_noise_sigma`) is computed as diffusers computes it after `set_timesteps`,
 in the same numpy float64/float32 order, so it is equal bit for bit; `scale_model_input` and `step` are the
 schedulers' own. The config is the dict in scheduler/scheduler_config.json. Latents stay float32.
-DPM++ 2M, DDIM and PNDM are not here yet.
+DPM++ 2M and PNDM are not here yet.
 """
 
 import numpy as np
@@ -26,8 +26,13 @@ SCHEDULERS = {
     "euler": ("EulerDiscreteScheduler", False, {}),
     "euler_karras": ("EulerDiscreteScheduler", False, {"use_karras_sigmas": True}),
     "euler_a": ("EulerAncestralDiscreteScheduler", True, {}),
+    "ddim": ("DDIMScheduler", False, {}),
 }
-_NOT_IMPLEMENTED = {"use_exponential_sigmas", "use_beta_sigmas", "rescale_betas_zero_snr", "trained_betas"}
+# DDIMScheduler's __init__ defaults where they differ from the Euler schedulers'
+DDIM_DEFAULTS = {"clip_sample": True, "set_alpha_to_one": True, "timestep_spacing": "leading", "thresholding": False,
+                 "clip_sample_range": 1.0}
+_NOT_IMPLEMENTED = {"use_exponential_sigmas", "use_beta_sigmas", "rescale_betas_zero_snr", "trained_betas",
+                    "thresholding"}
 
 
 def _check(config):
@@ -54,7 +59,7 @@ def train_sigmas(config) -> np.ndarray:
     else:
         betas = torch.linspace(start ** 0.5, end ** 0.5, n, dtype=torch.float32) ** 2
     cumprod = torch.cumprod(1.0 - betas, dim=0)
-    return (((1 - cumprod) / cumprod) ** 0.5).numpy()
+    return (((1 - cumprod) / cumprod) ** 0.5).numpy(), cumprod.numpy()
 
 
 def _spaced_timesteps(config, steps):
@@ -91,7 +96,7 @@ class EulerSampler:
             raise MlxdiffError(f"steps must be at least 1, got {steps}")
         self.config, self.ancestral = config, ancestral
         timesteps = _spaced_timesteps(config, steps)
-        train = train_sigmas(config)
+        train, _ = train_sigmas(config)
         sigmas = np.interp(timesteps, np.arange(0, len(train)), train)
         if config["use_karras_sigmas"]:
             sigmas = _karras(sigmas, steps, config)
@@ -124,13 +129,50 @@ class EulerSampler:
         return x + noise.astype(mx.float32) * sigma_up
 
 
-def make_sampler(name: str, config: dict, steps: int) -> EulerSampler:
+class DDIMSampler:
+    """DDIM with eta 0 (deterministic): x0 and the noise from the model's output, then x at the previous timestep."""
+    init_noise_sigma = 1.0
+
+    def __init__(self, config: dict, steps: int):
+        if steps < 1:
+            raise MlxdiffError(f"steps must be at least 1, got {steps}")
+        self.config, self.ancestral = config, False
+        n = config["num_train_timesteps"]
+        if config["timestep_spacing"] == "linspace":
+            timesteps = np.linspace(0, n - 1, steps).round()[::-1].copy().astype(np.int64)
+        else:
+            timesteps = _spaced_timesteps(config, steps).astype(np.int64)
+        self.timesteps = timesteps.astype(np.float32)
+        _, self.alphas_cumprod = train_sigmas(config)
+        final = 1.0 if config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
+        previous = timesteps - n // steps
+        self.alpha_prev = [float(self.alphas_cumprod[t]) if t >= 0 else final for t in previous]
+
+    def scale_model_input(self, x, i):
+        return x
+
+    def step(self, model_output, i, x, noise=None):
+        alpha = float(self.alphas_cumprod[int(self.timesteps[i])])
+        alpha_prev, beta = self.alpha_prev[i], 1 - alpha
+        x, out = x.astype(mx.float32), model_output.astype(mx.float32)
+        if self.config["prediction_type"] == "epsilon":
+            x0, eps = (x - beta ** 0.5 * out) / alpha ** 0.5, out
+        else:
+            x0, eps = alpha ** 0.5 * x - beta ** 0.5 * out, alpha ** 0.5 * out + beta ** 0.5 * x
+        if self.config["clip_sample"]:
+            x0 = mx.clip(x0, -self.config["clip_sample_range"], self.config["clip_sample_range"])
+        return alpha_prev ** 0.5 * x0 + (1 - alpha_prev) ** 0.5 * eps
+
+
+def make_sampler(name: str, config: dict, steps: int):
     """The sampler `name` (SCHEDULERS) over the folder's scheduler config (diffusers' defaults filled in)."""
     if name not in SCHEDULERS:
         raise MlxdiffError(f"--scheduler {name!r} does not exist; use one of {', '.join(SCHEDULERS)}")
     _, ancestral, overrides = SCHEDULERS[name]
-    full = dict(DEFAULTS)
+    full = dict(DEFAULTS, **(DDIM_DEFAULTS if name == "ddim" else {}))
     full.update({k: v for k, v in (config or {}).items() if not k.startswith("_")})
     full.update(overrides)
     _check(full)
+    if name == "ddim":
+        return DDIMSampler(full, steps)
     return EulerSampler(full, steps, ancestral)

@@ -10,10 +10,10 @@ from mlxdiff.errors import MlxdiffError
 import mlx.core as mx
 
 SD15 = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "steps_offset": 1,
-        "timestep_spacing": "leading", "num_train_timesteps": 1000}
+        "timestep_spacing": "leading", "num_train_timesteps": 1000, "clip_sample": False, "set_alpha_to_one": False}
 CONFIGS = [SD15, dict(SD15, timestep_spacing="linspace", steps_offset=0),
            dict(SD15, timestep_spacing="trailing", prediction_type="v_prediction"),
-           {"beta_schedule": "linear", "num_train_timesteps": 800}]
+           {"beta_schedule": "linear", "num_train_timesteps": 800}]     # the last: each class's own defaults
 
 
 def fake_model(x, t):
@@ -40,8 +40,9 @@ def test_trajectory_equals_diffusers(name, config):
     theirs = diffusers_scheduler(name, config)
     theirs.set_timesteps(steps)
     ours = ldm_schedulers.make_sampler(name, config, steps)
-    np.testing.assert_array_equal(ours.sigmas, theirs.sigmas.numpy())
-    np.testing.assert_array_equal(ours.timesteps, theirs.timesteps.numpy())
+    if hasattr(ours, "sigmas"):
+        np.testing.assert_array_equal(ours.sigmas, theirs.sigmas.numpy())
+    np.testing.assert_array_equal(ours.timesteps, theirs.timesteps.numpy().astype(np.float32))
     assert ours.init_noise_sigma == pytest.approx(float(theirs.init_noise_sigma), rel=1e-6)
     start = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
     drawn = torch.Generator().manual_seed(5)      # diffusers draws one normal sample per step, as here
