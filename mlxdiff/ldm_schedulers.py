@@ -1,10 +1,11 @@
 """Discrete-time samplers of the UNet family (SD 1.5, SDXL): diffusers' EulerDiscreteScheduler and
-EulerAncestralDiscreteScheduler (one small class over their shared sigma schedule) and DDIMScheduler (eta 0).
+EulerAncestralDiscreteScheduler (one small class over their shared sigma schedule), DDIMScheduler (eta 0) and
+DPMSolverMultistepScheduler as DPM++ 2M (dpmsolver++, second order, midpoint), with and without Karras sigmas.
 
 The schedule (`sigmas`, `timesteps`, `init_noise_sigma`) is computed as diffusers computes it after `set_timesteps`,
 in the same numpy float64/float32 order, so it is equal bit for bit; `scale_model_input` and `step` are the
 schedulers' own. The config is the dict in scheduler/scheduler_config.json. Latents stay float32.
-DPM++ 2M and PNDM are not here yet.
+PNDM is not here yet.
 """
 
 import numpy as np
@@ -27,7 +28,13 @@ SCHEDULERS = {
     "euler_karras": ("EulerDiscreteScheduler", False, {"use_karras_sigmas": True}),
     "euler_a": ("EulerAncestralDiscreteScheduler", True, {}),
     "ddim": ("DDIMScheduler", False, {}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", False, {}),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", False, {"use_karras_sigmas": True}),
 }
+# DPMSolverMultistepScheduler's settings mlxdiff implements (DPM++ 2M): its defaults, and refused otherwise
+DPM_SETTINGS = {"solver_order": 2, "algorithm_type": "dpmsolver++", "solver_type": "midpoint",
+                "lower_order_final": True, "euler_at_final": False, "lambda_min_clipped": -float("inf"),
+                "variance_type": None, "use_lu_lambdas": False, "use_flow_sigmas": False}
 # DDIMScheduler's __init__ defaults where they differ from the Euler schedulers'
 DDIM_DEFAULTS = {"clip_sample": True, "set_alpha_to_one": True, "timestep_spacing": "leading", "thresholding": False,
                  "clip_sample_range": 1.0}
@@ -164,6 +171,63 @@ class DDIMSampler:
         return alpha_prev ** 0.5 * x0 + (1 - alpha_prev) ** 0.5 * eps
 
 
+def _alpha_sigma(sigma):
+    alpha = 1 / (sigma ** 2 + 1) ** 0.5
+    return alpha, sigma * alpha
+
+
+class DPMSolver2MSampler:
+    """DPM++ 2M: each step from the model's x0 prediction at this and the previous step (first order at the first
+    and the last step, as diffusers with a zero final sigma)."""
+
+    def __init__(self, config: dict, steps: int):
+        if steps < 1:
+            raise MlxdiffError(f"steps must be at least 1, got {steps}")
+        self.config, self.ancestral = config, False
+        n = config["num_train_timesteps"]
+        if config["timestep_spacing"] == "linspace":
+            timesteps = np.linspace(0, n - 1, steps + 1).round()[::-1][:-1].copy().astype(np.int64)
+        elif config["timestep_spacing"] == "leading":
+            ratio = n // (steps + 1)
+            timesteps = (np.arange(0, steps + 1) * ratio).round()[::-1][:-1].copy().astype(np.int64)
+            timesteps += config["steps_offset"]
+        else:
+            timesteps = np.arange(n, 0, -n / steps).round().copy().astype(np.int64) - 1
+        train, _ = train_sigmas(config)
+        if config["use_karras_sigmas"]:
+            sigmas = _karras(np.flip(train).copy(), steps, config)
+            timesteps = np.array([_sigma_to_t(s, np.log(train)) for s in sigmas]).round()
+        else:
+            sigmas = np.interp(timesteps, np.arange(0, len(train)), train)
+        self.sigmas = np.concatenate([sigmas, [0.0]]).astype(np.float32)
+        self.timesteps = timesteps.astype(np.float32)
+        self.init_noise_sigma = 1.0
+        self.previous_x0 = None
+
+    def scale_model_input(self, x, i):
+        return x
+
+    def step(self, model_output, i, x, noise=None):
+        sigma, sigma_next = float(self.sigmas[i]), float(self.sigmas[i + 1])
+        x, out = x.astype(mx.float32), model_output.astype(mx.float32)
+        alpha_s, sigma_s = _alpha_sigma(sigma)
+        if self.config["prediction_type"] == "epsilon":
+            x0 = (x - sigma_s * out) / alpha_s
+        else:
+            x0 = alpha_s * x - sigma_s * out
+        previous, self.previous_x0 = self.previous_x0, x0
+        if sigma_next == 0:          # the last step: x0 itself (diffusers' first-order update at lambda = inf)
+            return x0
+        alpha_t, sigma_t = _alpha_sigma(sigma_next)
+        h = (np.log(alpha_t) - np.log(sigma_t)) - (np.log(alpha_s) - np.log(sigma_s))
+        x_next = (sigma_t / sigma_s) * x - (alpha_t * (np.exp(-h) - 1.0)) * x0
+        if i == 0 or previous is None:
+            return x_next
+        alpha_p, sigma_p = _alpha_sigma(float(self.sigmas[i - 1]))
+        r = ((np.log(alpha_s) - np.log(sigma_s)) - (np.log(alpha_p) - np.log(sigma_p))) / h
+        return x_next - 0.5 * (alpha_t * (np.exp(-h) - 1.0)) * (1.0 / r) * (x0 - previous)
+
+
 def make_sampler(name: str, config: dict, steps: int):
     """The sampler `name` (SCHEDULERS) over the folder's scheduler config (diffusers' defaults filled in)."""
     if name not in SCHEDULERS:
@@ -172,7 +236,14 @@ def make_sampler(name: str, config: dict, steps: int):
     full = dict(DEFAULTS, **(DDIM_DEFAULTS if name == "ddim" else {}))
     full.update({k: v for k, v in (config or {}).items() if not k.startswith("_")})
     full.update(overrides)
+    if name.startswith("dpmpp"):
+        for key, value in DPM_SETTINGS.items():
+            if full.setdefault(key, value) != value:
+                raise MlxdiffError(f"scheduler_config.json: {key} {full[key]!r} is not DPM++ 2M's ({value!r}); "
+                                   "mlxdiff implements DPM++ 2M only: drop the key or use another --scheduler")
     _check(full)
+    if name.startswith("dpmpp"):
+        return DPMSolver2MSampler(full, steps)
     if name == "ddim":
         return DDIMSampler(full, steps)
     return EulerSampler(full, steps, ancestral)

@@ -71,5 +71,7 @@ def test_bad_names_and_options_are_one_line():
         ldm_schedulers.make_sampler("euler", dict(SD15, timestep_spacing="sideways"), 4)
     with pytest.raises(MlxdiffError, match="rescale_betas_zero_snr not supported"):
         ldm_schedulers.make_sampler("euler", dict(SD15, rescale_betas_zero_snr=True), 4)
+    with pytest.raises(MlxdiffError, match="algorithm_type 'sde-dpmsolver\\+\\+' is not DPM\\+\\+ 2M's"):
+        ldm_schedulers.make_sampler("dpmpp_2m", dict(SD15, algorithm_type="sde-dpmsolver++"), 4)
     with pytest.raises(MlxdiffError, match="steps must be at least 1"):
         ldm_schedulers.make_sampler("euler_a", SD15, 0)
