@@ -1,11 +1,11 @@
 """Discrete-time samplers of the UNet family (SD 1.5, SDXL): diffusers' EulerDiscreteScheduler and
 EulerAncestralDiscreteScheduler (one small class over their shared sigma schedule), DDIMScheduler (eta 0) and
-DPMSolverMultistepScheduler as DPM++ 2M (dpmsolver++, second order, midpoint), with and without Karras sigmas.
+DPMSolverMultistepScheduler as DPM++ 2M (dpmsolver++, second order, midpoint), with and without Karras sigmas, and
+PNDMScheduler's PLMS steps (skip_prk_steps, as SD 1.5's config has it; one more model call than steps).
 
 The schedule (`sigmas`, `timesteps`, `init_noise_sigma`) is computed as diffusers computes it after `set_timesteps`,
 in the same numpy float64/float32 order, so it is equal bit for bit; `scale_model_input` and `step` are the
 schedulers' own. The config is the dict in scheduler/scheduler_config.json. Latents stay float32.
-PNDM is not here yet.
 """
 
 import numpy as np
@@ -30,14 +30,18 @@ SCHEDULERS = {
     "ddim": ("DDIMScheduler", False, {}),
     "dpmpp_2m": ("DPMSolverMultistepScheduler", False, {}),
     "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", False, {"use_karras_sigmas": True}),
+    "pndm": ("PNDMScheduler", False, {}),
 }
 # DPMSolverMultistepScheduler's settings mlxdiff implements (DPM++ 2M): its defaults, and refused otherwise
 DPM_SETTINGS = {"solver_order": 2, "algorithm_type": "dpmsolver++", "solver_type": "midpoint",
                 "lower_order_final": True, "euler_at_final": False, "lambda_min_clipped": -float("inf"),
                 "variance_type": None, "use_lu_lambdas": False, "use_flow_sigmas": False}
-# DDIMScheduler's __init__ defaults where they differ from the Euler schedulers'
-DDIM_DEFAULTS = {"clip_sample": True, "set_alpha_to_one": True, "timestep_spacing": "leading", "thresholding": False,
-                 "clip_sample_range": 1.0}
+# each class's __init__ defaults where they differ from the Euler schedulers' (DEFAULTS)
+OWN_DEFAULTS = {
+    "DDIMScheduler": {"clip_sample": True, "set_alpha_to_one": True, "timestep_spacing": "leading",
+                      "thresholding": False, "clip_sample_range": 1.0},
+    "PNDMScheduler": {"set_alpha_to_one": False, "skip_prk_steps": False, "timestep_spacing": "leading"},
+}
 _NOT_IMPLEMENTED = {"use_exponential_sigmas", "use_beta_sigmas", "rescale_betas_zero_snr", "trained_betas",
                     "thresholding"}
 
@@ -228,12 +232,70 @@ class DPMSolver2MSampler:
         return x_next - 0.5 * (alpha_t * (np.exp(-h) - 1.0)) * (1.0 / r) * (x0 - previous)
 
 
+class PNDMSampler:
+    """PLMS (pseudo linear multistep): the noise prediction extrapolated from up to four previous ones; the second
+    model call re-runs the first timestep's update with the mean of two predictions (diffusers' counter == 1)."""
+    init_noise_sigma = 1.0
+
+    def __init__(self, config: dict, steps: int):
+        if steps < 1:
+            raise MlxdiffError(f"steps must be at least 1, got {steps}")
+        self.config, self.ancestral = config, False
+        n = config["num_train_timesteps"]
+        if config["timestep_spacing"] == "linspace":
+            spaced = np.linspace(0, n - 1, steps).round().astype(np.int64)
+        elif config["timestep_spacing"] == "leading":
+            spaced = (np.arange(0, steps) * (n // steps)).round() + config["steps_offset"]
+        else:
+            spaced = np.round(np.arange(n, 0, -n / steps))[::-1].astype(np.int64) - 1
+        self.timesteps = np.concatenate([spaced[:-1], spaced[-2:-1], spaced[-1:]])[::-1].astype(np.int64).astype(
+            np.float32)
+        _, self.alphas_cumprod = train_sigmas(config)
+        self.final = 1.0 if config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
+        self.ratio = n // steps
+        self.ets, self.counter, self.first_x = [], 0, None
+
+    def scale_model_input(self, x, i):
+        return x
+
+    def _previous(self, x, t, t_prev, eps):
+        alpha = float(self.alphas_cumprod[t])
+        alpha_prev = float(self.alphas_cumprod[t_prev]) if t_prev >= 0 else self.final
+        beta, beta_prev = 1 - alpha, 1 - alpha_prev
+        if self.config["prediction_type"] == "v_prediction":
+            eps = alpha ** 0.5 * eps + beta ** 0.5 * x
+        denominator = alpha * beta_prev ** 0.5 + (alpha * beta * alpha_prev) ** 0.5
+        return (alpha_prev / alpha) ** 0.5 * x - (alpha_prev - alpha) * eps / denominator
+
+    def step(self, model_output, i, x, noise=None):
+        t = int(self.timesteps[i])
+        t_prev = t - self.ratio
+        x, eps = x.astype(mx.float32), model_output.astype(mx.float32)
+        if self.counter != 1:
+            self.ets = self.ets[-3:] + [eps]
+        else:
+            t_prev, t = t, t + self.ratio
+        e = self.ets
+        if len(e) == 1 and self.counter == 0:
+            self.first_x = x
+        elif len(e) == 1 and self.counter == 1:
+            eps, x, self.first_x = (eps + e[-1]) / 2, self.first_x, None
+        elif len(e) == 2:
+            eps = (3 * e[-1] - e[-2]) / 2
+        elif len(e) == 3:
+            eps = (23 * e[-1] - 16 * e[-2] + 5 * e[-3]) / 12
+        else:
+            eps = (1 / 24) * (55 * e[-1] - 59 * e[-2] + 37 * e[-3] - 9 * e[-4])
+        self.counter += 1
+        return self._previous(x, t, t_prev, eps)
+
+
 def make_sampler(name: str, config: dict, steps: int):
     """The sampler `name` (SCHEDULERS) over the folder's scheduler config (diffusers' defaults filled in)."""
     if name not in SCHEDULERS:
         raise MlxdiffError(f"--scheduler {name!r} does not exist; use one of {', '.join(SCHEDULERS)}")
-    _, ancestral, overrides = SCHEDULERS[name]
-    full = dict(DEFAULTS, **(DDIM_DEFAULTS if name == "ddim" else {}))
+    cls, ancestral, overrides = SCHEDULERS[name]
+    full = dict(DEFAULTS, **OWN_DEFAULTS.get(cls, {}))
     full.update({k: v for k, v in (config or {}).items() if not k.startswith("_")})
     full.update(overrides)
     if name.startswith("dpmpp"):
@@ -241,7 +303,14 @@ def make_sampler(name: str, config: dict, steps: int):
             if full.setdefault(key, value) != value:
                 raise MlxdiffError(f"scheduler_config.json: {key} {full[key]!r} is not DPM++ 2M's ({value!r}); "
                                    "mlxdiff implements DPM++ 2M only: drop the key or use another --scheduler")
+    if name == "pndm":
+        if not full["skip_prk_steps"]:
+            raise MlxdiffError("scheduler_config.json: PNDM with skip_prk_steps false (Runge-Kutta warm-up steps) is "
+                               "not supported; set \"skip_prk_steps\": true (SD 1.5's config) or use another "
+                               "--scheduler")
     _check(full)
+    if name == "pndm":
+        return PNDMSampler(full, steps)
     if name.startswith("dpmpp"):
         return DPMSolver2MSampler(full, steps)
     if name == "ddim":

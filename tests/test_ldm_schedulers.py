@@ -37,6 +37,8 @@ def diffusers_scheduler(name, config):
 @pytest.mark.parametrize("config", range(len(CONFIGS)))
 def test_trajectory_equals_diffusers(name, config):
     config, steps, shape = CONFIGS[config], 7, (1, 4, 6, 5)
+    if name == "pndm":       # the PLMS steps only (SD 1.5's config); the Runge-Kutta warm-up is refused
+        config = dict(config, skip_prk_steps=True)
     theirs = diffusers_scheduler(name, config)
     theirs.set_timesteps(steps)
     ours = ldm_schedulers.make_sampler(name, config, steps)
@@ -73,5 +75,7 @@ def test_bad_names_and_options_are_one_line():
         ldm_schedulers.make_sampler("euler", dict(SD15, rescale_betas_zero_snr=True), 4)
     with pytest.raises(MlxdiffError, match="algorithm_type 'sde-dpmsolver\\+\\+' is not DPM\\+\\+ 2M's"):
         ldm_schedulers.make_sampler("dpmpp_2m", dict(SD15, algorithm_type="sde-dpmsolver++"), 4)
+    with pytest.raises(MlxdiffError, match="PNDM with skip_prk_steps false"):
+        ldm_schedulers.make_sampler("pndm", SD15, 4)
     with pytest.raises(MlxdiffError, match="steps must be at least 1"):
         ldm_schedulers.make_sampler("euler_a", SD15, 0)
