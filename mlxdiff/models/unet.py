@@ -1,0 +1,420 @@
+"""UNet2DConditionModel (SD 1.5 / SDXL): diffusers/models/unets/unet_2d_condition.py, re-implemented in MLX.
+
+Attribute names mirror diffusers, so a diffusers state dict loads 1:1 after `sanitize` (conv weights
+OIHW -> OHWI). Inside everything runs channels-last (NHWC); `Model.__call__` takes and returns NCHW like diffusers
+(one transpose at each end), so pipelines keep diffusers' latent layout.
+
+Covered: CrossAttnDownBlock2D / DownBlock2D, CrossAttnUpBlock2D / UpBlock2D, UNetMidBlock2DCrossAttn, 1x1-conv or
+linear projections in the transformers, and SDXL's "text_time" added conditioning. Anything else is refused.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config_checks import CheckedArgs
+from ..errors import MlxdiffError
+from .embeddings import TimestepEmbedding, timestep_embedding
+from .fused import attention
+from .vae import Conv2d
+
+DOWN_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
+UP_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
+MID_TYPES = ("UNetMidBlock2DCrossAttn",)
+
+
+@dataclass
+class ModelArgs(CheckedArgs):
+    # defaults: SD 1.5 (unet/config.json)
+    in_channels: int = 4
+    out_channels: int = 4
+    sample_size: int | tuple[int, ...] = 64
+    center_input_sample: bool = False
+    flip_sin_to_cos: bool = True
+    freq_shift: int = 0
+    down_block_types: tuple[str, ...] = ("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",)
+    mid_block_type: Optional[str] = "UNetMidBlock2DCrossAttn"
+    up_block_types: tuple[str, ...] = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3
+    only_cross_attention: bool | tuple[bool, ...] = False
+    block_out_channels: tuple[int, ...] = (320, 640, 1280, 1280)
+    layers_per_block: int | tuple[int, ...] = 2
+    downsample_padding: int = 1
+    mid_block_scale_factor: float = 1.0
+    act_fn: str = "silu"
+    norm_num_groups: Optional[int] = 32
+    norm_eps: float = 1e-5
+    cross_attention_dim: int | tuple[int, ...] = 768
+    transformer_layers_per_block: int | tuple[int, ...] = 1
+    reverse_transformer_layers_per_block: Optional[tuple] = None
+    encoder_hid_dim: Optional[int] = None
+    encoder_hid_dim_type: Optional[str] = None
+    attention_head_dim: int | tuple[int, ...] = 8
+    num_attention_heads: Optional[int | tuple[int, ...]] = None
+    dual_cross_attention: bool = False
+    use_linear_projection: bool = False
+    class_embed_type: Optional[str] = None
+    addition_embed_type: Optional[str] = None
+    addition_time_embed_dim: Optional[int] = None
+    num_class_embeds: Optional[int] = None
+    upcast_attention: Optional[bool] = False     # accepted and ignored (no upcast of the scores)
+    resnet_time_scale_shift: str = "default"
+    resnet_skip_time_act: bool = False
+    resnet_out_scale_factor: float = 1.0
+    time_embedding_type: str = "positional"
+    time_embedding_dim: Optional[int] = None
+    time_embedding_act_fn: Optional[str] = None
+    timestep_post_act: Optional[str] = None
+    time_cond_proj_dim: Optional[int] = None
+    conv_in_kernel: int = 3
+    conv_out_kernel: int = 3
+    projection_class_embeddings_input_dim: Optional[int] = None
+    attention_type: str = "default"
+    class_embeddings_concat: bool = False
+    mid_block_only_cross_attention: Optional[bool] = None
+    cross_attention_norm: Optional[str] = None
+    addition_embed_type_num_heads: int = 64
+
+    WHAT = "UNet config"
+
+    def __post_init__(self):
+        def refuse(key, why):
+            raise MlxdiffError(f"{self.WHAT}: {key} is {getattr(self, key)!r}; {why}")
+
+        n = len(self.block_out_channels)
+        if n < 1:
+            refuse("block_out_channels", "expected at least one level")
+        for key, types, allowed in (("down_block_types", self.down_block_types, DOWN_TYPES),
+                                    ("up_block_types", self.up_block_types, UP_TYPES)):
+            bad = [t for t in types if t not in allowed]
+            if bad:
+                refuse(key, f"block types {bad} are not supported; supported: {', '.join(allowed)}")
+            if len(types) != n:
+                refuse(key, f"expected one per block_out_channels entry ({n})")
+        if self.mid_block_type not in MID_TYPES:
+            refuse("mid_block_type", f"not supported; supported: {', '.join(MID_TYPES)}")
+        unsupported = {
+            "class_embed_type": None, "encoder_hid_dim_type": None, "time_cond_proj_dim": None,
+            "time_embedding_dim": None, "time_embedding_act_fn": None, "timestep_post_act": None,
+            "num_class_embeds": None, "dual_cross_attention": False, "center_input_sample": False,
+            "resnet_time_scale_shift": "default", "resnet_skip_time_act": False, "time_embedding_type": "positional",
+            "attention_type": "default", "class_embeddings_concat": False, "cross_attention_norm": None,
+            "act_fn": "silu", "conv_in_kernel": 3, "conv_out_kernel": 3, "resnet_out_scale_factor": 1.0,
+            "mid_block_scale_factor": 1.0, "downsample_padding": 1, "reverse_transformer_layers_per_block": None,
+        }
+        for key, want in unsupported.items():
+            if getattr(self, key) != want:
+                refuse(key, f"not supported; only {want!r} is implemented")
+        if any(self._per_level(self.only_cross_attention, "only_cross_attention")) or \
+                self.mid_block_only_cross_attention:
+            refuse("only_cross_attention", "not supported; only false is implemented")
+        if self.addition_embed_type not in (None, "text_time"):
+            refuse("addition_embed_type", "not supported; only null or \"text_time\" is implemented")
+        if self.addition_embed_type == "text_time" and (
+                not self.addition_time_embed_dim or not self.projection_class_embeddings_input_dim):
+            refuse("addition_embed_type", "\"text_time\" needs addition_time_embed_dim and "
+                                          "projection_class_embeddings_input_dim")
+        if not self.norm_num_groups:
+            refuse("norm_num_groups", "expected a positive number of groups")
+        for c in self.block_out_channels:
+            if c % self.norm_num_groups:
+                refuse("block_out_channels", f"each must be a multiple of norm_num_groups {self.norm_num_groups}")
+        for i, (c, heads) in enumerate(zip(self.block_out_channels, self.heads)):
+            if heads < 1 or c % heads:
+                refuse("attention_head_dim", f"level {i}: {c} channels do not split into {heads} heads")
+        self.layers = self._per_level(self.layers_per_block, "layers_per_block")
+        self.transformer_layers = self._per_level(self.transformer_layers_per_block, "transformer_layers_per_block")
+        self.cross_dims = self._per_level(self.cross_attention_dim, "cross_attention_dim")
+
+    def _per_level(self, value, key):
+        n = len(self.block_out_channels)
+        if isinstance(value, (list, tuple)):
+            if len(value) != n:
+                raise MlxdiffError(f"{self.WHAT}: {key} is {list(value)!r}; expected one per block_out_channels "
+                                   f"entry ({n})")
+            if any(isinstance(v, (list, tuple)) for v in value):
+                raise MlxdiffError(f"{self.WHAT}: {key} is {list(value)!r}; nested lists are not supported")
+            return tuple(value)
+        return (value,) * n
+
+    @property
+    def heads(self):
+        # diffusers' naming quirk: num_attention_heads defaults to attention_head_dim (which then counts heads)
+        value = self.num_attention_heads if self.num_attention_heads is not None else self.attention_head_dim
+        return self._per_level(value, "num_attention_heads")
+
+
+def group_norm(groups, channels, eps):
+    return nn.GroupNorm(groups, channels, eps=eps, pytorch_compatible=True)
+
+
+class ResnetBlock2D(nn.Module):
+    """GN -> silu -> conv3x3 -> + time_emb_proj(silu(temb)) -> GN -> silu -> conv3x3, plus the (1x1-conv) input."""
+
+    def __init__(self, in_channels, out_channels, temb_channels, groups, eps):
+        super().__init__()
+        self.norm1 = group_norm(groups, in_channels, eps)
+        self.conv1 = Conv2d(in_channels, out_channels, 3, padding=1)
+        self.time_emb_proj = nn.Linear(temb_channels, out_channels)
+        self.norm2 = group_norm(groups, out_channels, eps)
+        self.conv2 = Conv2d(out_channels, out_channels, 3, padding=1)
+        if in_channels != out_channels:
+            self.conv_shortcut = nn.Conv2d(in_channels, out_channels, 1)
+
+    def __call__(self, x, temb):
+        h = self.conv1(nn.silu(self.norm1(x)))
+        h = h + self.time_emb_proj(nn.silu(temb))[:, None, None, :]
+        h = self.conv2(nn.silu(self.norm2(h)))
+        if "conv_shortcut" in self:
+            x = self.conv_shortcut(x)
+        return x + h
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads, head_dim, context_dim=None):
+        super().__init__()
+        inner = heads * head_dim
+        context_dim = context_dim or dim
+        self.heads, self.scale = heads, head_dim ** -0.5
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(context_dim, inner, bias=False)
+        self.to_v = nn.Linear(context_dim, inner, bias=False)
+        self.to_out = [nn.Linear(inner, dim)]
+
+    def _split(self, x):
+        b, s, _ = x.shape
+        return x.reshape(b, s, self.heads, -1).transpose(0, 2, 1, 3)
+
+    def __call__(self, x, context=None):
+        context = x if context is None else context
+        q, k, v = self._split(self.to_q(x)), self._split(self.to_k(context)), self._split(self.to_v(context))
+        out = attention(q, k, v, self.scale)
+        b, _, s, _ = out.shape
+        return self.to_out[0](out.transpose(0, 2, 1, 3).reshape(b, s, -1))
+
+
+class GEGLU(nn.Module):
+    def __init__(self, dim_in, dim_out):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def __call__(self, x):
+        hidden, gate = mx.split(self.proj(x), 2, axis=-1)
+        return hidden * nn.gelu(gate)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, mult=4):
+        super().__init__()
+        self.net = [GEGLU(dim, dim * mult), nn.Identity(), nn.Linear(dim * mult, dim)]   # net.1: dropout
+
+    def __call__(self, x):
+        return self.net[2](self.net[0](x))
+
+
+class BasicTransformerBlock(nn.Module):
+    def __init__(self, dim, heads, head_dim, context_dim):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim, eps=1e-5)
+        self.attn1 = Attention(dim, heads, head_dim)
+        self.norm2 = nn.LayerNorm(dim, eps=1e-5)
+        self.attn2 = Attention(dim, heads, head_dim, context_dim)
+        self.norm3 = nn.LayerNorm(dim, eps=1e-5)
+        self.ff = FeedForward(dim)
+
+    def __call__(self, x, context):
+        x = x + self.attn1(self.norm1(x))
+        x = x + self.attn2(self.norm2(x), context)
+        return x + self.ff(self.norm3(x))
+
+
+class Transformer2DModel(nn.Module):
+    """GroupNorm -> proj_in (1x1 conv or Linear) -> transformer blocks -> proj_out, plus the input."""
+
+    def __init__(self, channels, heads, context_dim, layers, groups, linear):
+        super().__init__()
+        self.linear = linear
+        self.norm = group_norm(groups, channels, 1e-6)
+        make = (lambda: nn.Linear(channels, channels)) if linear else (lambda: nn.Conv2d(channels, channels, 1))
+        self.proj_in = make()
+        self.transformer_blocks = [BasicTransformerBlock(channels, heads, channels // heads, context_dim)
+                                   for _ in range(layers)]
+        self.proj_out = make()
+
+    def __call__(self, x, context):
+        b, h, w, c = x.shape
+        t = self.norm(x)
+        t = self.proj_in(t.reshape(b, h * w, c)) if self.linear else self.proj_in(t).reshape(b, h * w, c)
+        for block in self.transformer_blocks:
+            t = block(t, context)
+        t = self.proj_out(t).reshape(b, h, w, c) if self.linear else self.proj_out(t.reshape(b, h, w, c))
+        return x + t
+
+
+class Downsample2D(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    def __call__(self, x):
+        return self.conv(x)
+
+
+class Upsample2D(nn.Module):
+    """Nearest-neighbour to `size` (default 2x), then a 3x3 conv."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = Conv2d(channels, channels, 3, padding=1)
+
+    def __call__(self, x, size=None):
+        b, h, w, c = x.shape
+        if size is None or tuple(size) == (2 * h, 2 * w):
+            x = mx.broadcast_to(x[:, :, None, :, None, :], (b, h, 2, w, 2, c)).reshape(b, 2 * h, 2 * w, c)
+        else:   # torch's nearest: source index floor(i * in / out)
+            rows = mx.array([i * h // size[0] for i in range(size[0])])
+            cols = mx.array([j * w // size[1] for j in range(size[1])])
+            x = x[:, rows][:, :, cols]
+        return self.conv(x)
+
+
+class DownBlock(nn.Module):
+    """DownBlock2D, or CrossAttnDownBlock2D when `attn` (heads, context_dim, layers, linear) is given."""
+
+    def __init__(self, in_channels, out_channels, temb, layers, groups, eps, add_downsample, attn=None):
+        super().__init__()
+        self.resnets = [ResnetBlock2D(in_channels if i == 0 else out_channels, out_channels, temb, groups, eps)
+                        for i in range(layers)]
+        if attn is not None:
+            self.attentions = [Transformer2DModel(out_channels, *attn[:3], groups, attn[3]) for _ in range(layers)]
+        if add_downsample:
+            self.downsamplers = [Downsample2D(out_channels)]
+
+    def __call__(self, x, temb, context):
+        skips = []
+        attentions = self.get("attentions", [None] * len(self.resnets))
+        for resnet, attn in zip(self.resnets, attentions):
+            x = resnet(x, temb)
+            if attn is not None:
+                x = attn(x, context)
+            skips.append(x)
+        for down in self.get("downsamplers", []):
+            x = down(x)
+            skips.append(x)
+        return x, skips
+
+
+class UpBlock(nn.Module):
+    """UpBlock2D, or CrossAttnUpBlock2D when `attn` is given; concatenates the skips on channels."""
+
+    def __init__(self, in_channels, prev_channels, out_channels, temb, layers, groups, eps, add_upsample,
+                 attn=None):
+        super().__init__()
+        self.resnets = []
+        for i in range(layers):
+            skip = in_channels if i == layers - 1 else out_channels
+            first = prev_channels if i == 0 else out_channels
+            self.resnets.append(ResnetBlock2D(first + skip, out_channels, temb, groups, eps))
+        if attn is not None:
+            self.attentions = [Transformer2DModel(out_channels, *attn[:3], groups, attn[3]) for _ in range(layers)]
+        if add_upsample:
+            self.upsamplers = [Upsample2D(out_channels)]
+
+    def __call__(self, x, skips, temb, context, size=None):
+        attentions = self.get("attentions", [None] * len(self.resnets))
+        for resnet, attn in zip(self.resnets, attentions):
+            x = resnet(mx.concatenate([x, skips.pop()], axis=-1), temb)
+            if attn is not None:
+                x = attn(x, context)
+        for up in self.get("upsamplers", []):
+            x = up(x, size)
+        return x
+
+
+class UNetMidBlock2DCrossAttn(nn.Module):
+    def __init__(self, channels, temb, groups, eps, attn):
+        super().__init__()
+        self.resnets = [ResnetBlock2D(channels, channels, temb, groups, eps) for _ in range(2)]
+        self.attentions = [Transformer2DModel(channels, *attn[:3], groups, attn[3])]
+
+    def __call__(self, x, temb, context):
+        x = self.resnets[0](x, temb)
+        for attn, resnet in zip(self.attentions, self.resnets[1:]):
+            x = resnet(attn(x, context), temb)
+        return x
+
+
+class Model(nn.Module):
+    """UNet2DConditionModel. `sample` (B, C, H, W) and the returned noise prediction are NCHW like diffusers;
+    `timestep` a scalar or (B,) array; `encoder_hidden_states` (B, S, cross_attention_dim); for SDXL
+    `added_cond_kwargs={"text_embeds": (B, D), "time_ids": (B, 6)}`. Computes in the sample's dtype."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = a = args
+        boc, groups, eps, n = a.block_out_channels, a.norm_num_groups, a.norm_eps, len(a.block_out_channels)
+        temb = boc[0] * 4
+        self.conv_in = Conv2d(a.in_channels, boc[0], 3, padding=1)
+        self.time_embedding = TimestepEmbedding(boc[0], temb)
+        if a.addition_embed_type == "text_time":
+            self.add_embedding = TimestepEmbedding(a.projection_class_embeddings_input_dim, temb)
+        heads, tl, cross = a.heads, a.transformer_layers, a.cross_dims
+
+        def attn(i):
+            return heads[i], cross[i], tl[i], a.use_linear_projection
+
+        self.down_blocks = []
+        out_ch = boc[0]
+        for i, kind in enumerate(a.down_block_types):
+            in_ch, out_ch = out_ch, boc[i]
+            self.down_blocks.append(DownBlock(in_ch, out_ch, temb, a.layers[i], groups, eps, i < n - 1,
+                                              attn(i) if kind == "CrossAttnDownBlock2D" else None))
+        self.mid_block = UNetMidBlock2DCrossAttn(boc[-1], temb, groups, eps, attn(n - 1))
+        rev = list(reversed(boc))
+        self.up_blocks = []
+        out_ch = rev[0]
+        for i, kind in enumerate(a.up_block_types):
+            prev, out_ch, in_ch = out_ch, rev[i], rev[min(i + 1, n - 1)]
+            j = n - 1 - i   # the matching down level (diffusers reverses the per-level lists)
+            self.up_blocks.append(UpBlock(in_ch, prev, out_ch, temb, a.layers[j] + 1, groups, eps, i < n - 1,
+                                          attn(j) if kind == "CrossAttnUpBlock2D" else None))
+        self.conv_norm_out = group_norm(groups, boc[0], eps)
+        self.conv_out = Conv2d(boc[0], a.out_channels, 3, padding=1)
+
+    def __call__(self, sample, timestep, encoder_hidden_states, added_cond_kwargs=None):
+        a = self.args
+        dtype = sample.dtype
+        b = sample.shape[0]
+        t = mx.broadcast_to(mx.array(timestep).reshape(-1), (b,))
+        emb = timestep_embedding(t, a.block_out_channels[0], a.flip_sin_to_cos, a.freq_shift).astype(dtype)
+        emb = self.time_embedding(emb)
+        if a.addition_embed_type == "text_time":
+            if not added_cond_kwargs or "text_embeds" not in added_cond_kwargs or "time_ids" not in added_cond_kwargs:
+                raise MlxdiffError("this UNet (addition_embed_type \"text_time\") needs added_cond_kwargs with "
+                                   "\"text_embeds\" and \"time_ids\"")
+            time_ids = added_cond_kwargs["time_ids"]
+            time_embeds = timestep_embedding(time_ids.reshape(-1), a.addition_time_embed_dim, a.flip_sin_to_cos,
+                                             a.freq_shift).reshape(time_ids.shape[0], -1)
+            add = mx.concatenate([added_cond_kwargs["text_embeds"].astype(dtype), time_embeds.astype(dtype)], axis=-1)
+            emb = emb + self.add_embedding(add)
+        context = encoder_hidden_states.astype(dtype)
+
+        x = self.conv_in(sample.transpose(0, 2, 3, 1))
+        skips = [x]
+        for block in self.down_blocks:
+            x, out = block(x, emb, context)
+            skips.extend(out)
+        x = self.mid_block(x, emb, context)
+        for i, block in enumerate(self.up_blocks):
+            count = len(block.resnets)
+            mine, skips = skips[-count:], skips[:-count]
+            size = skips[-1].shape[1:3] if skips else None
+            x = block(x, mine, emb, context, size)
+        x = self.conv_out(nn.silu(self.conv_norm_out(x)))
+        return x.transpose(0, 3, 1, 2)
+
+    def sanitize(self, weights: dict) -> dict:
+        """diffusers names and PyTorch layouts -> this module: every 4-D (conv) weight OIHW -> OHWI."""
+        return {k: (v.transpose(0, 2, 3, 1) if k.endswith(".weight") and v.ndim == 4 else v)
+                for k, v in weights.items()}
