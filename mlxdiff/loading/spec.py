@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..formats import is_gguf, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.keymaps import strip_prefix
-from ..models import clip, flux2, mmdit, t5, text_llm, vae, vae_flux2
+from ..models import clip, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
 from ..models.protocol import Architecture
 from .build import build
 from .quantize import parameter_nbytes, setting
@@ -24,6 +24,8 @@ ARCHITECTURES = {
     "SD3Transformer2DModel": mmdit,
     "AutoencoderKL": vae,
     "CLIPTextModelWithProjection": clip,
+    "CLIPTextModel": clip,                    # SD 1.x, SDXL's first encoder: no text_projection
+    "UNet2DConditionModel": unet,
     "T5EncoderModel": t5,
     "Flux2Transformer2DModel": flux2,
     "AutoencoderKLFlux2": vae_flux2,
@@ -38,6 +40,8 @@ def class_name_of(spec) -> str:
     """The diffusers / transformers class a converted component is saved as."""
     if spec.arch is text_llm:
         return text_llm.ARCHITECTURES[spec.config.get("model_type")]
+    if spec.arch is clip and not spec.args.with_projection:
+        return "CLIPTextModel"
     return next(name for name, arch in ARCHITECTURES.items() if arch is spec.arch)
 
 

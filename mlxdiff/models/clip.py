@@ -38,6 +38,7 @@ class ModelArgs(CheckedArgs):
     eos_token_id: int | tuple[int, ...] = 2     # transformers allows a list; pooling uses the first
     bos_token_id: int | None = 0                # not used
     pad_token_id: int | None = 1                # not used
+    architectures: tuple[str, ...] | None = None    # ["CLIPTextModel"]: no text_projection (SD 1.x, SDXL's first)
 
     WHAT = "CLIP text encoder config"
     LIMITS = {
@@ -65,6 +66,11 @@ class ModelArgs(CheckedArgs):
         if isinstance(self.eos_token_id, (list, tuple)):  # pooling uses one id
             self.eos_token_id = self.eos_token_id[0]
 
+    @property
+    def with_projection(self) -> bool:
+        """CLIPTextModelWithProjection (SD3's encoders, SDXL's second) unless the config names CLIPTextModel."""
+        return "CLIPTextModel" not in (self.architectures or ())
+
 
 # transformers' ACT2FN names -> functions (quick_gelu is x * sigmoid(1.702 x); gelu is the exact erf form)
 ACTIVATIONS = {
@@ -86,10 +92,12 @@ ORIGINAL_KEYMAP = [
 @dataclass
 class CLIPTextOutput:
     """As transformers' CLIPTextModelOutput: hidden_states has num_hidden_layers + 1 entries, the embeddings first,
-    none of them final-LayerNormed; last_hidden_state is after final_layer_norm; text_embeds is the projected pool."""
+    none of them final-LayerNormed; last_hidden_state is after final_layer_norm; pooler_output the pooled vector
+    (at the end-of-text token); text_embeds its projection (None for a CLIPTextModel, which has none)."""
     hidden_states: list
     last_hidden_state: mx.array
-    text_embeds: mx.array
+    text_embeds: mx.array | None
+    pooler_output: mx.array | None = None
 
 
 class CLIPTextEmbeddings(nn.Module):
@@ -164,14 +172,16 @@ class CLIPTextTransformer(nn.Module):
 
 
 class Model(nn.Module):
-    """CLIPTextModelWithProjection. `model(input_ids)` -> CLIPTextOutput."""
+    """CLIPTextModelWithProjection, or CLIPTextModel when the config says so (no text_projection).
+    `model(input_ids)` -> CLIPTextOutput."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.compute_dtype = mx.float32
         self.text_model = CLIPTextTransformer(args)
-        self.text_projection = nn.Linear(args.hidden_size, args.projection_dim, bias=False)
+        if args.with_projection:
+            self.text_projection = nn.Linear(args.hidden_size, args.projection_dim, bias=False)
 
     def __call__(self, input_ids) -> CLIPTextOutput:
         input_ids = mx.array(input_ids)
@@ -188,7 +198,8 @@ class Model(nn.Module):
             hidden_states.append(x)
         last = body.final_layer_norm(x)
         pooled = mx.take_along_axis(last, self.eos_index(input_ids)[:, None, None], axis=1)[:, 0]
-        return CLIPTextOutput(hidden_states, last, self.text_projection(pooled))
+        projected = self.text_projection(pooled) if self.args.with_projection else None
+        return CLIPTextOutput(hidden_states, last, projected, pooled)
 
     def eos_index(self, input_ids):
         """Where the pooled vector is taken, as transformers does: for legacy configs (eos_token_id == 2) the
