@@ -60,17 +60,27 @@ def _check(config):
                                f"{', '.join(map(repr, allowed))}")
 
 
-def train_sigmas(config) -> np.ndarray:
-    """The training schedule's sigmas, sqrt((1 - alphas_cumprod) / alphas_cumprod), computed in float32 torch as
-    the schedulers compute them (numpy's float32 cumprod and power round differently in the last bit)."""
-    import torch
+def _linspace_f32(start, end, n) -> np.ndarray:
+    """torch.linspace(start, end, n, dtype=float32) bit for bit: a float32 step, each half counted from its own end
+    with one rounding (torch's fused multiply-add), as ATen's CPU kernel does."""
+    start, end = np.float32(start), np.float32(end)
+    step = np.float64((end - start) / np.float32(n - 1))
+    i = np.arange(n)
+    return np.where(i < n // 2, np.float64(start) + step * i, np.float64(end) - step * (n - 1 - i)).astype(np.float32)
+
+
+def train_sigmas(config) -> tuple:
+    """The training schedule: (sigmas, alphas_cumprod), sigma = sqrt((1 - alphas_cumprod) / alphas_cumprod), in
+    numpy (no torch at run time). betas and alphas_cumprod are torch's float32 values bit for bit (its linspace as
+    above; its cumprod accumulates in float64); the square root is correctly rounded, where torch's vectorized pow
+    is not, so sigmas may differ from a torch CPU run by one unit in the last place."""
     n, start, end = config["num_train_timesteps"], config["beta_start"], config["beta_end"]
     if config["beta_schedule"] == "linear":
-        betas = torch.linspace(start, end, n, dtype=torch.float32)
+        betas = _linspace_f32(start, end, n)
     else:
-        betas = torch.linspace(start ** 0.5, end ** 0.5, n, dtype=torch.float32) ** 2
-    cumprod = torch.cumprod(1.0 - betas, dim=0)
-    return (((1 - cumprod) / cumprod) ** 0.5).numpy(), cumprod.numpy()
+        betas = _linspace_f32(start ** 0.5, end ** 0.5, n) ** 2
+    cumprod = np.cumprod((np.float32(1.0) - betas).astype(np.float64)).astype(np.float32)
+    return np.sqrt((np.float32(1.0) - cumprod) / cumprod), cumprod
 
 
 def _spaced_timesteps(config, steps):
