@@ -382,8 +382,10 @@ class Model(nn.Module):
         self.conv_norm_out = group_norm(groups, boc[0], eps)
         self.conv_out = Conv2d(boc[0], a.out_channels, 3, padding=1)
 
-    def __call__(self, sample, timestep, encoder_hidden_states, added_cond_kwargs=None):
+    def __call__(self, sample, timestep, encoder_hidden_states, added_cond_kwargs=None, after_block=None):
+        """`after_block(x)`: the caller's memory policy, called with each block's output (pipelines/base.py)."""
         a = self.args
+        after_block = after_block or (lambda *outputs: None)
         dtype = sample.dtype
         b = sample.shape[0]
         t = mx.broadcast_to(mx.array(timestep).reshape(-1), (b,))
@@ -405,12 +407,15 @@ class Model(nn.Module):
         for block in self.down_blocks:
             x, out = block(x, emb, context)
             skips.extend(out)
+            after_block(*out)
         x = self.mid_block(x, emb, context)
+        after_block(x)
         for i, block in enumerate(self.up_blocks):
             count = len(block.resnets)
             mine, skips = skips[-count:], skips[:-count]
             size = skips[-1].shape[1:3] if skips else None
             x = block(x, mine, emb, context, size)
+            after_block(x)
         x = self.conv_out(nn.silu(self.conv_norm_out(x)))
         return x.transpose(0, 3, 1, 2)
 
