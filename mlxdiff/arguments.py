@@ -55,10 +55,13 @@ RULES = {
 }
 
 # generate() options that only one family has
-FAMILY_OPTIONS = {"skip_guidance_layers": "sd3", "skip_layer_guidance_scale": "sd3",
-                  "skip_layer_guidance_start": "sd3", "skip_layer_guidance_stop": "sd3", "clip_skip": "sd3",
-                  "text_encoder_out_layers": "flux2", "image_noise": "sd3"}
-FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2"}
+FAMILY_OPTIONS = {"skip_guidance_layers": ("sd3",), "skip_layer_guidance_scale": ("sd3",),
+                  "skip_layer_guidance_start": ("sd3",), "skip_layer_guidance_stop": ("sd3",),
+                  "clip_skip": ("sd3", "sd"), "text_encoder_out_layers": ("flux2",), "image_noise": ("sd3", "sd"),
+                  "scheduler": ("sd",), "original_size": ("sd",), "crops_coords_top_left": ("sd",),
+                  "target_size": ("sd",), "negative_original_size": ("sd",),
+                  "negative_crops_coords_top_left": ("sd",), "negative_target_size": ("sd",)}
+FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2", "sd": "SD 1.x / SDXL"}
 
 TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
 
@@ -262,9 +265,9 @@ def check_images(image, strength=None, family=None):
                            "(img2img one); give fewer --image files")
     names = [_image_name(item, i) for i, item in enumerate(items)]
     images = [_read_image(item, i) for i, item in enumerate(items)]
-    if family == "sd3" and len(images) > 1:
-        raise MlxdiffError(f"image: {len(images)} images; SD3.5 image-to-image starts from one image (it takes no "
-                           "reference images); give one --image")
+    if family in ("sd3", "sd") and len(images) > 1:
+        raise MlxdiffError(f"image: {len(images)} images; {FAMILY_NAMES[family]} image-to-image starts from one "
+                           "image (it takes no reference images); give one --image")
     if family == "flux2" and strength is not None and len(images) > 1:
         raise MlxdiffError(f"strength={strength:g} with {len(images)} images: image-to-image starts from one image; "
                            "give one --image, or leave --strength out to use the images as references")
@@ -283,10 +286,10 @@ def check_images(image, strength=None, family=None):
 def check_options(family, options: dict):
     """generate() keywords the family does not have: a family-only option of the other family, or unknown."""
     for name in options:
-        owner = FAMILY_OPTIONS.get(name)
-        if owner is not None:
-            raise MlxdiffError(f"{name}: an option of {FAMILY_NAMES[owner]} models only; this is a "
-                               f"{FAMILY_NAMES[family]} model")
+        owners = FAMILY_OPTIONS.get(name)
+        if owners is not None:
+            raise MlxdiffError(f"{name}: an option of {' and '.join(FAMILY_NAMES[o] for o in owners)} models only; "
+                               f"this is a {FAMILY_NAMES[family]} model")
         raise MlxdiffError(f"{name}=: not an argument of generate() for {FAMILY_NAMES[family]} models")
 
 

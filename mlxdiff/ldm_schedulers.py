@@ -131,6 +131,10 @@ class EulerSampler:
     def scale_model_input(self, x, i):
         return x / ((float(self.sigmas[i]) ** 2 + 1) ** 0.5)
 
+    def add_noise(self, clean, noise, i):
+        """Image-to-image's start: clean latents noised to step i (the scheduler's add_noise at begin_index i)."""
+        return clean + noise * float(self.sigmas[i])
+
     def step(self, model_output, i, x, noise=None):
         """x at step i+1 from the model's output at step i. Euler ancestral adds `noise` (standard normal, like x)."""
         sigma, sigma_next = float(self.sigmas[i]), float(self.sigmas[i + 1])
@@ -172,6 +176,9 @@ class DDIMSampler:
     def scale_model_input(self, x, i):
         return x
 
+    def add_noise(self, clean, noise, i):
+        return _add_noise_at(self.alphas_cumprod, clean, noise, self.timesteps[i])
+
     def step(self, model_output, i, x, noise=None):
         alpha = float(self.alphas_cumprod[int(self.timesteps[i])])
         alpha_prev, beta = self.alpha_prev[i], 1 - alpha
@@ -183,6 +190,12 @@ class DDIMSampler:
         if self.config["clip_sample"]:
             x0 = mx.clip(x0, -self.config["clip_sample_range"], self.config["clip_sample_range"])
         return alpha_prev ** 0.5 * x0 + (1 - alpha_prev) ** 0.5 * eps
+
+
+def _add_noise_at(alphas_cumprod, clean, noise, t):
+    """DDPM's forward process at training timestep t: sqrt(a) clean + sqrt(1 - a) noise (DDIM's, PNDM's add_noise)."""
+    alpha = float(alphas_cumprod[int(t)])
+    return alpha ** 0.5 * clean + (1 - alpha) ** 0.5 * noise
 
 
 def _alpha_sigma(sigma):
@@ -220,6 +233,10 @@ class DPMSolver2MSampler:
 
     def scale_model_input(self, x, i):
         return x
+
+    def add_noise(self, clean, noise, i):
+        alpha, sigma = _alpha_sigma(float(self.sigmas[i]))
+        return alpha * clean + sigma * noise
 
     def step(self, model_output, i, x, noise=None):
         sigma, sigma_next = float(self.sigmas[i]), float(self.sigmas[i + 1])
@@ -267,6 +284,9 @@ class PNDMSampler:
 
     def scale_model_input(self, x, i):
         return x
+
+    def add_noise(self, clean, noise, i):
+        return _add_noise_at(self.alphas_cumprod, clean, noise, self.timesteps[i])
 
     def _previous(self, x, t, t_prev, eps):
         alpha = float(self.alphas_cumprod[t])

@@ -1,11 +1,14 @@
-"""LoRA for the SD3.5 (MMDiT) and FLUX.2 (dev, klein) transformers: the file formats, how their names reach
-mlxdiff's layers, the low-rank wrapper, apply and remove.
+"""LoRA for the SD3.5 (MMDiT) and FLUX.2 (dev, klein) transformers and the SD 1.x / SDXL UNet: the file formats,
+how their names reach mlxdiff's layers, the low-rank wrappers, apply and remove.
 
 A LoRA adds, to a linear layer y = base(x), the low-rank term scale * (x @ A^T) @ B^T with
 scale = user scale * alpha / rank (alpha / sqrt(rank) for rsLoRA). It is added in the forward (`LoRALinear`), so
 any base works unchanged: nn.Linear, nn.QuantizedLinear, the dequantize-per-call layer (loading/matmul.py), GGUF's
 RawLinear and Fp8Linear; a 4-bit base is never dequantized, and the model grows by the LoRA's own bytes. Several
-LoRAs on one layer each keep their own scale.
+LoRAs on one layer each keep their own scale. A UNet's convolutions take LoRAs too (kohya's LoCon, PEFT's Conv2d
+LoRA: `LoRAConv`): A is a convolution with the base's kernel, stride and padding (rank x in x kh x kw, as PyTorch
+stores it), B a 1x1 convolution (out x rank x 1 x 1); the 1x1-conv projections of SD 1.5's transformers are such a
+pair with a 1x1 A.
 
 Formats (what the tools write), told apart by their names:
 - diffusers / PEFT (`save_lora_weights`, `get_peft_model_state_dict`): `transformer.<module>.lora_A.weight` /
@@ -24,13 +27,20 @@ Formats (what the tools write), told apart by their names:
   FLUX.2's single-block linear1 stays fused as in mlxdiff; its row ranges reach the LoRA through
   `LoRALinear.rows` (formats/quantized.linear_rows).
 
-Text-encoder parts (kohya `lora_te1_` / `lora_te2_` / `lora_te3_`, PEFT `text_encoder.` / `text_encoder_2.` /
-`text_encoder_3.`) go to SD3.5's CLIP-L, CLIP-G and T5 encoders (their module paths are transformers' names); the
-pipeline adds a file to every component it has layers for (Pipeline.load_lora).
+UNet LoRAs (SD 1.x / SDXL): kohya's `lora_unet_<diffusers module, dots as underscores>` (sd-scripts' SD 1.x
+names; SDXL's SGM names `input_blocks_N_M_...` go through models/unet.py's original-name table when it has one),
+diffusers' `unet.<module>`, and the bare / `lora_unet_` names of the files above when they name UNet layers
+(down_blocks, mid_block, up_blocks, input_blocks, ...): such a file's denoiser part is the pipeline component
+"unet", every other one's "transformer".
+
+Text-encoder parts (kohya `lora_te_` (SD 1.x's CLIP-L), `lora_te1_` / `lora_te2_` / `lora_te3_`, PEFT
+`text_encoder.` / `text_encoder_2.` / `text_encoder_3.`) go to the CLIP and T5 encoders (SD3.5's CLIP-L, CLIP-G
+and T5; SDXL's CLIP-L and CLIP-G; their module paths are transformers' names); the pipeline adds a file to every
+component it has layers for (Pipeline.load_lora).
 
 Refused, each in one line naming the file and the key: a name that reaches no layer of its component, a shape that
 does not fit the layer, a LoRA of another architecture (SD3 on FLUX.2, FLUX.1, an SD/SDXL UNet), text-encoder
-LoRAs for FLUX.2's LLM encoders, DoRA, LoKr/LoHa, LoRA biases; one layer reached twice from one file (two namings
+LoRAs for FLUX.2's LLM encoders, DoRA, LoKr/LoHa, LoCon's Tucker form (lora_mid), LoRA biases; one layer reached twice from one file (two namings
 of the same layer), and a component's layers named two ways in one file (prefixes or lora_A / lora_down styles
 mixed: each tool reads such a file its own way); factors stored other than float32 / float16 / bfloat16; a tensor
 holding NaN or infinity, or factors and scale whose product leaves the compute dtype's range (every LoRA tensor is
@@ -68,11 +78,13 @@ NOT_LORA = (
     (re.compile(r".*\.(lokr_|hada_|lycoris_).*|^lycoris_.*"), "a LyCORIS LoKr/LoHa"),
     (re.compile(r".*\.(lora_[AB]|lora_up|lora_down)\.bias$"), "a LoRA with bias terms"),
     (re.compile(r".*\.diff(_b)?$"), "a full weight difference"),
+    (re.compile(r".*\.lora_mid\.weight$"), "a LyCORIS LoCon in Tucker form (lora_mid)"),
 )
 # name prefix -> (the pipeline component it is for, how its layers are named): "any" (mlxdiff's = diffusers' /
-# transformers' module names, else the original ones), "kohya" (the same with dots written as underscores), "unet"
-# (an SD/SDXL UNet's). The first that matches wins; "" is bare names. kohya's te1/te2/te3 are SD3's CLIP-L, CLIP-G
-# and T5, as diffusers' text_encoder, text_encoder_2, text_encoder_3.
+# transformers' module names, else the original ones), "kohya" (the same with dots written as underscores). The
+# first that matches wins; "" is bare names. kohya's te1/te2/te3 are SD3's CLIP-L, CLIP-G and T5 (SDXL's CLIP-L and
+# CLIP-G), as diffusers' text_encoder, text_encoder_2, text_encoder_3; te is SD 1.x's one encoder. A "transformer"
+# part whose names are a UNet's is the "unet" component (_entries).
 PREFIXES = (
     ("lora_te_", "text_encoder", "kohya"), ("lora_te1_", "text_encoder", "kohya"),
     ("lora_te2_", "text_encoder_2", "kohya"), ("lora_te3_", "text_encoder_3", "kohya"),
@@ -81,12 +93,17 @@ PREFIXES = (
     ("lora_unet_", "transformer", "kohya"), ("lora_transformer_", "transformer", "kohya"),
     ("transformer.", "transformer", "any"), ("base_model.model.", "transformer", "any"),
     ("model.diffusion_model.", "transformer", "any"), ("diffusion_model.", "transformer", "any"),
-    ("unet.", "transformer", "unet"), ("", "transformer", "any"),
+    ("unet.", "unet", "any"), ("", "transformer", "any"),
 )
+DENOISERS = ("transformer", "unet")
 # text encoders whose LoRAs mlxdiff applies (their module paths are transformers' own names)
 TEXT_ENCODERS = {"mlxdiff.models.clip": "CLIP", "mlxdiff.models.t5": "T5"}
-# layer names that only some architectures have (searched in each name; the first that matches says which)
+# layer names that only some architectures have (searched in each name; the first that matches says which: the
+# UNet's first, as its transformer blocks also have ff.net)
+UNET_LAYERS = re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)([._]|$)")
+UNET = "an SD 1.x / SDXL UNet"
 ARCHITECTURES = (
+    (UNET_LAYERS, (UNET,)),
     (re.compile(r"(^|[._])(double_blocks[._]\d+[._](img|txt)_mod|single_blocks[._]\d+[._]modulation|vector_in|"
                 r"single_transformer_blocks[._]\d+[._](proj_mlp|proj_out|norm[._]linear|attn[._]to_[qkv]))([._]|$)"),
      ("FLUX.1",)),
@@ -95,11 +112,14 @@ ARCHITECTURES = (
      ("FLUX.2",)),
     (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"), ("SD3",)),
     (re.compile(r"(^|[._])(norm1_context|ff_context[._]net|ff[._]net|norm1[._]linear)([._]|$)"), ("SD3", "FLUX.1")),
-    (re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)([._]|$)"),
-     ("an SD 1.x / SDXL UNet",)),
 )
-FAMILY = {"sd3": "SD3", "flux2": "FLUX.2"}
-MODEL_NAMES = {"mlxdiff.models.mmdit": ("sd3", "SD3.5"), "mlxdiff.models.flux2": ("flux2", "FLUX.2")}
+# SGM's (SDXL's original) block names, which only models/unet.py's original-name table maps
+SGM_LAYERS = re.compile(r"(^|[._])(input_blocks|output_blocks|middle_block)([._]|$)")
+FAMILY = {"sd3": "SD3", "flux2": "FLUX.2", "sd": UNET}
+# denoiser module -> (family, its name in messages); the UNet's pipeline component is "unet", the others'
+# "transformer"
+MODEL_NAMES = {"mlxdiff.models.mmdit": ("sd3", "SD3.5"), "mlxdiff.models.flux2": ("flux2", "FLUX.2"),
+               "mlxdiff.models.unet": ("sd", "SD 1.x / SDXL UNet")}
 
 
 # -- the wrapper ---------------------------------------------------------------------------------------------------
@@ -136,7 +156,7 @@ class LoRALinear(nn.Module):
 
     def rows(self, start, stop):
         """The layer restricted to output rows start:stop (formats/quantized.linear_rows): the base's rows and B's."""
-        return LoRALinear(linear_rows(self.base, start, stop),
+        return type(self)(linear_rows(self.base, start, stop),
                           [(a, b[start:stop], s) for a, b, s in self.adapters()])
 
     def __call__(self, x):
@@ -144,6 +164,31 @@ class LoRALinear(nn.Module):
         for a, b, s in zip(self.lora_a, self.lora_b, self._scales):
             y = y + ((x @ a.T) * s).astype(y.dtype) @ b.T
         return y
+
+
+class LoRAConv(LoRALinear):
+    """base(x) + sum_i scale_i * conv(x, A_i) @ B_i^T around a 2-D convolution (NHWC input, OHWI weights, as
+    mlx.nn.Conv2d): A_i (rank, kh, kw, in) is the down convolution with the base's stride and padding, B_i
+    (out, rank) the 1x1 up convolution as a matrix. A LoRALinear otherwise (what finds, removes or streams LoRA
+    layers treats both alike)."""
+
+    def __call__(self, x):
+        y = self.base(x)
+        stride, padding = self.base.stride, self.base.padding
+        for a, b, s in zip(self.lora_a, self.lora_b, self._scales):
+            y = y + (mx.conv2d(x, a, stride=stride, padding=padding) * s).astype(y.dtype) @ b.T
+        return y
+
+
+def conv_dims(module):
+    """(input channels, output channels, (kh, kw)) of a plain 2-D convolution (mlx.nn.Conv2d or a subclass, OHWI
+    weight, groups 1, dilation 1), or of the one a LoRAConv wraps; None if it is not one."""
+    if isinstance(module, LoRAConv):
+        return conv_dims(module.base)
+    if not isinstance(module, nn.Conv2d) or module.groups != 1 or module.dilation not in (1, (1, 1)):
+        return None
+    out, kh, kw, in_ = module["weight"].shape
+    return in_, out, (kh, kw)
 
 
 # -- reading a file ------------------------------------------------------------------------------------------------
@@ -412,6 +457,8 @@ def _entries(path, tensors):
                                    "incomplete)")
         if "A" not in slot:
             raise MlxdiffError(f"{path}: {_short(slot['alpha'][0])!r} belongs to no LoRA layer")
+    if any(c == "transformer" and UNET_LAYERS.search(m) for c, _, m in entries):   # kohya's lora_unet_, bare names
+        entries = {("unet" if c == "transformer" else c, k, m): v for (c, k, m), v in entries.items()}
     return entries
 
 
@@ -435,11 +482,12 @@ def _family(arch):
 
 
 def _original_rules(arch, args):
-    """The model's own original-name table (compiled), with dotted and underscore-folded patterns."""
+    """The model's own original-name table (compiled), with dotted and underscore-folded patterns (none for a model
+    without one)."""
     if _family(arch)[0] == "sd3":
         rules = arch.original_rules(args.num_layers - 1)
     else:
-        rules = arch._ORIGINAL_RULES
+        rules = getattr(arch, "_ORIGINAL_RULES", None) or []
     folded = [(re.compile(p.pattern.replace(r"\.", "_")), t, f) for p, t, f in rules]
     return rules, folded
 
@@ -464,7 +512,7 @@ def _by_rules(key, rules):
 
 
 class _Layers:
-    """The model's linear layers by mlxdiff path, also with dots folded to underscores (kohya names)."""
+    """The model's layers by mlxdiff path, also with dots folded to underscores (kohya names)."""
 
     def __init__(self, model, arch):
         self.modules = dict(model.named_modules())
@@ -472,10 +520,20 @@ class _Layers:
         for p in self.modules:
             self.folded.setdefault(p.replace(".", "_"), []).append(p)
         self.rules, self.folded_rules = _original_rules(arch, model.args) if arch.__name__ in MODEL_NAMES else ([], [])
+        # transformers 5's CLIPTextModel has no `text_model.` in its layer names (clip.BARE_PREFIXES): nor have
+        # LoRAs trained on it
+        self.bare = getattr(arch, "BARE_PREFIXES", ())
 
     def resolve(self, kind, name):
         """[(mlxdiff path, part, parts, transform)] of a LoRA's layer name, or None when it reaches no layer of this
         model (an original name the rules map, of a block this model does not have, reaches none)."""
+        found = self._resolve(kind, name)
+        dot = "." if kind == "any" else "_"
+        if found is None and name.startswith(tuple(p.replace(".", dot) for p in self.bare)):
+            found = self._resolve(kind, f"text_model{dot}{name}")
+        return found
+
+    def _resolve(self, kind, name):
         def direct(path):
             return [(path, 0, 1, None)] if path in self.modules else None
 
@@ -528,9 +586,10 @@ def _coverage(path, config, layers, reached, component):
             continue   # (the base of a layer that has LoRAs already is that layer)
         linear = linear_dims(module) is not None
         if (linear and config["target_modules"] == "all-linear") or _names_module(config["target_modules"], name):
-            if not linear:
+            if not (linear or conv_dims(module)):
                 raise MlxdiffError(f"{path}: its lora_adapter_metadata's {component}.target_modules names "
-                                   f"{_short(name)!r}, a {type(module).__name__}, not a linear layer; re-save the LoRA")
+                                   f"{_short(name)!r}, a {type(module).__name__}, not a linear layer or a "
+                                   "convolution; re-save the LoRA")
             named.add(name)
     for target, key in reached.items():
         if target not in named:
@@ -604,28 +663,33 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     layer's weight change within `dtype` (float32 when not given). The LoRA's tensors are read; the model's are not."""
     tensors, meta, stored = _read(path)
     config = _peft_config(path, meta, component)
-    entries = {k: v for k, v in _entries(path, tensors).items() if k[0] == component}
-    if component == "transformer":
-        _, family_name = _family(arch)
-        others = _other_architecture(entries, FAMILY[_family(arch)[0]])
+    denoiser = component in DENOISERS    # (its part is a file's "transformer" or "unet" one: the names tell which)
+    entries = {k: v for k, v in _entries(path, tensors).items()
+               if k[0] == component or (denoiser and k[0] in DENOISERS)}
+    family = None
+    if denoiser:
+        family, family_name = _family(arch)
+        what = f"this {family_name}" + (" transformer" if family != "sd" else "")
+        others = _other_architecture(entries, FAMILY[family])
         if others:
             raise MlxdiffError(f"{path}: a LoRA for {' / '.join(sorted(others))} (layer names such as "
-                               f"{_short(next(iter(entries))[2])!r}), not for this {family_name} transformer")
-        what = f"this {family_name} transformer"
+                               f"{_short(next(iter(entries))[2])!r}), not for {what}")
     else:
         if arch.__name__ not in TEXT_ENCODERS:
             raise MlxdiffError(f"{path}: has LoRA layers for {component}, a {arch.__name__.rsplit('.', 1)[-1]} "
-                               "encoder; mlxdiff applies text-encoder LoRAs to SD3.5's CLIP and T5 encoders only: "
-                               "use a transformer-only LoRA file")
+                               "encoder; mlxdiff applies text-encoder LoRAs to CLIP and T5 encoders only: "
+                               "use a LoRA file without text-encoder layers")
         what = f"{component} ({TEXT_ENCODERS[arch.__name__]})"
     layers = _Layers(model, arch)
     planned, reached = [], {}   # reached: mlxdiff layer -> the lora_A key that reaches it
     for (_, kind, module), slot in entries.items():
         key_a, a = slot["A"]
         key_b, b = slot["B"]
-        if kind == "unet":
-            raise MlxdiffError(f"{path}: {_short(key_a)!r} is a UNet LoRA (SD 1.x / SDXL), not for {what}")
         targets = layers.resolve(kind, module)
+        if not targets and family == "sd" and not layers.rules and SGM_LAYERS.search(module):
+            raise MlxdiffError(f"{path}: {_short(key_a)!r} names a UNet layer in SGM's original names (input_blocks, "
+                               "middle_block, output_blocks: kohya's SDXL LoRAs); mlxdiff reads UNet LoRAs in "
+                               "diffusers' names only so far: re-save the LoRA in diffusers' names")
         if not targets:
             raise MlxdiffError(f"{path}: {_short(key_a)!r}: {what} has no layer {_short(module)!r}; the LoRA is "
                                "for another model (or another version of it)")
@@ -634,9 +698,11 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
                 raise MlxdiffError(f"{path}: {_short(reached[target])!r} and {_short(key_a)!r} are both LoRAs of layer "
                                    f"{target!r} (one layer named twice, in two namings); keep one of them")
             reached[target] = key_a
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1] or a.shape[0] == 0:
+        if a.ndim not in (2, 4) or b.ndim != a.ndim or a.shape[0] != b.shape[1] or a.shape[0] == 0 or \
+                b.shape[2:] not in ((), (1, 1)):
             raise MlxdiffError(f"{path}: {_short(key_a)!r} {tuple(a.shape)} and {_short(key_b)!r} {tuple(b.shape)} "
-                               "are not a LoRA pair (A: rank x in, B: out x rank)")
+                               "are not a LoRA pair (A: rank x in, B: out x rank; a convolution's: A rank x in x kh "
+                               "x kw, B out x rank x 1 x 1)")
         for key in (key_a, key_b):
             if stored[key] not in FACTOR_DTYPES:
                 raise MlxdiffError(f"{path}: {_short(key)!r} is {stored[key]}; LoRA factors are float32, float16 or "
@@ -645,6 +711,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             raise MlxdiffError(f"{path}: {_short(slot['alpha'][0])!r} is {stored[slot['alpha'][0]]}; an alpha is one "
                                "number (float or integer)")
         rank = a.shape[0]
+        b = b.reshape(b.shape[:2])     # a convolution's 1x1 up factor is a matrix
         parts = targets[0][2]
         if b.shape[0] % parts:
             raise MlxdiffError(f"{path}: {_short(key_b)!r} has {b.shape[0]} rows; its layer {_short(module)!r} is "
@@ -652,17 +719,26 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         pieces = split_rows(b, parts) if parts > 1 else [b]
         for (target, i, _, transform) in targets:
             layer = layers.modules[target]
-            dims = linear_dims(layer)
-            if dims is None:
+            dims, conv = linear_dims(layer), conv_dims(layer)
+            if dims is None and conv is None:
                 raise MlxdiffError(f"{path}: {_short(key_a)!r}: layer {target!r} is a {type(layer).__name__}, not a "
-                                   "linear layer; mlxdiff applies LoRAs to linear layers only")
+                                   "linear layer or a convolution; mlxdiff applies LoRAs to those only")
             piece = transform(pieces[i]) if transform else pieces[i]
-            if a.shape[1] != dims[0] or piece.shape[0] != dims[1]:
+            factor = a
+            if conv is not None:   # A as the down convolution, OHWI (a 1x1 convolution's may be a matrix)
+                factor = (a if a.ndim == 4 else a[:, :, None, None]).transpose(0, 2, 3, 1)
+                fits = factor.shape[1:3] == conv[2] and factor.shape[3] == conv[0] and piece.shape[0] == conv[1]
+                dims, kernel = conv[:2], f", kernel {conv[2][0]}x{conv[2][1]}"
+            else:
+                fits = a.ndim == 2 and a.shape[1] == dims[0] and piece.shape[0] == dims[1]
+                kernel = ""
+            if not fits:
                 raise MlxdiffError(
-                    f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit layer "
-                    f"{target!r} ({dims[0]} in, {dims[1] * parts} out); the LoRA is for another model size")
+                    f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(slot['B'][1].shape)} do not fit "
+                    f"layer {target!r} ({dims[0]} in, {dims[1] * parts} out{kernel}); the LoRA is for another model "
+                    "(or another size of it)")
             s = scale * _scale(path, slot, config, target, rank)
-            planned.append((target, key_a, key_b, a, b, piece, s))
+            planned.append((target, key_a, key_b, factor, b, piece, s))
     namings = {}
     for slot in entries.values():
         for role in ("A", "B"):
@@ -687,8 +763,9 @@ def check(spec, path, scale=1.0, dtype=None):
     """Refuse a LoRA whose part for the component `spec` describes does not fit it, before any of the model's weights
     is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
     and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
-    if spec.name == "transformer" and spec.arch.__name__ not in MODEL_NAMES:
-        raise MlxdiffError(f"{path}: LoRAs apply to SD3.5 and FLUX.2 transformers, not {spec.arch.__name__}")
+    if spec.name in DENOISERS and spec.arch.__name__ not in MODEL_NAMES:
+        raise MlxdiffError(f"{path}: LoRAs apply to SD3.5 and FLUX.2 transformers and SD 1.x / SDXL UNets, not "
+                           f"{spec.arch.__name__}")
     plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
 
 
@@ -717,7 +794,7 @@ def apply_loras(model, arch, loras, compute_dtype=None, component="transformer")
             if isinstance(layer, LoRALinear):
                 layer.add(a, b, s)
             else:
-                layer = wrapped[target] = LoRALinear(layer, [(a, b, s)])
+                layer = wrapped[target] = (LoRAConv if a.ndim == 4 else LoRALinear)(layer, [(a, b, s)])
         for target, layer in wrapped.items():
             _put(model, target, layer)
         modules = dict(model.named_modules())

@@ -6,8 +6,8 @@ from ..errors import MlxdiffError
 from ..formats import check_weight_file
 from .flux2_files import flux2_files
 from .single_file import TEXT_ENCODER_FILES, sd3_single_file, sd3_vae_file, text_encoder_file
-from .sources import (PIPELINE_FAMILIES, check_together, flux2_folder, not_a_folder, read_pipeline_folder,
-                      resolve_path, sd3_folder)
+from .sources import (PIPELINE_FAMILIES, check_together, check_unet_together, flux2_folder, not_a_folder,
+                      read_pipeline_folder, resolve_path, sd3_folder, sd_folder)
 from .spec import PipelineSources
 
 
@@ -29,6 +29,13 @@ def resolve(model, *, transformer=None, text_encoders=None, text_encoder=None, v
         check_family(family, path, text_encoders, text_encoder, vae, tokenizer)
         if family == "flux2":
             return flux2_folder(path, index, pipeline_class, components, transformer, text_encoder, vae, tokenizer)
+        if family == "sd":
+            found = sd_folder(path, index, pipeline_class, components, transformer)
+            if vae is not None:
+                found.components["vae"] = sd3_vae_file(vae, found.components["vae"].config,
+                                                       path / "vae" / "config.json")
+                check_unet_together(vae, found.components)
+            return found
         found = sd3_folder(path, index, pipeline_class, components, transformer)
         if vae is not None:
             found.components["vae"] = sd3_vae_file(vae, found.components["vae"].config, path / "vae" / "config.json")
@@ -52,6 +59,9 @@ def check_family(family, path, text_encoders, text_encoder, vae=None, tokenizer=
         raise MlxdiffError(f"text_encoders=: takes SD3.5's clip_l / clip_g / t5xxl files (for an SD3.5 folder or "
                            f"single-file model), but {path} is a FLUX.2 model; give its one encoder file as "
                            "text_encoder=FILE")
+    if family == "sd" and (text_encoders or text_encoder is not None or tokenizer is not None):
+        raise MlxdiffError(f"{path} is an SD 1.x / SDXL model: it takes its own text encoders and tokenizers (from "
+                           "its folder or single file); leave text_encoder(s)= and tokenizer= out")
     if family == "sd3" and text_encoder is not None:
         raise MlxdiffError(f"text_encoder=: is FLUX.2's one encoder file, but {path} is an SD3.5 model; give "
                            "text_encoders={'clip_l': F, 'clip_g': F, 't5xxl': F} (any of them)")

@@ -89,6 +89,9 @@ ORIGINAL_KEYMAP = [
 ]
 
 
+BARE_PREFIXES = ("embeddings.", "encoder.", "final_layer_norm.")
+
+
 @dataclass
 class CLIPTextOutput:
     """As transformers' CLIPTextModelOutput: hidden_states has num_hidden_layers + 1 entries, the embeddings first,
@@ -214,7 +217,9 @@ class Model(nn.Module):
         return path != "text_projection"
 
     def sanitize(self, weights: dict) -> dict:
-        # transformers names and layouts already; only drop keys the model does not have
+        # transformers names and layouts already; only drop keys the model does not have. transformers 5 saves a
+        # CLIPTextModel without the text_model. prefix (4.x and the released SD folders with it): both load
+        weights = {(f"text_model.{k}" if k.startswith(BARE_PREFIXES) else k): v for k, v in weights.items()}
         return remap(weights, ORIGINAL_KEYMAP)
 
 
@@ -273,3 +278,85 @@ def identity_projection(weights: dict, config: dict):
 def sd3_clip_l_extras(config: dict) -> dict:
     """For ComponentSpec.extra: tensors to add to a clip_l single file when it has none of them."""
     return {"text_projection.weight": lambda weights: identity_projection(weights, config)}
+
+
+# -- OpenCLIP text towers (SDXL's `conditioner.embedders.1.model.*`, SD 2.x's `cond_stage_model.model.*`) ------------
+# OpenCLIP names -> transformers' CLIPTextModel(WithProjection) names, as diffusers' convert_open_clip_checkpoint
+# reads them; also stable-diffusion.cpp's GGUF names for the same tensors (its convert renames them to transformers'
+# except the fused `self_attn.in_proj` and `text_model.text_projection`, whose data it keeps as OpenCLIP stores
+# them). The fused in_proj splits into q, k, v rows; text_projection is stored (hidden, projection), used as
+# `x @ P`, so transformers' Linear weight is its transpose (`transpose` below, applied by openclip_to_transformers).
+LAYER = r"text_model.encoder.layers.\1."
+OPENCLIP_KEYMAP = [
+    (r"token_embedding\.weight", "text_model.embeddings.token_embedding.weight"),
+    (r"positional_embedding", "text_model.embeddings.position_embedding.weight"),
+    (r"ln_final\.(weight|bias)", r"text_model.final_layer_norm.\1"),
+    (r"(?:text_model\.)?text_projection", "text_projection.weight"),
+    (r"transformer\.resblocks\.(\d+)\.attn\.in_proj_(weight|bias)",
+     (LAYER + r"self_attn.q_proj.\2", LAYER + r"self_attn.k_proj.\2", LAYER + r"self_attn.v_proj.\2")),
+    (r"text_model\.encoder\.layers\.(\d+)\.self_attn\.in_proj\.(weight|bias)",
+     (LAYER + r"self_attn.q_proj.\2", LAYER + r"self_attn.k_proj.\2", LAYER + r"self_attn.v_proj.\2")),
+    (r"transformer\.resblocks\.(\d+)\.attn\.out_proj\.(weight|bias)", LAYER + r"self_attn.out_proj.\2"),
+    (r"transformer\.resblocks\.(\d+)\.ln_1\.(weight|bias)", LAYER + r"layer_norm1.\2"),
+    (r"transformer\.resblocks\.(\d+)\.ln_2\.(weight|bias)", LAYER + r"layer_norm2.\2"),
+    (r"transformer\.resblocks\.(\d+)\.mlp\.c_fc\.(weight|bias)", LAYER + r"mlp.fc1.\2"),
+    (r"transformer\.resblocks\.(\d+)\.mlp\.c_proj\.(weight|bias)", LAYER + r"mlp.fc2.\2"),
+    (r"logit_scale|attn_mask", None),
+]
+_LAYER_INDEX = re.compile(r"text_model\.encoder\.layers\.(\d+)\.")
+
+
+def _transposed(w):
+    """OpenCLIP's text_projection (hidden, projection) -> a Linear weight (projection, hidden). A quantized one
+    (sd.cpp GGUFs quantize it) is dequantized first: it is small and stays in full precision (quant_predicate)."""
+    if not isinstance(w, mx.array):
+        w = w.dequantize()
+    return w.T
+
+
+def openclip_to_transformers(weights: dict, layers=None, projection=True) -> dict:
+    """OpenCLIP (or sd.cpp GGUF) text-tower names -> transformers' (lazy). `layers`: keep only the first `layers`
+    layers (SD 2.x runs OpenCLIP-H without its last one, as diffusers' 23-layer text encoder does), and
+    `projection` False drops text_projection (a CLIPTextModel has none)."""
+    out = remap(weights, OPENCLIP_KEYMAP)
+    if "text_projection.weight" in out:
+        p = out.pop("text_projection.weight")
+        if projection:
+            out["text_projection.weight"] = _transposed(p)
+    if layers is not None:
+        out = {k: v for k, v in out.items() if not ((m := _LAYER_INDEX.match(k)) and int(m.group(1)) >= layers)}
+    return out
+
+
+def config_from_openclip(weights: dict) -> dict:
+    """The CLIPTextConfig of an OpenCLIP text tower (names as OPENCLIP_KEYMAP reads them, prefix stripped), read off
+    its shapes: widths, layers, positions and the projection width; heads = width / 64 (OpenCLIP's ViT-H and bigG
+    both have 64-wide heads: 16 at 1024, 20 at 1280), exact-erf gelu, eos_token_id 2 as diffusers' configs of these
+    encoders have (pooling at argmax of the ids)."""
+    def shape(*keys):
+        key = next((k for k in keys if k in weights), None)
+        if key is None:
+            raise MlxdiffError(f"OpenCLIP text encoder: tensor {keys[0]!r} is missing; the file is incomplete, "
+                               "re-download it")
+        found = tuple(weights[key].shape)
+        if len(found) != 2 or not all(found):
+            raise MlxdiffError(f"OpenCLIP text encoder: tensor {key!r} has shape {list(found)}; expected 2 non-zero "
+                               "dimensions")
+        return found
+
+    vocab, hidden = shape("token_embedding.weight", "text_model.embeddings.token_embedding.weight")
+    positions = shape("positional_embedding", "text_model.embeddings.position_embedding.weight")[0]
+    layers = _count_layers(weights, r"(?:transformer\.resblocks|text_model\.encoder\.layers)\.(\d+)\."
+                                    r"(?:attn\.in_proj_weight|self_attn\.in_proj\.weight)")
+    if layers == 0:
+        raise MlxdiffError("OpenCLIP text encoder: no transformer.resblocks.N.attn.in_proj_weight; this is not an "
+                           "OpenCLIP text tower")
+    intermediate = shape("transformer.resblocks.0.mlp.c_fc.weight", "text_model.encoder.layers.0.mlp.fc1.weight")[0]
+    if hidden % 64:
+        raise MlxdiffError(f"OpenCLIP text encoder: width {hidden} is not a multiple of 64, so the head count cannot "
+                           "be inferred")
+    has_projection = any(k in weights for k in ("text_projection", "text_model.text_projection"))
+    projection = shape("text_projection", "text_model.text_projection")[1] if has_projection else hidden
+    return dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, projection_dim=projection,
+                num_hidden_layers=layers, num_attention_heads=hidden // 64, max_position_embeddings=positions,
+                hidden_act="gelu", layer_norm_eps=1e-5, bos_token_id=0, eos_token_id=2, pad_token_id=1)

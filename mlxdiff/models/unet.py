@@ -8,7 +8,9 @@ Covered: CrossAttnDownBlock2D / DownBlock2D, CrossAttnUpBlock2D / UpBlock2D, UNe
 linear projections in the transformers, and SDXL's "text_time" added conditioning. Anything else is refused.
 """
 
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Optional
 
 import mlx.core as mx
@@ -16,6 +18,7 @@ import mlx.nn as nn
 
 from ..config_checks import CheckedArgs
 from ..errors import MlxdiffError
+from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .fused import attention
 from .vae import Conv2d
@@ -421,5 +424,178 @@ class Model(nn.Module):
 
     def sanitize(self, weights: dict) -> dict:
         """diffusers names and PyTorch layouts -> this module: every 4-D (conv) weight OIHW -> OHWI."""
-        return {k: (v.transpose(0, 2, 3, 1) if k.endswith(".weight") and v.ndim == 4 else v)
+        return {k: (v.transpose(0, 2, 3, 1) if k.endswith(".weight") and len(v.shape) == 4 else v)
                 for k, v in weights.items()}
+
+
+# -- original single files (ldm / SGM names: v1-5-pruned-emaonly, sd_xl_base_1.0, `model.diffusion_model.*`) --------
+# Read as diffusers' convert_ldm_unet_checkpoint / create_unet_diffusers_config_from_ldm read them, written as tables.
+
+ORIGINAL_PREFIX = "model.diffusion_model."
+FROM_BASE_CONFIG = ("sample_size",)  # the default image size is not in the weights
+
+# ldm ResBlock / SpatialTransformer parts -> diffusers' (pattern, target); the suffix is appended per use
+RESNET_PARTS = [(r"in_layers\.0", "norm1"), (r"in_layers\.2", "conv1"), (r"emb_layers\.1", "time_emb_proj"),
+                (r"out_layers\.0", "norm2"), (r"out_layers\.3", "conv2"), (r"skip_connection", "conv_shortcut")]
+# (same names in both; spelled out, with no dot inside a group, so that kohya's underscore-folded LoRA names match
+# the rules folded the same way: lora._original_rules)
+ATTENTION_PARTS = [(r"norm", "norm"), (r"proj_(in|out)", r"proj_\1"),
+                   (r"transformer_blocks\.(\d+)\.(norm[123])", r"transformer_blocks.\1.\2"),
+                   (r"transformer_blocks\.(\d+)\.(attn[12])\.(to_q|to_k|to_v)", r"transformer_blocks.\1.\2.\3"),
+                   (r"transformer_blocks\.(\d+)\.(attn[12])\.to_out\.0", r"transformer_blocks.\1.\2.to_out.0"),
+                   (r"transformer_blocks\.(\d+)\.ff\.net\.0\.proj", r"transformer_blocks.\1.ff.net.0.proj"),
+                   (r"transformer_blocks\.(\d+)\.ff\.net\.2", r"transformer_blocks.\1.ff.net.2")]
+SUFFIX = r"\.(?P<p>weight|bias)"
+TOP_LEVEL = [
+    (r"time_embed\.0" + SUFFIX, r"time_embedding.linear_1.\g<p>"),
+    (r"time_embed\.2" + SUFFIX, r"time_embedding.linear_2.\g<p>"),
+    (r"label_emb\.0\.0" + SUFFIX, r"add_embedding.linear_1.\g<p>"),   # SDXL's text_time embedding
+    (r"label_emb\.0\.2" + SUFFIX, r"add_embedding.linear_2.\g<p>"),
+    (r"input_blocks\.0\.0" + SUFFIX, r"conv_in.\g<p>"),
+    (r"out\.0" + SUFFIX, r"conv_norm_out.\g<p>"),
+    (r"out\.2" + SUFFIX, r"conv_out.\g<p>"),
+]
+
+
+def _parts(old, new, parts):
+    return [(rf"{old}\.{pattern}{SUFFIX}", rf"{new}.{target}.\g<p>") for pattern, target in parts]
+
+
+def original_keymap(layers_per_block=2, levels=4) -> list:
+    """The rule table for a UNet of `levels` resolution levels with `layers_per_block` resnets each (every released
+    SD 1.x / 2.x / XL UNet: 2). ldm numbers its blocks flat: input_blocks.{n} (n >= 1) is down level
+    (n - 1) // (L + 1), layer (n - 1) % (L + 1), the last of each level the downsampler (`0.op`); output_blocks.{n}
+    is up level n // (L + 1), layer n % (L + 1), with the upsampler (`conv`) after the attention if there is one."""
+    rules = list(TOP_LEVEL)
+    rules += _parts(r"middle_block\.0", "mid_block.resnets.0", RESNET_PARTS)
+    rules += _parts(r"middle_block\.1", "mid_block.attentions.0", ATTENTION_PARTS)
+    rules += _parts(r"middle_block\.2", "mid_block.resnets.1", RESNET_PARTS)
+    per = layers_per_block + 1
+    for n in range(1, levels * per):
+        level, layer = divmod(n - 1, per)
+        if layer < layers_per_block:
+            rules += _parts(rf"input_blocks\.{n}\.0", f"down_blocks.{level}.resnets.{layer}", RESNET_PARTS)
+            rules += _parts(rf"input_blocks\.{n}\.1", f"down_blocks.{level}.attentions.{layer}", ATTENTION_PARTS)
+        else:
+            rules.append((rf"input_blocks\.{n}\.0\.op{SUFFIX}", rf"down_blocks.{level}.downsamplers.0.conv.\g<p>"))
+    for n in range(levels * per):
+        level, layer = divmod(n, per)
+        rules += _parts(rf"output_blocks\.{n}\.0", f"up_blocks.{level}.resnets.{layer}", RESNET_PARTS)
+        rules += _parts(rf"output_blocks\.{n}\.1", f"up_blocks.{level}.attentions.{layer}", ATTENTION_PARTS)
+        if layer == layers_per_block:
+            rules.append((rf"output_blocks\.{n}\.[12]\.conv{SUFFIX}", rf"up_blocks.{level}.upsamplers.0.conv.\g<p>"))
+    return rules
+
+
+@lru_cache(maxsize=8)
+def original_rules(layers_per_block=2, levels=4) -> list:
+    """original_keymap compiled (what formats/keymaps.remap and lora.py take)."""
+    return compile_rules(original_keymap(layers_per_block, levels))
+
+
+# what lora.py maps original-named (kohya `lora_unet_input_blocks_4_1_...`) LoRA layers through: every released
+# UNet has 2 resnets per level and at most 4 levels
+_ORIGINAL_RULES = original_rules(2, 4)
+_INPUT = re.compile(r"input_blocks\.(\d+)\.")
+_OUTPUT = re.compile(r"output_blocks\.(\d+)\.")
+_DOWNSAMPLER = re.compile(r"input_blocks\.(\d+)\.0\.op\.weight")
+
+
+def is_original(names) -> bool:
+    """Whether tensor names are ldm's (with or without the prefix), not diffusers'."""
+    return any(n.split(ORIGINAL_PREFIX)[-1].startswith(("input_blocks.", "middle_block.")) for n in names)
+
+
+def _indices(weights, pattern) -> list:
+    return sorted({int(m.group(1)) for k in weights if (m := pattern.match(k))})
+
+
+def _layout(weights) -> tuple:
+    """(levels, layers per block) of ldm names, from the downsamplers and the input block count."""
+    inputs, downsamplers = _indices(weights, _INPUT), _indices(weights, _DOWNSAMPLER)
+    if not inputs or inputs != list(range(len(inputs))):
+        raise MlxdiffError(f"not a complete SD UNet original checkpoint: input_blocks indices {inputs[:4]}... are not "
+                           "contiguous from 0; re-download the file")
+    levels = len(downsamplers) + 1
+    layers, extra = divmod(len(inputs) - 1 - (levels - 1), levels)
+    outputs = _indices(weights, _OUTPUT)
+    if extra or layers < 1 or outputs != list(range(levels * (layers + 1))):
+        raise MlxdiffError(f"not a complete SD UNet original checkpoint: {len(inputs)} input_blocks, {len(outputs)} "
+                           f"output_blocks and {len(downsamplers)} downsamplers do not make a UNet; re-download the "
+                           "file")
+    return levels, layers
+
+
+def original_to_diffusers(weights: dict) -> dict:
+    """ldm UNet names -> diffusers names (lazy; nothing is read)."""
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
+    return remap(weights, original_rules(*reversed(_layout(weights))))
+
+
+def _depth(weights, block) -> int:
+    """Transformer blocks in the SpatialTransformer at `block` (ldm name), 0 where there is none."""
+    pattern = re.compile(re.escape(block) + r"\.transformer_blocks\.(\d+)\.attn1\.to_q\.weight")
+    return len(_indices(weights, pattern))
+
+
+def config_from_original(weights: dict) -> dict:
+    """The diffusers UNet2DConditionModel config of an ldm-named UNet, read off its names and shapes.
+
+    - widths, levels, layers per block, in/out channels from the convs; a level has cross-attention when its first
+      input block has a SpatialTransformer (`input_blocks.{n}.1`), and as many transformer blocks as that one has
+      (1 for a level without: diffusers' SDXL config says [1, 2, 10]); the middle block's depth must be the last
+      level's (the model gives it that one).
+    - cross_attention_dim from attn2.to_k; proj_in a 1x1 conv (SD 1.x) or a Linear (SD 2.x, SDXL).
+    - heads, which shapes cannot give: SD 1.x (conv projections) has 8 per level (attention_head_dim 8, diffusers'
+      quirk for "heads"); SD 2.x and SDXL (linear projections) have 64-wide heads: attention_head_dim = width / 64
+      per level ([5, 10, 20, 20], [5, 10, 20]).
+    - `label_emb` (SDXL): addition_embed_type "text_time" with addition_time_embed_dim 256 (the 6 size/crop ids'
+      sinusoidal width) and projection_class_embeddings_input_dim = label_emb.0.0's input width (2816 for the base).
+    - sample_size, the default latent size: 128 for SDXL, 96 for SD 2.x (768-v), 64 for SD 1.x.
+    """
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
+    levels, layers = _layout(weights)
+
+    def shape(key, ndim=None):
+        return required_shape(weights, key, "SD UNet", ndim)
+
+    first = [1 + level * (layers + 1) for level in range(levels)]       # each level's first input block
+    widths = [shape(f"input_blocks.{n}.0.in_layers.2.weight", 4)[0] for n in first]
+    conv_in = shape("input_blocks.0.0.weight", 4)
+    depths = [_depth(weights, f"input_blocks.{n}.1") for n in first]
+    attention = [d > 0 for d in depths]
+    up_attention = [_depth(weights, f"output_blocks.{level * (layers + 1)}.1") > 0 for level in range(levels)]
+    if not any(attention):
+        raise MlxdiffError("not an SD UNet original checkpoint: no SpatialTransformer (input_blocks.N.1.*) found")
+    depth_per_level = [d or 1 for d in depths]
+    mid = _depth(weights, "middle_block.1")
+    if mid != depth_per_level[-1]:
+        raise MlxdiffError(f"SD UNet original checkpoint: the middle block has {mid} transformer blocks, the last "
+                           f"level {depth_per_level[-1]}; mlxdiff's UNet gives the middle block the last level's depth")
+    level = attention.index(True)
+    block = f"input_blocks.{first[level]}.1"
+    cross = shape(f"{block}.transformer_blocks.0.attn2.to_k.weight", 2)[1]
+    linear = len(shape(f"{block}.proj_in.weight")) == 2
+    if linear and any(w % 64 for w in widths):
+        raise MlxdiffError(f"SD UNet original checkpoint: widths {widths} are not multiples of 64, the head size of "
+                           "SD 2.x / SDXL UNets (linear projections)")
+    config = {
+        "sample_size": 64,
+        "in_channels": conv_in[1],
+        "out_channels": shape("out.2.weight", 4)[0],
+        "block_out_channels": widths,
+        "layers_per_block": layers,
+        "down_block_types": ["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attention],
+        "up_block_types": ["CrossAttnUpBlock2D" if a else "UpBlock2D" for a in up_attention],
+        "cross_attention_dim": cross,
+        "attention_head_dim": [w // 64 for w in widths] if linear else 8,
+        "use_linear_projection": linear,
+        "transformer_layers_per_block": depth_per_level if len(set(depth_per_level)) > 1 else depth_per_level[0],
+        "norm_num_groups": 32,
+    }
+    if "label_emb.0.0.weight" in weights:
+        config.update(sample_size=128, addition_embed_type="text_time", addition_time_embed_dim=256,
+                      projection_class_embeddings_input_dim=shape("label_emb.0.0.weight", 2)[1])
+    elif linear:
+        config["sample_size"] = 96
+    return config

@@ -34,6 +34,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     from ..arguments import check_number, check_quantize
     from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
     from .sd3 import SD3Pipeline
+    from .stable_diffusion import StableDiffusionPipeline
     # checked here too, for calls as mlxdiff.pipelines.load
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer,
                loras=loras)
@@ -47,7 +48,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     for spec in found.components.values():
         if spec is not None and matmul is not None:
             spec.matmul = matmul
-    family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline}[found.family]
+    family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline, "sd": StableDiffusionPipeline}[found.family]
     from ..distributed import check_guidance_group
     pipe = family(found, dtype, keep, policy, check_guidance_group(group))
     from ..arguments import check_loras

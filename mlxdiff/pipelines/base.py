@@ -61,12 +61,13 @@ def guidance_pair(group, uncond, cond):
     return both[:mine.shape[0]], both[mine.shape[0]:]
 
 
-def denoise(velocity, x, sigmas, timesteps, callback=None, progress_bar=True):
-    """The flow-match Euler loop: `velocity(i, x)` is the family's prediction at step i (CFG, skip-layer or
-    embedded guidance included). Latents stay float32 whatever the compute dtype; each step is evaluated."""
+def denoise(velocity, step, x, timesteps, callback=None, progress_bar=True):
+    """The denoising loop: `velocity(i, x)` is the family's prediction at step i (CFG, skip-layer or embedded
+    guidance included), `step(i, x, prediction)` its sampler's update (flow-match Euler, or a UNet family sampler).
+    Latents stay float32 whatever the compute dtype; each step is evaluated."""
     steps = len(timesteps)
     for i in progress(range(steps), steps, "denoise", progress_bar):
-        x = schedulers.euler_step(x, velocity(i, x).astype(mx.float32), sigmas[i], sigmas[i + 1])
+        x = step(i, x, velocity(i, x).astype(mx.float32))
         mx.eval(x)
         settle()
         if callback is not None:
@@ -126,6 +127,7 @@ class Pipeline:
     run policy, and `generate`, the one template of a run. A family supplies its hooks (the methods that raise
     NotImplementedError here) and the generate() keywords only it has (OPTIONS)."""
     family = ""
+    DENOISER = "transformer"            # the component the denoise phase runs (the UNet family's: "unet")
     patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
     OPTIONS = {}                        # generate() keywords of this family only -> their defaults
     IMG2IMG_STRENGTH = None             # the strength when an init image is given without one (None: references)
@@ -302,9 +304,10 @@ class Pipeline:
                     x = self.encode_images(run, vae, x)
                 run.result.notes.append(self.images_note(run, run.result.timings["reference"]))
             # 7. denoise
-            with phase("denoise"), self.use(self.components["transformer"], run.result) as transformer:
-                x = denoise(lambda i, x: self.velocity(run, transformer, run.start + i, x), x,
-                            run.sigmas[run.start:], run.timesteps[run.start:], callback, progress_bar)
+            with phase("denoise"), self.use(self.components[self.DENOISER], run.result) as denoiser:
+                x = denoise(lambda i, x: self.velocity(run, denoiser, run.start + i, x),
+                            lambda i, x, prediction: self.step(run, run.start + i, x, prediction), x,
+                            run.timesteps[run.start:], callback, progress_bar)
             # 8. decode
             x = self.unpack(run, x)
             with phase("decode"), self.use(self.components["vae"], run.result) as vae:
@@ -361,6 +364,10 @@ class Pipeline:
     def velocity(self, run, transformer, i, x):
         """Step 7: the family's prediction at schedule index i (CFG, guidance, references included)."""
         raise NotImplementedError
+
+    def step(self, run, i, x, prediction):
+        """Step 7: the sampler's update from schedule index i to i + 1 (flow-match Euler over run.sigmas here)."""
+        return schedulers.euler_step(x, prediction, run.sigmas[i], run.sigmas[i + 1])
 
     def unpack(self, run, x):
         """Step 8: denoised latents in the transformer's layout -> the VAE's (diffusers' `latents` layout)."""
