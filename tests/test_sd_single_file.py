@@ -255,3 +255,29 @@ def test_refusals(family, tmp_path):
     with pytest.raises(MlxdiffError) as e:
         sd_single_file(path, prediction_type="x0")
     _one_line(e, "prediction_type")
+
+
+def test_vae_file_replaces_the_checkpoints(family, tmp_path):
+    """vae_file= in diffusers' names (a save_pretrained VAE, as the fp16-fixed SDXL VAE is published) or in ldm names
+    with the prefix (a VAE extracted from a checkpoint): the file's weights are used, with the model's VAE config."""
+    import torch
+    from safetensors.torch import save_file
+    name, spec, models, checkpoint, path = family
+    other = randomize_(copy.deepcopy(models["vae"]), seed=9, scale=0.1)
+    diffusers_file = tmp_path / "vae_diffusers.safetensors"
+    save_file({k: v.contiguous() for k, v in other.state_dict().items()}, str(diffusers_file))
+    ldm_file = _write(tmp_path / "vae_ldm.safetensors", {
+        "first_stage_model." + k: np.ascontiguousarray(v)
+        for k, v in vae_to_ldm(_numpy(_state(other)), len(spec["vae"]["block_out_channels"])).items()})
+    z = np.random.default_rng(6).standard_normal((1, 4, 6, 8)).astype(np.float32)
+    with torch.no_grad():
+        expected = other.decode(torch.from_numpy(z)).sample.numpy()
+    for file in (diffusers_file, ldm_file):
+        vae = sd_single_file(path, vae_file=file).components["vae"]
+        assert vae.files == [file]
+        assert vae.args.scaling_factor == (0.13025 if spec["big_g"] else 0.18215)
+        err = max_rel_err(np.array(vae.build().decode(mx.array(z))), expected)
+        assert err <= TOL, (file.name, err)
+    with pytest.raises(MlxdiffError) as e:
+        sd_single_file(path, vae_file=_write(tmp_path / "notavae.safetensors", {"a.weight": np.zeros((2, 2))}))
+    _one_line(e, "notavae.safetensors", "not an SD VAE")
