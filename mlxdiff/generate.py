@@ -10,7 +10,7 @@ between images (--keep auto).
 import time
 from pathlib import Path
 
-from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text
+from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_options, check_text
 from .files import read_capped
 from .cli import (ArgumentParser, check_writable, parse_layers, parse_loras, parse_quantize, parse_text_encoders,
                   main_exit, run, save_png)
@@ -36,7 +36,8 @@ def parse_args(argv=None):
                    help="N images from one --seed S: seeds S..S+N-1")
     p.add_argument("--keep", choices=("none", "auto", "all"), default=None,
                    help="components kept loaded between images (default: auto for several images, none for one)")
-    p.add_argument("--transformer", help="a file that replaces the denoiser (safetensors or GGUF); without --model, "
+    p.add_argument("--transformer", help="a file that replaces the denoiser (the UNet of SD 1.x / SDXL; safetensors or "
+                   "GGUF); without --model, "
                                           "FLUX.2 from files alone: with --text-encoder FILE and --vae FILE")
     p.add_argument("--lora", action="append", default=None, metavar="FILE[:SCALE]",
                    help="a LoRA (diffusers/PEFT, kohya/ComfyUI or original-named safetensors) at SCALE (default 1, "
@@ -50,6 +51,13 @@ def parse_args(argv=None):
                    help="FLUX.2: one text encoder file (safetensors or GGUF) that replaces the folder's; SD3.5: "
                         "clip_l=FILE, clip_g=FILE, t5xxl=FILE (repeat the option)")
     p.add_argument("--skip-guidance-layers", default=None, help="SD3.5: comma-separated layer indices, e.g. 7,8,9")
+    p.add_argument("--scheduler", default=None, metavar="NAME",
+                   help="SD 1.x / SDXL: the sampler (euler, euler_karras, euler_a, ddim, dpmpp_2m, dpmpp_2m_karras, "
+                        "pndm; default: the one the model's scheduler config names)")
+    p.add_argument("--prediction-type", choices=("epsilon", "v_prediction"), default=None,
+                   help="SD 2.x single files: what the UNet predicts (the file does not say)")
+    p.add_argument("--clip-skip", type=int, default=None, metavar="N",
+                   help="SD3.5, SD 1.x / SDXL: take the CLIP hidden state N layers earlier")
     p.add_argument("--quantize", default=None,
                    help="quantize while loading: bits for all (e.g. 4) or per component "
                         "(e.g. transformer=4,text_encoder_3=8)")
@@ -157,12 +165,20 @@ def generate(args, written) -> int:
     guidance_group = group if args.split == "guidance" else None
     pipe = mlxdiff.load(model, group=guidance_group, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
                         text_encoder=text_encoder, text_encoders=text_encoders, vae=args.vae,
-                        tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
+                        tokenizer=args.tokenizer, matmul=args.matmul, loras=loras, prediction_type=args.prediction_type,
                         keep=args.keep or ("auto" if count > 1 else "none"), memory_limit=args.memory_limit)
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if layers is not None:
         options["skip_guidance_layers"] = layers
+    for name in ("scheduler", "clip_skip"):       # family options: given only when set (others refuse them)
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+            check_options(pipe.family, {k: v for k, v in options.items() if k == name and name not in pipe.OPTIONS})
+    if args.scheduler is not None:
+        from .ldm_schedulers import SCHEDULERS
+        if args.scheduler not in SCHEDULERS:
+            raise MlxdiffError(f"--scheduler {args.scheduler!r} does not exist; use one of {', '.join(SCHEDULERS)}")
     strength = args.strength
     if images:
         check_images(images, strength, pipe.family)     # how this family takes them, before anything is loaded
@@ -174,6 +190,7 @@ def generate(args, written) -> int:
             "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),
             "vae": args.vae or "", "tokenizer": args.tokenizer or "",
             "steps": steps, "guidance": guidance, "dtype": str(pipe.dtype).replace("mlx.core.", ""),
+            **({"scheduler": args.scheduler} if args.scheduler else {}),
             "generator": "mlxdiff"}
     if images:
         base.update(image=" ".join(image_names), **({} if strength is None else {"strength": strength}))

@@ -77,8 +77,9 @@ def test_the_readers_capabilities():
     """The modules the readers use with a capability have it: every family's transformer is read from one original
     file and takes LoRAs (lora.MODEL_NAMES); the SD3.5 single-file encoders read their config off shapes; the
     FLUX.2 LLM encoder is read partly."""
-    for family, components in COMPONENTS.items():
-        for class_name in components["transformer"]:
+    for layout, components in COMPONENTS.items():
+        family = {"sdxl": "sd"}.get(layout, layout)      # SDXL's components, the UNet family's denoiser
+        for class_name in components.get("transformer") or components["unet"]:
             arch = ARCHITECTURES[class_name]
             assert isinstance(arch, P.OriginalFile) and isinstance(arch, P.OriginalRules), (family, arch.__name__)
             assert lora.MODEL_NAMES[arch.__name__][0] == family

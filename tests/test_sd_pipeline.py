@@ -229,3 +229,45 @@ def test_bad_requests_are_one_line(sd15, sdxl):
         xl_pipe.generate("a", width=W, height=H, steps=2, skip_guidance_layers=[1])
     with pytest.raises(MlxdiffError, match="width and height must be positive multiples of 4"):
         sd_pipe.generate("a", width=42, height=H, steps=2)
+
+
+@pytest.mark.parametrize("name", ["sd15", "sdxl"])
+def test_single_file_pipeline_matches_diffusers(name, tmp_path):
+    """An original single file (ldm / SGM names, as tests/test_sd_single_file.py writes and diffusers' converters
+    read back) through mlxdiff.load(file): the image equals diffusers' pipeline of the same models."""
+    import diffusers
+    from safetensors.numpy import save_file
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from test_sd_single_file import BIG_G, CLIP_L, FAMILIES, _checkpoint
+    spec = FAMILIES[name]
+    real_vocab = dict(vocab_size=49408, max_position_embeddings=77)    # the released tokenizers' ids and length
+    torch.manual_seed(0)
+    models = {"unet": randomize_(diffusers.UNet2DConditionModel(**spec["unet"]).eval(), seed=1, scale=0.1),
+              "vae": randomize_(diffusers.AutoencoderKL(**spec["vae"], scaling_factor=0.13025 if spec["big_g"]
+                                                        else 0.18215).eval(), seed=2, scale=0.1),
+              "text_encoder": randomize_(CLIPTextModel(CLIPTextConfig(**{**CLIP_L, **real_vocab})).eval(), seed=3,
+                                         scale=0.1)}
+    if spec["big_g"]:
+        models["text_encoder_2"] = randomize_(CLIPTextModelWithProjection(CLIPTextConfig(
+            **{**BIG_G, **real_vocab})).eval(), seed=4, scale=0.1)
+    path = tmp_path / f"{name}.safetensors"
+    save_file(_checkpoint(models, spec), str(path))
+    from mlxdiff.loading.sd_single_file import sd_single_file
+    scheduler = sd_single_file(path).scheduler_config      # the released model's, as mlxdiff reads the file
+    sched = getattr(diffusers, scheduler["_class_name"]).from_config(
+        {k: v for k, v in scheduler.items() if not k.startswith("_")})
+    if spec["big_g"]:
+        pipe = diffusers.StableDiffusionXLPipeline(**models, tokenizer=_tokenizer(), tokenizer_2=_tokenizer("!"),
+                                                   scheduler=sched)
+    else:
+        pipe = diffusers.StableDiffusionPipeline(**models, tokenizer=_tokenizer(), scheduler=sched,
+                                                 safety_checker=None, feature_extractor=None,
+                                                 requires_safety_checker=False)
+    factor = 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
+    h, w = 32, 24          # multiples of 8 (diffusers' check) and of the VAE's factor
+    noise = np.random.default_rng(5).standard_normal((1, 4, h // factor, w // factor)).astype(np.float32)
+    ref = pipe(prompt="a red fox", height=h, width=w, num_inference_steps=4, guidance_scale=4.0,
+               latents=torch.from_numpy(noise), output_type="np").images[0]
+    ours = mlxdiff.load(str(path)).generate("a red fox", width=w, height=h, steps=4, guidance=4.0, latents=noise,
+                                            progress_bar=False)
+    assert _close(ours.image, ref) <= 2 / 255

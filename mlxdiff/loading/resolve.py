@@ -2,6 +2,8 @@
 local cache, an SD3.5 single file (single_file.py), or no model but FLUX.2's files (flux2_files.py); a given
 transformer, text encoder or VAE file replaces that component."""
 
+from dataclasses import replace
+
 from ..errors import MlxdiffError
 from ..formats import check_weight_file
 from .flux2_files import flux2_files
@@ -11,8 +13,14 @@ from .sources import (PIPELINE_FAMILIES, check_together, check_unet_together, fl
 from .spec import PipelineSources
 
 
+def is_unet_file(path) -> bool:
+    """An SD 1.x / 2.x / XL checkpoint: its UNet in the original names (model.diffusion_model.input_blocks.*)."""
+    from ..formats import tensor_shapes
+    return any(n.startswith("model.diffusion_model.input_blocks.") for n in tensor_shapes(path))
+
+
 def resolve(model, *, transformer=None, text_encoders=None, text_encoder=None, vae=None,
-            tokenizer=None) -> PipelineSources:
+            tokenizer=None, prediction_type=None) -> PipelineSources:
     """What the user named -> PipelineSources (a folder, a cached hub id, an SD3.5 single file, or, with `model`
     None, FLUX.2's transformer, text encoder and VAE files). `text_encoders` (SD3.5: {"clip_l" | "clip_g" | "t5xxl":
     file}) and `text_encoder` (FLUX.2: one file) replace the model's own encoders; `vae` (one file) its VAE,
@@ -24,6 +32,9 @@ def resolve(model, *, transformer=None, text_encoders=None, text_encoder=None, v
         return flux2_files(transformer, text_encoder, vae, tokenizer)
     path = resolve_path(model)
     if path.is_dir():
+        if prediction_type is not None:
+            raise MlxdiffError(f"prediction_type=: for SD 2.x single files (their tensors do not say); {path} is a "
+                               "folder, whose scheduler_config.json says it")
         index, pipeline_class, components = read_pipeline_folder(path)
         family = PIPELINE_FAMILIES[pipeline_class]
         check_family(family, path, text_encoders, text_encoder, vae, tokenizer)
@@ -48,6 +59,21 @@ def resolve(model, *, transformer=None, text_encoders=None, text_encoder=None, v
             found.components[component] = text_encoder_file(short, file,
                                                              base_config=found.components[component].config)
         return found
+    if path.suffix in (".safetensors", ".gguf") and is_unet_file(path):
+        check_family("sd", path, text_encoders, text_encoder, None, tokenizer)
+        from .sd_single_file import sd_single_file
+        found = sd_single_file(path, vae_file=vae, prediction_type=prediction_type)
+        if transformer is not None:    # a UNet file replacing the checkpoint's
+            from ..models import unet as unet_arch
+            from .sources import transformer_from_file
+            found.components["unet"] = replace(transformer_from_file(transformer, unet_arch,
+                                                                     found.components["unet"].config, path),
+                                               name="unet")
+            check_unet_together(transformer, found.components)
+        return found
+    if prediction_type is not None:
+        raise MlxdiffError("prediction_type=: for SD 2.x single files (their tensors do not say); a folder's "
+                           "scheduler_config.json says it, and SD3.5 / FLUX.2 have none")
     if path.suffix == ".safetensors":
         check_family("sd3", path, text_encoders, text_encoder, vae, tokenizer)
         return sd3_single_file(path, transformer=transformer, text_encoders=text_encoders, vae_file=vae)

@@ -89,7 +89,10 @@ class ComponentSpec:
                 if chosen - standins:
                     weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen - standins))
             else:
-                weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=names))
+                chosen = names
+                if chosen is None and self.prefix and is_gguf(f):   # one component of a whole-model GGUF (sd.cpp):
+                    chosen = {n for n in tensor_nbytes(f) if n.startswith(self.prefix)}   # convert only its tensors
+                weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen))
         if self.prefix:
             weights = strip_prefix(weights, self.prefix)
         if self.keymap:

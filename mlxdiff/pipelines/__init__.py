@@ -6,7 +6,8 @@ from ..loading.resolve import resolve
 
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
-         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None):
+         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None,
+         prediction_type=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
     FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; loading/flux2_files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
@@ -26,6 +27,9 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     phase checks before loading that its weights fit, and the budget decides pacing, block compilation, VAE bands
     and tiles, GGUF layouts and keep="auto"); None: the free memory is the budget. The pipeline's run policy
     (mlxdiff/policy.py) is built here, from it and the MLXDIFF_* switches.
+    `prediction_type`: "epsilon" or "v_prediction", for an SD 2.x single file (its tensors do not say which).
+    SD 1.x / SDXL: `model` is a StableDiffusion(XL)Pipeline folder or an original single file (.safetensors in ldm /
+    SGM names, or stable-diffusion.cpp's .gguf); `transformer` replaces its UNet; `vae` its VAE.
     `group`: an mx.distributed group of two ranks (mlx.launch) over which a run with classifier-free guidance splits
     its two forwards (guidance-parallel: each rank one of them, one exchange per step); None: one process.
     """
@@ -43,6 +47,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     quantize = check_quantize(quantize)       # the one check: typed settings that the plan trusts
     policy = from_switches(check_number("memory_limit", memory_limit))
     found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder, vae=vae,
+                    prediction_type=prediction_type,
                     tokenizer=tokenizer)
     quantization.plan(found.components, quantize)
     for spec in found.components.values():
