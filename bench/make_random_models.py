@@ -4,6 +4,7 @@
     python bench/make_random_models.py sd3.5-large [--out DIR] [--device cuda]      # 8.1 B-parameter MMDiT
     python bench/make_random_models.py klein-4b [--out DIR] [--device cuda]
     python bench/make_random_models.py flux2-dev [--out DIR] [--device cuda] [--text-layers 30]
+    python bench/make_random_models.py sdxl | sd1.5 [--out DIR] [--device cuda]
 
 flux2-dev writes every component but the transformer's weights (only its config.json): its denoiser is the random
 Q4_K_M GGUF of bench/flux2_dev_gpu.py write-gguf, given with --transformer on both sides. Its Mistral-Small-3.1
@@ -199,7 +200,63 @@ def flux2_dev(out: Path, text_layers=30):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
-MODELS = {"sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
+def unet_family(out: Path, xl=True):
+    """SDXL base 1.0 (2.57 B UNet, CLIP-L + OpenCLIP bigG) or SD 1.5 (0.86 B UNet, CLIP-L) at their real configs."""
+    import json
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, PNDMScheduler, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    sys.path.insert(0, str(ROOT))
+    from mlxdiff.tokenizers import bundled_clip_tokenizer
+
+    torch.set_default_dtype(torch.bfloat16)
+    clip_l = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768,
+                            num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
+                            hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=1)
+    builders = {
+        "unet": lambda: UNet2DConditionModel(
+            sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+            use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816)
+        if xl else UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
+        "vae": lambda: AutoencoderKL(
+            in_channels=3, out_channels=3, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+            latent_channels=4, norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.13025 if xl else 0.18215,
+            sample_size=1024 if xl else 512, force_upcast=xl),
+        "text_encoder": lambda: CLIPTextModel(clip_l),
+    }
+    if xl:
+        builders["text_encoder_2"] = lambda: CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
+            num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", bos_token_id=49406,
+            eos_token_id=49407, pad_token_id=1))
+    save_components(out, builders)
+    bundled_clip_tokenizer("<|endoftext|>").save_pretrained(str(out / "tokenizer"))
+    common = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
+    if xl:
+        EulerDiscreteScheduler(**common, timestep_spacing="leading").save_pretrained(str(out / "scheduler"))
+        bundled_clip_tokenizer("!").save_pretrained(str(out / "tokenizer_2"))
+    else:
+        PNDMScheduler.from_config(dict(common, skip_prk_steps=True, set_alpha_to_one=False)).save_pretrained(
+            str(out / "scheduler"))
+    index = {"_class_name": "StableDiffusionXLPipeline" if xl else "StableDiffusionPipeline",
+             "_diffusers_version": "0.42.1", "unet": ["diffusers", "UNet2DConditionModel"],
+             "vae": ["diffusers", "AutoencoderKL"], "text_encoder": ["transformers", "CLIPTextModel"],
+             "tokenizer": ["transformers", "CLIPTokenizer"],
+             "scheduler": ["diffusers", "EulerDiscreteScheduler" if xl else "PNDMScheduler"]}
+    if xl:
+        index.update(text_encoder_2=["transformers", "CLIPTextModelWithProjection"],
+                     tokenizer_2=["transformers", "CLIPTokenizer"], force_zeros_for_empty_prompt=True)
+    else:
+        index.update(safety_checker=[None, None], feature_extractor=[None, None], requires_safety_checker=False)
+    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+
+
+MODELS = {"sdxl": unet_family, "sd1.5": lambda out: unet_family(out, xl=False), "sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
           "flux2-dev": flux2_dev}
 
 if __name__ == "__main__":

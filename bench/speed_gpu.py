@@ -38,6 +38,8 @@ def family(folder):
     cls = index["_class_name"]
     if cls == "StableDiffusion3Pipeline":
         return cls, 7.0
+    if cls in ("StableDiffusionXLPipeline", "StableDiffusionPipeline"):   # diffusers' default guidance_scale
+        return cls, 5.0 if cls == "StableDiffusionXLPipeline" else 7.5
     return cls, 1.0 if index.get("is_distilled") else 4.0
 
 
@@ -99,7 +101,7 @@ def run_mlxdiff(a):
     pipe.residency.keep = "none"
     pipe.residency.clear()
     none, r4 = image(pipe, PROMPT_A, 2)
-    files = [f for name in ("transformer", "vae") for f in pipe.components[name].files]
+    files = [f for name in (pipe.DENOISER, "vae") for f in pipe.components[name].files]
     if a.transformer:
         files = [Path(a.transformer)] + [f for f in files if Path(f).suffix != ".gguf"]
     nbytes = sum(Path(f).stat().st_size for f in set(map(str, files)))

@@ -20,7 +20,7 @@ from ..config_checks import CheckedArgs
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .fused import attention
+from .fused import attention, compiled_block
 from .vae import Conv2d
 
 DOWN_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
@@ -298,9 +298,9 @@ class DownBlock(nn.Module):
         skips = []
         attentions = self.get("attentions", [None] * len(self.resnets))
         for resnet, attn in zip(self.resnets, attentions):
-            x = resnet(x, temb)
+            x = compiled_block(resnet, x, temb)
             if attn is not None:
-                x = attn(x, context)
+                x = compiled_block(attn, x, context)
             skips.append(x)
         for down in self.get("downsamplers", []):
             x = down(x)
@@ -327,9 +327,9 @@ class UpBlock(nn.Module):
     def __call__(self, x, skips, temb, context, size=None):
         attentions = self.get("attentions", [None] * len(self.resnets))
         for resnet, attn in zip(self.resnets, attentions):
-            x = resnet(mx.concatenate([x, skips.pop()], axis=-1), temb)
+            x = compiled_block(resnet, mx.concatenate([x, skips.pop()], axis=-1), temb)
             if attn is not None:
-                x = attn(x, context)
+                x = compiled_block(attn, x, context)
         for up in self.get("upsamplers", []):
             x = up(x, size)
         return x
@@ -342,9 +342,9 @@ class UNetMidBlock2DCrossAttn(nn.Module):
         self.attentions = [Transformer2DModel(channels, *attn[:3], groups, attn[3])]
 
     def __call__(self, x, temb, context):
-        x = self.resnets[0](x, temb)
+        x = compiled_block(self.resnets[0], x, temb)
         for attn, resnet in zip(self.attentions, self.resnets[1:]):
-            x = resnet(attn(x, context), temb)
+            x = compiled_block(resnet, compiled_block(attn, x, context), temb)
         return x
 
 
