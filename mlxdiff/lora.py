@@ -484,10 +484,15 @@ def _family(arch):
 def _original_rules(arch, args):
     """The model's own original-name table (compiled), with dotted and underscore-folded patterns (none for a model
     without one)."""
-    if _family(arch)[0] == "sd3":
+    family = _family(arch)[0]
+    if family == "sd3":
         rules = arch.original_rules(args.num_layers - 1)
+    elif family == "sd":   # ldm numbers the UNet's blocks flat: the table of this layout (one depth per level)
+        depths = set(args.layers)
+        rules = arch.original_rules(depths.pop(), len(args.block_out_channels)) \
+            if len(depths) == 1 and hasattr(arch, "original_rules") else []
     else:
-        rules = getattr(arch, "_ORIGINAL_RULES", None) or []
+        rules = arch._ORIGINAL_RULES
     folded = [(re.compile(p.pattern.replace(r"\.", "_")), t, f) for p, t, f in rules]
     return rules, folded
 
@@ -688,8 +693,8 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         targets = layers.resolve(kind, module)
         if not targets and family == "sd" and not layers.rules and SGM_LAYERS.search(module):
             raise MlxdiffError(f"{path}: {_short(key_a)!r} names a UNet layer in SGM's original names (input_blocks, "
-                               "middle_block, output_blocks: kohya's SDXL LoRAs); mlxdiff reads UNet LoRAs in "
-                               "diffusers' names only so far: re-save the LoRA in diffusers' names")
+                               "middle_block, output_blocks: kohya's SDXL LoRAs), which mlxdiff maps for UNets with "
+                               "as many layers on every level only; re-save the LoRA in diffusers' names")
         if not targets:
             raise MlxdiffError(f"{path}: {_short(key_a)!r}: {what} has no layer {_short(module)!r}; the LoRA is "
                                "for another model (or another version of it)")
@@ -735,8 +740,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             if not fits:
                 raise MlxdiffError(
                     f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(slot['B'][1].shape)} do not fit "
-                    f"layer {target!r} ({dims[0]} in, {dims[1] * parts} out{kernel}); the LoRA is for another model "
-                    "(or another size of it)")
+                    f"layer {target!r} ({dims[0]} in, {dims[1] * parts} out{kernel}); the LoRA is for another model size")
             s = scale * _scale(path, slot, config, target, rank)
             planned.append((target, key_a, key_b, factor, b, piece, s))
     namings = {}
