@@ -1,4 +1,4 @@
-"""mlxdiff: Stable Diffusion 3.5 and FLUX.2 in MLX, with a footprint of the largest phase, not the sum."""
+"""mlxdiff: Stable Diffusion 3.5, FLUX.2, SDXL and SD 1.x in MLX, with a footprint of the largest phase, not the sum."""
 
 from . import backend  # noqa: F401  (must run before anything imports mlx.core)
 from .errors import MlxdiffError
@@ -7,7 +7,8 @@ __version__ = "0.1.0"
 
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
-         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None, **unknown):
+         text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None, prediction_type=None,
+         **unknown):
     """Resolve `model` (a diffusers folder, a single file or a cached hub id; None for FLUX.2 from its transformer,
     text encoder and VAE files alone) into a pipeline that holds specs, not weights. See mlxdiff.pipelines.load for
     the details; the arguments are checked first (arguments.py)."""
@@ -18,7 +19,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer, loras=loras)
     return _load(model, transformer=transformer, dtype=dtype, text_encoders=text_encoders, quantize=quantize,
                  matmul=matmul, keep=keep, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer, loras=loras,
-                 memory_limit=memory_limit, group=group)
+                 memory_limit=memory_limit, group=group, prediction_type=prediction_type)
 
 
 __all__ = ["load", "MlxdiffError", "__version__"]

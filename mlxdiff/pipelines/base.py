@@ -178,7 +178,7 @@ class Pipeline:
         from .. import lora
         from ..arguments import check_loras
         ((file, scale),) = check_loras([(file, scale)])
-        names = lora.components(file)
+        names = sorted({self.DENOISER if n in lora.DENOISERS else n for n in lora.components(file)})
         for name in names:
             if self.components.get(name) is None:
                 raise MlxdiffError(f"{file}: has LoRA layers for {name}, which this {self.family} pipeline does not "
