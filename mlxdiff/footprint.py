@@ -2,6 +2,7 @@
 
     python -m mlxdiff.footprint run [--interval 0.2] [--json F] -- COMMAND ...
     python -m mlxdiff.footprint compare [--model M] [--transformer F] [--width --height --steps] [--out DIR]
+                                        [--quantize Q] [--reference-dtype bfloat16|float32]
     python -m mlxdiff.footprint show DIR/footprint.json
 
 Each process is sampled every --interval seconds (macOS: phys_footprint, what Activity Monitor shows; Linux: RSS).
@@ -11,8 +12,9 @@ reference runs also print `MLXDIFF_GPU <phase> <allocated> <reserved>` (torch's 
 mlxdiff's per-phase MLX peak is read from its --report-memory table.
 
 `compare` runs mlxdiff, diffusers as is and diffusers' sequential recipe, each in its own process, on the same
-weights (the diffusers side by family: mlxdiff.reference.sd3 or mlxdiff.reference.flux2, from model_index.json's
-_class_name); it prints a table and writes the raw JSON and a timeline (PNG with matplotlib installed, else text).
+weights (the diffusers side by family: mlxdiff.reference.sd3, .flux2 or .stable_diffusion (SD 1.x / 2.x, SDXL),
+from model_index.json's _class_name; --reference-dtype float32 runs the SD one in float32, where torch's bf16
+crawls); it prints a table and writes the raw JSON and a timeline (PNG with matplotlib installed, else text).
 """
 
 import argparse
@@ -176,12 +178,16 @@ def timeline(runs: dict, path: Path):
     return path
 
 
-REFERENCES = {"sd3": "mlxdiff.reference.sd3", "flux2": "mlxdiff.reference.flux2"}
+REFERENCES = {"sd3": "mlxdiff.reference.sd3", "flux2": "mlxdiff.reference.flux2",
+              "sd": "mlxdiff.reference.stable_diffusion"}     # SD 1.x / 2.x and SDXL
+# the references that take --reference-dtype (the others run diffusers in bfloat16)
+REFERENCE_DTYPES = {"mlxdiff.reference.stable_diffusion": ("bfloat16", "float32")}
 
 
 def reference_for(model) -> tuple:
     """(the reference module, the local path) for what the user named: a pipeline folder by model_index.json's
-    _class_name (a cached hub id too); a single .safetensors file is SD3.5's."""
+    _class_name (a cached hub id too); a single .safetensors file is SD 1.x / 2.x / XL's with an original-name UNet
+    in it, else SD3.5's."""
     from .loading.sources import PIPELINE_FAMILIES, read_json, resolve_path
     path = resolve_path(model)
     if path.is_dir():
@@ -192,7 +198,8 @@ def reference_for(model) -> tuple:
                                + ", ".join(sorted(PIPELINE_FAMILIES)))
         return REFERENCES[PIPELINE_FAMILIES[cls]], path
     if path.suffix == ".safetensors":
-        return REFERENCES["sd3"], path
+        from .loading.resolve import is_unet_file
+        return REFERENCES["sd" if is_unet_file(path) else "sd3"], path
     raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
 
 
@@ -398,6 +405,13 @@ def compare(args) -> int:
     check_writable(out / "footprint.json", "--out")   # before the runs, not after minutes of them
     model = args.model or str(default_model.folder())
     module, path = reference_for(model)
+    if args.reference_dtype is not None and args.reference_dtype not in REFERENCE_DTYPES.get(module, ()):
+        raise MlxdiffError(f"--reference-dtype {args.reference_dtype}: "
+                           + (f"expected one of {', '.join(REFERENCE_DTYPES[module])}" if module in REFERENCE_DTYPES
+                              else f"{module} runs diffusers in bfloat16 only; leave it out"))
+    if module == REFERENCES["sd"] and not path.is_dir() and not args.mlxdiff_only:
+        raise MlxdiffError(f"{path.name}: an SD 1.x / 2.x / XL single file; the diffusers reference needs a pipeline "
+                           "folder (pass the folder, or --mlxdiff-only)")
     transformer = None
     if args.transformer:
         transformer = Path(args.transformer).expanduser()
@@ -425,8 +439,10 @@ def compare(args) -> int:
         request["guidance"] = args.guidance
     if transformer:
         request["transformer"] = str(transformer)
+    if args.reference_dtype is not None:
+        request["dtype"] = args.reference_dtype
     ref = lambda mode: [sys.executable, "-m", module, json.dumps({**request, "mode": mode})]
-    if not args.mlxdiff_only and sys.platform.startswith("linux"):
+    if not args.mlxdiff_only and args.reference_dtype != "float32" and sys.platform.startswith("linux"):
         try:
             cpuinfo = Path("/proc/cpuinfo").read_text()
         except OSError:
@@ -471,6 +487,8 @@ def main(argv=None) -> int:
     c.add_argument("--steps", type=int, default=2)
     c.add_argument("--interval", type=float, default=0.25)
     c.add_argument("--out", default="footprint-out")
+    c.add_argument("--reference-dtype", default=None, help="what diffusers loads and computes in (SD 1.x / SDXL "
+                   "only): bfloat16 (default) or float32, for a CPU without bf16 units")
     c.add_argument("--mlxdiff-only", action="store_true")
     c.add_argument("--no-sequential", action="store_true", help="leave out diffusers' sequential recipe")
     sh = sub.add_parser("show", help="print a saved compare's table again (its footprint.json)")

@@ -1,7 +1,9 @@
 """`python -m mlxdiff.footprint compare` end to end, for each family's diffusers reference: the embedded default
-(a Flux2KleinPipeline folder), and a tiny FLUX.2-dev folder with a GGUF transformer in city96's type mix (the
-published FLUX.2-dev Q4_K_M recipe on the diffusers side). Plus the parts that need no model: the marker parsing
-(GPU allocator lines included, which only CUDA prints), the reference chosen by family, and the CUDA table."""
+(a Flux2KleinPipeline folder), a tiny FLUX.2-dev folder with a GGUF transformer in city96's type mix (the
+published FLUX.2-dev Q4_K_M recipe on the diffusers side), a tiny SD 1.5 folder (diffusers in float32, mlxdiff
+quantizing its UNet and text encoder) and a tiny SDXL folder's sequential recipe. Plus the parts that need no
+model: the marker parsing (GPU allocator lines included, which only CUDA prints), the reference chosen by family,
+--reference-dtype's refusals, and the CUDA table."""
 
 import json
 import subprocess
@@ -39,6 +41,8 @@ build_pipeline = _import("build_pipeline", SHARED + ("test_flux2_pipeline",))
 flux2_to_bfl = _import("flux2_to_bfl", SHARED + ("test_gguf_models",))
 write_city96_gguf = _import("write_city96_gguf", SHARED + ("test_gguf_models",))
 randomize_ = _import("randomize_", ("helpers", "twins"))
+sd15_components = _import("sd15_components", SHARED + ("test_sd_pipeline",))
+sdxl_components = _import("sdxl_components", SHARED + ("test_sd_pipeline",))
 
 
 def run_compare(out, *args):
@@ -149,6 +153,70 @@ def test_compare_dev_with_gguf_transformer(dev_gguf, tmp_path):
         assert loaded and "GGUF" in loaded[0] and "Q4_K" in loaded[0] and "Q5_K" in loaded[0], runs[label]["stdout"]
 
 
+@pytest.fixture(scope="module")
+def sd_folders(tmp_path_factory):
+    """Tiny SD 1.5 and SDXL folders (tests/test_sd_pipeline.py's, every dimension distinct), saved by diffusers."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+    root = tmp_path_factory.mktemp("sd")
+    StableDiffusionPipeline(**sd15_components()).save_pretrained(str(root / "sd15"))
+    StableDiffusionXLPipeline(**sdxl_components()).save_pretrained(str(root / "sdxl"))
+    return root / "sd15", root / "sdxl"
+
+
+def held(stdout):
+    """{component: (dtypes, MB)} from the reference's `mlxdiff.reference: holds ...` lines (the last one per
+    component)."""
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("mlxdiff.reference: holds "):
+            for part in line.removeprefix("mlxdiff.reference: holds ").split(", "):
+                name, dtypes, size, _ = part.split()
+                out[name] = (set(dtypes.split("/")), float(size))
+    return out
+
+
+def test_compare_sd15_float32_reference(sd_folders, tmp_path):
+    """SD 1.5's diffusers side (StableDiffusionPipeline as is and sequential) in float32, beside mlxdiff with its
+    UNet and text encoder quantized: every side sampled by the same ruler, the table's rows, and each diffusers
+    process really holding float32 weights (sequential: the encoder alone, then the UNet and VAE alone)."""
+    sd15, _ = sd_folders
+    stdout, data = run_compare(tmp_path, "--model", str(sd15), "--width", "40", "--height", "48", "--steps", "2",
+                               "--reference-dtype", "float32", "--quantize", "unet=8,text_encoder=8")
+    check_table_and_runs(stdout, data)
+    check_show(tmp_path, stdout)
+    runs = data["runs"]
+    assert runs["mlxdiff"]["cmd"][runs["mlxdiff"]["cmd"].index("--quantize") + 1] == "unet=8,text_encoder=8"
+    for label in LABELS[1:]:
+        request = json.loads(runs[label]["cmd"][3])
+        assert runs[label]["cmd"][2] == "mlxdiff.reference.stable_diffusion"
+        assert request["dtype"] == "float32" and request["steps"] == 2 and (request["width"], request["height"]) == (
+            40, 48)
+        holds = held(runs[label]["stdout"])
+        assert holds.keys() == {"unet", "vae", "text_encoder"}, runs[label]["stdout"]
+        assert all("float32" in dtypes and "bfloat16" not in dtypes for dtypes, _ in holds.values())
+    lines = [line for line in runs["diffusers sequential"]["stdout"].splitlines() if "holds" in line]
+    assert len(lines) == 2 and "text_encoder" in lines[0] and "unet" not in lines[0]
+    assert "text_encoder" not in lines[1] and "unet" in lines[1] and "vae" in lines[1]
+    assert (tmp_path / "mlxdiff.png").exists()
+
+
+def test_sdxl_sequential_reference_is_sampled_by_phase(sd_folders):
+    """SDXL's sequential recipe (both encoders alone, then the UNet and VAE alone) as compare samples it."""
+    _, sdxl = sd_folders
+    request = {"model": str(sdxl), "width": 40, "height": 48, "steps": 2, "mode": "sequential"}
+    run = footprint.sample([sys.executable, "-m", "mlxdiff.reference.stable_diffusion", json.dumps(request)],
+                           interval=0.05, echo=False)
+    assert run["rc"] == 0, run["stderr_tail"]
+    assert [name for name, _, _ in run["phases"]] == ["encode", "load", "denoise", "decode"]
+    if sys.platform.startswith("linux"):
+        assert run["rss_peaks"].keys() == set(PHASES) and run["samples"]
+    lines = [line for line in run["stdout"].splitlines() if "holds" in line]
+    assert len(lines) == 2, run["stdout"]
+    assert held(lines[0]).keys() == {"text_encoder", "text_encoder_2"}
+    assert held(lines[1]).keys() == {"unet", "vae"}
+    assert all(dtypes == {"bfloat16"} for dtypes, _ in held(lines[1]).values())   # the default dtype
+
+
 # -- no model needed -------------------------------------------------------------------------------------------------
 
 def test_sample_reads_phase_and_gpu_markers():
@@ -190,18 +258,48 @@ def test_report_peaks_reads_the_table_generate_prints():
         "process": {"encode": 7 * GiB, "denoise": int(6.25 * GiB)}}
 
 
-def test_reference_chosen_by_family(tmp_path):
+def test_reference_chosen_by_family(tmp_path, capsys):
     assert footprint.reference_for(str(DEFAULT)) == ("mlxdiff.reference.flux2", DEFAULT)
     for cls, module in (("StableDiffusion3Pipeline", "sd3"), ("Flux2Pipeline", "flux2")):
         (tmp_path / cls).mkdir()
         (tmp_path / cls / "model_index.json").write_text(json.dumps({"_class_name": cls}))
         assert footprint.reference_for(str(tmp_path / cls))[0] == f"mlxdiff.reference.{module}"
-    (tmp_path / "sd35.safetensors").write_bytes(b"")
+    from safetensors.numpy import save_file
+    save_file({"model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight": np.zeros((6, 2), np.float16)},
+              str(tmp_path / "sd35.safetensors"))
     assert footprint.reference_for(str(tmp_path / "sd35.safetensors"))[0] == "mlxdiff.reference.sd3"
-    (tmp_path / "unet").mkdir()
-    (tmp_path / "unet" / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
-    with pytest.raises(MlxdiffError, match="no diffusers reference for pipeline 'StableDiffusionPipeline'"):
-        footprint.reference_for(str(tmp_path / "unet"))
+    save_file({"model.diffusion_model.input_blocks.0.0.weight": np.zeros((4, 4, 3, 3), np.float16)},
+              str(tmp_path / "sd15.safetensors"))
+    assert footprint.reference_for(str(tmp_path / "sd15.safetensors"))[0] == "mlxdiff.reference.stable_diffusion"
+    capsys.readouterr()
+    assert footprint.main(["compare", "--model", str(tmp_path / "sd15.safetensors"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "mlxdiff: error: sd15.safetensors: an SD 1.x / 2.x / XL single file; the diffusers reference needs a pipeline "
+        "folder (pass the folder, or --mlxdiff-only)"]
+    for cls in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
+        (tmp_path / cls).mkdir()
+        (tmp_path / cls / "model_index.json").write_text(json.dumps({"_class_name": cls}))
+        assert footprint.reference_for(str(tmp_path / cls))[0] == "mlxdiff.reference.stable_diffusion"
+    (tmp_path / "kandinsky").mkdir()
+    (tmp_path / "kandinsky" / "model_index.json").write_text(json.dumps({"_class_name": "KandinskyPipeline"}))
+    with pytest.raises(MlxdiffError, match="no diffusers reference for pipeline 'KandinskyPipeline'"):
+        footprint.reference_for(str(tmp_path / "kandinsky"))
+
+
+def test_reference_dtype_refused_where_not_taken(tmp_path):
+    """--reference-dtype: float32 or bfloat16 for the SD 1.x / SDXL reference; the other families' references run
+    bfloat16 only. Refused in one line, exit 2, before any run."""
+    sd = tmp_path / "sd"
+    sd.mkdir()
+    (sd / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
+    flux2 = "mlxdiff.reference.flux2 runs diffusers in bfloat16 only; leave it out"
+    for model, value, message in ((DEFAULT, "float32", flux2), (sd, "float16", "expected one of bfloat16, float32")):
+        proc = subprocess.run([sys.executable, "-m", "mlxdiff.footprint", "compare", "--model", str(model),
+                               "--reference-dtype", value, "--out", str(tmp_path / "out")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.strip().splitlines() == [f"mlxdiff: error: --reference-dtype {value}: {message}"], \
+            proc.stderr
 
 
 def test_cuda_table_names_the_gpu_figures(tmp_path, monkeypatch, capsys):
