@@ -205,7 +205,9 @@ def generate(args, written) -> int:
         print(f"mlxdiff: rank {group.rank()} of {group.size()}: "
               + (f"images {images_here} of {count}" if guidance_group is None else
                  f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"))
-    bar = job_bar(len(mine) * pipe.steps_run(steps, strength if images else None), not args.no_progress)
+    calls = pipe.steps_run(steps, strength if images else None,
+                           **({"scheduler": args.scheduler} if args.scheduler else {}))
+    bar = job_bar(len(mine) * calls, not args.no_progress)
     callback = None if bar is None else lambda i, t, x: bar.update(1)
     try:
         for k in mine:

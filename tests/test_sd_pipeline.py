@@ -89,6 +89,28 @@ def sd15(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sd2(tmp_path_factory):
+    """SD 2.x's shape of the family: linear projections, 64-wide-head-like head counts per level, a v-prediction
+    DDIM config (as stable-diffusion-2-1's scheduler_config.json)."""
+    import diffusers
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    parts = sd15_components()
+    torch.manual_seed(0)
+    parts["unet"] = randomize_(UNet2DConditionModel(
+        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 32), norm_num_groups=8,
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=20, attention_head_dim=(2, 4),
+        use_linear_projection=True).eval(), seed=13, scale=0.15)
+    parts["scheduler"] = diffusers.DDIMScheduler.from_config(dict(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, clip_sample=False,
+        set_alpha_to_one=False, prediction_type="v_prediction"))
+    folder = tmp_path_factory.mktemp("sd2_tiny")
+    StableDiffusionPipeline(**parts).save_pretrained(str(folder))
+    return folder, StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None,
+                                                           requires_safety_checker=False)
+
+
+@pytest.fixture(scope="module")
 def sdxl(tmp_path_factory):
     from diffusers import StableDiffusionXLPipeline
     folder = tmp_path_factory.mktemp("sdxl_tiny")
@@ -119,7 +141,8 @@ def _scheduled(pipe, name):
 
 CASES = [("sd15", "default", 7.5, "blurry"), ("sd15", "ddim", 1.0, None), ("sd15", "dpmpp_2m_karras", 4.0, None),
          ("sd15", "euler", 6.0, "dark"), ("sdxl", "default", 5.0, None), ("sdxl", "dpmpp_2m", 3.0, "grey"),
-         ("sdxl", "euler_karras", 1.0, None), ("sdxl", "pndm", 2.5, None)]
+         ("sdxl", "euler_karras", 1.0, None), ("sdxl", "pndm", 2.5, None), ("sd2", "default", 6.0, None),
+         ("sd2", "euler", 3.0, "fog")]
 
 
 @pytest.mark.parametrize("model,scheduler,guidance,negative", CASES)

@@ -324,8 +324,9 @@ class Pipeline:
         return (f"image-to-image from {run.image_names[0]}: strength {run.strength:g}, steps {run.start + 1} to "
                 f"{run.steps} of {run.steps} run (init image encoded in {seconds:.2f} s)")
 
-    def steps_run(self, steps, strength=None) -> int:
-        """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule)."""
+    def steps_run(self, steps, strength=None, **options) -> int:
+        """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule); `options`:
+        the family's generate() keywords that change it (the UNet family's scheduler)."""
         return steps if strength is None else steps - self.img2img_start(steps, strength)
 
     # -- the family's hooks ------------------------------------------------------------------------------------

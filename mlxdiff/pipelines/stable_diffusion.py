@@ -188,6 +188,18 @@ class StableDiffusionPipeline(Pipeline):
             ids = (*(o["original_size"] or size), *(o["crops_coords_top_left"] or (0, 0)), *(o["target_size"] or size))
         return mx.array([ids] * run.batch, dtype=self.dtype)
 
+    def sampler(self, name, steps):
+        """The sampler `name` (None: the model's own) over the model's scheduler config, for `steps` steps."""
+        name, config = name or self.default_scheduler(), self.scheduler_config
+        if name == "pndm" and config.get("_class_name") != "PNDMScheduler":
+            config = dict(config, skip_prk_steps=True)   # chosen over another class's config: PLMS, as UIs mean it
+        return ldm_schedulers.make_sampler(name, config, steps)
+
+    def steps_run(self, steps, strength=None, scheduler=None, **options) -> int:
+        """Model calls a run makes: PNDM's PLMS makes one more than its steps."""
+        return len(self.sampler(scheduler, steps).timesteps) - (
+            0 if strength is None else self.img2img_start(steps, strength))
+
     def prepare_latents(self, run, latents):
         cond = run.conditioning
         run.batch = cond.prompt_embeds.shape[0]
@@ -205,10 +217,7 @@ class StableDiffusionPipeline(Pipeline):
         factor = self.vae_scale_factor()
         run.state["shape"] = shape = (run.batch, self.components["unet"].args.in_channels,
                                       run.height // factor, run.width // factor)
-        name, config = run.options["scheduler"] or self.default_scheduler(), self.scheduler_config
-        if name == "pndm" and config.get("_class_name") != "PNDMScheduler":
-            config = dict(config, skip_prk_steps=True)   # chosen over another class's config: PLMS, as UIs mean it
-        sampler = ldm_schedulers.make_sampler(name, config, run.steps)
+        sampler = self.sampler(run.options["scheduler"], run.steps)
         run.state["sampler"], run.timesteps = sampler, sampler.timesteps
         # the ancestral sampler's per-step noise: a third stream of the seed (the first is the initial noise, the
         # second img2img's posterior noise)
