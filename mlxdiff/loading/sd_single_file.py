@@ -28,7 +28,6 @@ SD 2.x: whether a model predicts epsilon (2.x-base, 512 px) or v (2.0-v / 2.1, 7
 tensor, ComfyUI's mark of v-prediction models, also says v); SD 1.x and SDXL are epsilon unless it is there.
 """
 
-from pathlib import Path
 
 from ..config_checks import show
 from ..errors import MlxdiffError

@@ -15,7 +15,7 @@ from .. import backend
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_images, check_options
+from ..arguments import check_generate, check_images, check_latents, check_options
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..models.fused import forget_compiled
@@ -328,6 +328,29 @@ class Pipeline:
         """The denoising steps a run makes (image-to-image with `strength` starts later in the schedule); `options`:
         the family's generate() keywords that change it (the UNet family's scheduler)."""
         return steps if strength is None else steps - self.img2img_start(steps, strength)
+
+    # -- img2img's posterior noise (SD3.5 and the UNet family's `image_noise` keyword) --------------------------
+    def take_image_noise(self, run):
+        """check_inputs' part: `image_noise` checked, and only with an init image."""
+        run.options["image_noise"] = check_latents(run.options["image_noise"])
+        if run.options["image_noise"] is not None and not run.images:
+            raise MlxdiffError("image_noise: the VAE posterior's noise of image-to-image; give image= too, or leave "
+                               "it out")
+
+    def check_image_noise(self, run):
+        """check_run's part: `image_noise` has the VAE latents' shape at the output size."""
+        noise, factor = run.options["image_noise"], self.vae_scale_factor()
+        expected = (1, self.components[self.DENOISER].args.in_channels, run.height // factor, run.width // factor)
+        if noise is not None and tuple(noise.shape) != expected:
+            raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {expected} (the VAE latents of "
+                               "the output size)")
+
+    def posterior_noise(self, run, shape):
+        """The VAE posterior's standard-normal noise: `image_noise`, else a second stream of the seed."""
+        noise = run.options["image_noise"]
+        if noise is None:
+            return mx.random.normal((1, *shape[1:]), key=mx.random.split(mx.random.key(run.seed))[1])
+        return mx.array(noise.astype("float32"))
 
     # -- the family's hooks ------------------------------------------------------------------------------------
     def check_inputs(self, run):

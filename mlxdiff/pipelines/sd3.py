@@ -13,7 +13,7 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_latents, check_layers
+from ..arguments import check_generate, check_layers
 from ..errors import MlxdiffError
 from ..tokenizers import tokenize, report_truncation
 from . import image_inputs
@@ -119,19 +119,12 @@ class SD3Pipeline(Pipeline):
         return run.guidance > 1
 
     def check_inputs(self, run):
-        run.options["image_noise"] = check_latents(run.options["image_noise"])
-        if run.options["image_noise"] is not None and not run.images:
-            raise MlxdiffError("image_noise: the VAE posterior's noise of image-to-image; give image= too, or leave "
-                               "it out")
+        self.take_image_noise(run)
 
     def check_run(self, run):
         run.options["skip_guidance_layers"] = check_layers(
             "skip_guidance_layers", run.options["skip_guidance_layers"], self.components["transformer"].args.num_layers)
-        noise, factor = run.options["image_noise"], self.vae_scale_factor()
-        expected = (1, self.components["transformer"].args.in_channels, run.height // factor, run.width // factor)
-        if noise is not None and tuple(noise.shape) != expected:
-            raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {expected} (the VAE latents of "
-                               "the output size)")
+        self.check_image_noise(run)
 
     def encode(self, run):
         return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
@@ -155,12 +148,9 @@ class SD3Pipeline(Pipeline):
         return initial_latents(latents, shape, run.seed)
 
     def encode_images(self, run, vae, x):
-        shape, noise = run.state["shape"], run.options["image_noise"]
-        if noise is None:      # the posterior's noise: a second stream of the seed
-            eps = mx.random.normal((1, *shape[1:]), key=mx.random.split(mx.random.key(run.seed))[1])
-        else:
-            eps = mx.array(noise.astype("float32"))
-        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype, eps)
+        shape = run.state["shape"]
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+                                             self.posterior_noise(run, shape))
         x = image_inputs.noised(mx.broadcast_to(init, shape), x, run.sigmas[run.start])
         mx.eval(x)
         return x

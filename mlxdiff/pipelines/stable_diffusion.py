@@ -15,7 +15,7 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from .. import ldm_schedulers
-from ..arguments import check_generate, check_latents
+from ..arguments import check_generate
 from ..config_checks import MAX_IMAGE_SIZE
 from ..errors import MlxdiffError
 from ..tokenizers import report_truncation, tokenize
@@ -146,10 +146,7 @@ class StableDiffusionPipeline(Pipeline):
 
     def check_inputs(self, run):
         o = run.options
-        o["image_noise"] = check_latents(o["image_noise"])
-        if o["image_noise"] is not None and not run.images:
-            raise MlxdiffError("image_noise: the VAE posterior's noise of image-to-image; give image= too, or leave "
-                               "it out")
+        self.take_image_noise(run)
         if o["scheduler"] is not None and o["scheduler"] not in ldm_schedulers.SCHEDULERS:
             raise MlxdiffError(f"scheduler={o['scheduler']!r} does not exist; use one of "
                                + ", ".join(ldm_schedulers.SCHEDULERS))
@@ -164,11 +161,7 @@ class StableDiffusionPipeline(Pipeline):
             run.height = run.height or max(factor, h - h % factor)
 
     def check_run(self, run):
-        noise, factor = run.options["image_noise"], self.vae_scale_factor()
-        expected = (1, self.components["unet"].args.in_channels, run.height // factor, run.width // factor)
-        if noise is not None and tuple(noise.shape) != expected:
-            raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {expected} (the VAE latents of "
-                               "the output size)")
+        self.check_image_noise(run)
 
     def encode(self, run):
         return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
@@ -226,12 +219,9 @@ class StableDiffusionPipeline(Pipeline):
         return noise if run.img2img else noise * sampler.init_noise_sigma
 
     def encode_images(self, run, vae, x):
-        shape, noise = run.state["shape"], run.options["image_noise"]
-        if noise is None:      # the posterior's noise: a second stream of the seed
-            eps = mx.random.normal((1, *shape[1:]), key=mx.random.split(mx.random.key(run.seed))[1])
-        else:
-            eps = mx.array(noise.astype("float32"))
-        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype, eps)
+        shape = run.state["shape"]
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+                                             self.posterior_noise(run, shape))
         x = run.state["sampler"].add_noise(mx.broadcast_to(init, shape), x, run.start)
         mx.eval(x)
         return x
