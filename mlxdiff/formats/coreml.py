@@ -166,28 +166,32 @@ class _Blobs:
         except OSError as e:
             raise MlxdiffError(f"{path}: cannot read the weight file ({e.strerror or e}); re-download the model") from None
         if self.data.size < BLOB_ALIGN:
-            raise _Bad("the weight file is shorter than its 64-byte header (truncated)")
+            raise self.bad("it is shorter than its 64-byte header")
         count, version = struct.unpack_from("<II", self.data, 0)
         if version != 2:
-            raise _Bad(f"weight file version {version}; only MIL blob storage version 2 is read")
+            raise self.bad(f"storage version {version}; only MIL blob storage version 2 is read")
         self.count = count
+
+    def bad(self, what):
+        return MlxdiffError(f"{self.path}: {what}; the weight file is truncated or damaged, re-download or "
+                            "re-export the Core ML package")
 
     def read(self, offset: int, dtype_code: int, count: int) -> np.ndarray:
         np_dtype, bits, blob_type = DTYPES[dtype_code]
         if offset % BLOB_ALIGN or offset + BLOB_ALIGN > self.data.size:
-            raise _Bad(f"blob offset {offset} is outside the weight file ({self.data.size} bytes) or misaligned")
+            raise self.bad(f"blob offset {offset} is outside the weight file ({self.data.size} bytes) or misaligned")
         sentinel, kind, size, data_offset, padding = struct.unpack_from("<IIQQQ", self.data, offset)
         if sentinel != BLOB_SENTINEL:
-            raise _Bad(f"no blob metadata at offset {offset} (sentinel {sentinel:#x})")
+            raise self.bad(f"no blob metadata at offset {offset} (sentinel {sentinel:#x})")
         if kind != blob_type:
-            raise _Bad(f"blob at offset {offset} holds data type {kind}, the program says {blob_type}")
+            raise self.bad(f"blob at offset {offset} holds data type {kind}, the program says {blob_type}")
         need = math.ceil(count * bits / 8)
         if size != need:
-            raise _Bad(f"blob at offset {offset} has {size} bytes, its {count} {DTYPE_NAMES[dtype_code]} values "
-                       f"need {need}")
+            raise self.bad(f"blob at offset {offset} has {size} bytes, its {count} {DTYPE_NAMES[dtype_code]} values "
+                           f"need {need}")
         if data_offset < offset + BLOB_ALIGN or data_offset + size > self.data.size:
-            raise _Bad(f"blob data at {data_offset}..{data_offset + size} runs past the weight file "
-                       f"({self.data.size} bytes; truncated?)")
+            raise self.bad(f"blob data at {data_offset}..{data_offset + size} runs past the weight file "
+                           f"({self.data.size} bytes)")
         raw = self.data[data_offset:data_offset + size]
         if bits < 8:
             return unpack_bits(raw, bits, count, dtype_code in SIGNED_SUB_BYTE)
@@ -367,6 +371,10 @@ class _Program:
         except OSError as e:
             raise MlxdiffError(f"{self.model_file}: cannot read it ({e.strerror or e})") from None
         self.buf = buf
+        _guard(self.model_file, self._parse)
+
+    def _parse(self):
+        buf = self.buf
         model = _fields(buf)
         if MODEL_PROGRAM not in model:
             raise MlxdiffError(f"{self.model_file}: not an ML program (a neural-network-format Core ML model or "
@@ -557,7 +565,7 @@ def _guard(path, fn):
     except _Bad as e:
         raise MlxdiffError(f"{path}: {e}; the Core ML package is damaged or not one coremltools made, "
                            "re-export or re-download it") from None
-    except (IndexError, ValueError, struct.error, MemoryError) as e:   # a malformed message we did not foresee
+    except (IndexError, KeyError, TypeError, ValueError, OverflowError, struct.error, MemoryError) as e:  # unforeseen
         raise MlxdiffError(f"{path}: unreadable Core ML program ({type(e).__name__}: {e}); re-export or "
                            "re-download it") from None
 
