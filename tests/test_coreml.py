@@ -18,9 +18,9 @@ from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats import coreml
 
-ct = pytest.importorskip("coremltools")
-torch = pytest.importorskip("torch")
-pytest.importorskip("sklearn")        # coremltools' k-means
+import coremltools as ct              # the dev extra installs it (and scikit-learn, its k-means): no skip
+import sklearn  # noqa: F401
+import torch
 from coremltools.optimize.coreml import (OpLinearQuantizerConfig, OpPalettizerConfig, OptimizationConfig,  # noqa: E402
                                          decompress_weights, get_weights_metadata, linear_quantize_weights,
                                          palettize_weights)
