@@ -32,6 +32,9 @@ REFERENCE_MAX_ASPECT = 8
 SUPPORTED_BITS = (3, 4, 5, 6, 8)
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 64
+# quantize="p6" / "p6:g16": palettized (a k-means table per tensor, or per `g` output rows; formats/palettized.py)
+PALETTE_BITS = (1, 2, 3, 4, 6, 8)
+PALETTE_EXAMPLE = "p6 (a 64-entry table per tensor) or p6:g16 (one per 16 output rows)"
 
 DEFAULT = "; leave it out for the model's default"
 
@@ -69,12 +72,25 @@ TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
 @dataclass(frozen=True)
 class QuantizeSetting:
     """One component's quantize-while-loading setting, checked (made by quantize_setting). `as_dict()` is the form
-    a spec holds and a converted checkpoint's config.json saves: {"bits", "group_size"}."""
+    a spec holds and a converted checkpoint's config.json saves: {"bits", "group_size"} for MLX's affine mode;
+    {"mode": "palettize", "bits", "group_size"} for palettized weights, whose group size counts output rows per
+    table (None: one table per tensor) where affine's counts input columns per scale."""
     bits: int
-    group_size: int = DEFAULT_GROUP_SIZE
+    group_size: int | None = DEFAULT_GROUP_SIZE
+    mode: str = "affine"
 
     def as_dict(self) -> dict:
+        if self.mode == "palettize":
+            return {"mode": self.mode, "bits": self.bits, "group_size": self.group_size}
         return {"bits": self.bits, "group_size": self.group_size}
+
+    @property
+    def text(self) -> str:
+        """The setting as --quantize takes it: 4, p6, p6:g16 (group sizes other than the default are API-only for
+        affine)."""
+        if self.mode == "palettize":
+            return f"p{self.bits}" + (f":g{self.group_size}" if self.group_size else "")
+        return str(self.bits)
 
 
 def memory_cap_gb() -> float:
@@ -307,30 +323,76 @@ def check_generate(**values) -> dict:
 
 
 def quantize_setting(value, where="quantize") -> QuantizeSetting:
-    """The one check of a quantize setting: bits (an integer of SUPPORTED_BITS), {"bits": B[, "group_size": G]}
-    (G of GROUP_SIZES, default DEFAULT_GROUP_SIZE) or a QuantizeSetting (made here already: trusted) ->
-    QuantizeSetting. `where` names the argument in the one-line error (quantize, quantize['transformer'])."""
+    """The one check of a quantize setting -> QuantizeSetting. `where` names the argument in the one-line error
+    (quantize, quantize['transformer']). Affine: bits (an integer of SUPPORTED_BITS) or {"bits": B[,
+    "group_size": G]} (G of GROUP_SIZES, default DEFAULT_GROUP_SIZE). Palettized: "pN" or "pN:gG" (N of
+    PALETTE_BITS; G output rows per table, any positive integer, checked against each layer's rows when the layer is
+    palettized), or {"mode": "palettize", "bits": N[, "group_size": G or None]}. A QuantizeSetting (made here
+    already) is trusted."""
     if isinstance(value, QuantizeSetting):
         return value
+    if isinstance(value, str):
+        return _palette_setting(value, where)
+    if isinstance(value, dict) and value.get("mode") == "palettize":
+        return _palette_dict(value, where)
     setting = value if isinstance(value, dict) else {"bits": value}
     allowed = ", ".join(map(str, SUPPORTED_BITS))
     if set(setting) - {"bits", "group_size"} or "bits" not in setting or any(
             isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in setting.values()):
-        raise MlxdiffError(f"{where}={shown(value)}: expected bits as an integer ({allowed}) or "
-                           '{"bits": B, "group_size": G}')
+        raise MlxdiffError(f"{where}={shown(value)}: expected bits as an integer ({allowed}), "
+                           '{"bits": B, "group_size": G}, or a palettized ' + PALETTE_EXAMPLE)
     bits, group_size = int(setting["bits"]), int(setting.get("group_size", DEFAULT_GROUP_SIZE))
     if bits not in SUPPORTED_BITS:
         raise MlxdiffError(f"{where}={shown(value)}: {bits}-bit quantization is not supported; use one of "
-                           f"{allowed}")
+                           f"{allowed}" + (f" (or palettized p{bits})" if bits in PALETTE_BITS else ""))
     if group_size not in GROUP_SIZES:
         raise MlxdiffError(f"{where}={shown(value)}: group size {group_size} is not supported; use one of "
                            + ", ".join(map(str, GROUP_SIZES)))
     return QuantizeSetting(bits, group_size)
 
 
+def _palette_checked(value, where, bits, group_size) -> QuantizeSetting:
+    if bits not in PALETTE_BITS:
+        raise MlxdiffError(f"{where}={shown(value)}: {bits}-bit palettization is not supported; use "
+                           + ", ".join(f"p{b}" for b in PALETTE_BITS))
+    if group_size is not None and group_size < 1:
+        raise MlxdiffError(f"{where}={shown(value)}: a table's group size counts output rows, at least 1; e.g. "
+                           + PALETTE_EXAMPLE)
+    return QuantizeSetting(bits, group_size, "palettize")
+
+
+def _palette_setting(value: str, where) -> QuantizeSetting:
+    """"p6" / "p6:g16" (bits, output rows per table)."""
+    import re
+    m = re.fullmatch(r"p(\d{1,2})(?::g(\d{1,6}))?", value)
+    if m is None:
+        raise MlxdiffError(f"{where}={shown(value)}: expected bits as an integer (" + ", ".join(
+            map(str, SUPPORTED_BITS)) + ") or a palettized " + PALETTE_EXAMPLE)
+    return _palette_checked(value, where, int(m.group(1)), None if m.group(2) is None else int(m.group(2)))
+
+
+def _palette_dict(value: dict, where) -> QuantizeSetting:
+    """{"mode": "palettize", "bits": N[, "group_size": G or None]} (what as_dict gives and config.json keeps)."""
+    bits, group_size = value.get("bits"), value.get("group_size")
+    def bad(v):
+        return isinstance(v, bool) or not isinstance(v, numbers.Integral)
+    if set(value) - {"mode", "bits", "group_size"} or bad(bits) or (group_size is not None and bad(group_size)):
+        raise MlxdiffError(f"{where}={shown(value)}: expected {{\"mode\": \"palettize\", \"bits\": N, "
+                           "\"group_size\": G} (G output rows per table, or None for one per tensor)")
+    return _palette_checked(value, where, int(bits), None if group_size is None else int(group_size))
+
+
+def quantize_word(text: str):
+    """One --quantize value as the command line gives it: "4" -> 4, "p6" / "p6:g16" -> as is (checked by
+    quantize_setting); anything else is a ValueError (the CLI's one line says what it expects)."""
+    text = text.strip()
+    return text if text.startswith("p") else int(text)
+
+
 def check_quantize(quantize):
-    """quantize=: bits for every component, or {component: bits | {"bits", "group_size"}} -> a QuantizeSetting for
-    every component, or {component: QuantizeSetting}; None stays None. Settings already checked pass as they are.
+    """quantize=: a setting for every component, or {component: setting} (bits, {"bits", "group_size"}, "p6",
+    "p6:g16": quantize_setting) -> a QuantizeSetting for every component, or {component: QuantizeSetting}; None
+    stays None. Settings already checked pass as they are.
     The component names are checked against the pipeline by loading.quantize.plan, which trusts these settings."""
     if quantize is None:
         return None

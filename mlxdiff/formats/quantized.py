@@ -4,7 +4,9 @@
 - RawBlocks: a file's own blocks (GGUF's Q2_K, Q3_K, Q6_K, which have no exact affine form at their size), held at
   the file's size and decoded to float one layer at a time just before its matmul (formats/gguf.py RawLinear);
 - Float8Weight: a safetensors file's float8 e4m3fn weight (ComfyUI's scaled fp8 and comfy_quant layouts, or plain
-  fp8) with its scale, held at 8 bits and decoded the same way (formats/fp8.py Fp8Linear).
+  fp8) with its scale, held at 8 bits and decoded the same way (formats/fp8.py Fp8Linear);
+- PalettizedWeight: n-bit indices into a lookup table per tensor or per group of output rows (Core ML's
+  palettization), held packed and decoded the same way (formats/palettized.py PalettizedLinear).
 
 Key maps split and join both along their rows (a fused qkv into q, k, v) without decoding. `flatten_quantized`
 turns them into layer arrays and says which layers to make quantized before strict loading; `chunked_matmul` is
@@ -12,6 +14,7 @@ the per-layer decode-then-matmul that DequantizedLinear and RawLinear share.
 """
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -108,7 +111,60 @@ class Float8Weight:
         return w.astype(dtype) if dtype is not None else w
 
 
-FORMS = (QuantizedTensor, RawBlocks, Float8Weight)
+@dataclass
+class PalettizedWeight:
+    """A palettized weight (formats/palettized.py says the layout): `packed` uint8 [out, bytes per row], each row's
+    n-bit indices; `lut` [groups, 2**nbits], rows r*group_size .. (r+1)*group_size-1 reading table r; `scale`
+    [out] or None; `shape` the logical PyTorch shape. w[r] = lut[r // group_size][idx[r]] (* scale[r])."""
+    packed: mx.array
+    lut: mx.array
+    scale: mx.array | None
+    shape: tuple
+
+    @property
+    def nbits(self) -> int:
+        return self.lut.shape[1].bit_length() - 1
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[0] // self.lut.shape[0]
+
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.lut.nbytes + (0 if self.scale is None else self.scale.nbytes)
+
+    def dequantize(self, dtype=None) -> mx.array:
+        from .palettized import decode
+        w = decode(self.packed, self.lut, self.scale, math.prod(self.shape[1:]), self.group_size).reshape(self.shape)
+        return w.astype(dtype) if dtype is not None else w
+
+    def arrays(self, prefix) -> dict:
+        """{prefix.weight: packed, prefix.lut[, prefix.scale]}: the parameters of the PalettizedLinear at `prefix`."""
+        out = {f"{prefix}.weight": self.packed, f"{prefix}.lut": self.lut}
+        if self.scale is not None:
+            out[f"{prefix}.scale"] = self.scale
+        return out
+
+    def rows(self, start, stop) -> "PalettizedWeight":
+        """Rows start:stop, still palettized: the tables of the groups they cover (whole groups, or any rows of a
+        tensor with one table)."""
+        gs = self.group_size
+        if self.lut.shape[0] == 1:
+            lut = self.lut
+        elif start % gs == 0 and stop % gs == 0:
+            lut = self.lut[start // gs: stop // gs]
+        else:
+            raise MlxdiffError(f"cannot take rows {start}:{stop} of a palettized weight of shape {self.shape}: they "
+                               f"cut a group of {gs} rows that share a table")
+        return PalettizedWeight(self.packed[start:stop], lut, None if self.scale is None else self.scale[start:stop],
+                                (stop - start, *self.shape[1:]))
+
+
+FORMS = (QuantizedTensor, RawBlocks, Float8Weight, PalettizedWeight)
 
 
 def split_rows(tensor, n: int) -> list:
@@ -117,6 +173,11 @@ def split_rows(tensor, n: int) -> list:
     Quantized forms are split while still quantized (rows of weight, scales and biases, or of blocks); an array
     with mx.split.
     """
+    if isinstance(tensor, PalettizedWeight):
+        if tensor.shape[0] % n:
+            raise MlxdiffError(f"cannot split a palettized weight of shape {tensor.shape} into {n} equal row blocks")
+        step = tensor.shape[0] // n
+        return [tensor.rows(i * step, (i + 1) * step) for i in range(n)]
     if isinstance(tensor, Float8Weight):
         if tensor.shape[0] % n:
             raise MlxdiffError(f"cannot split a float8 weight of shape {tensor.shape} into {n} equal row blocks")
@@ -140,6 +201,8 @@ def concat_rows(parts: list):
     """Inverse of split_rows (e.g. to reorder row blocks). Quantized parts must share their form and settings."""
     if all(isinstance(p, Float8Weight) for p in parts):
         return Float8Weight(mx.concatenate([p.codes for p in parts]), mx.concatenate([p.scale for p in parts]))
+    if all(isinstance(p, PalettizedWeight) for p in parts) and len({(p.nbits, p.shape[1:]) for p in parts}) == 1:
+        return _concat_palettized(parts)
     if all(isinstance(p, RawBlocks) for p in parts) and len({p.type_name for p in parts}) == 1:
         return RawBlocks(mx.concatenate([p.blocks for p in parts]), parts[0].type_name,
                          (sum(p.shape[0] for p in parts), *parts[0].shape[1:]), parts[0].decode)
@@ -154,6 +217,18 @@ def concat_rows(parts: list):
                            parts[0].source_type)
 
 
+def _concat_palettized(parts):
+    """Palettized parts joined along their rows: tables repeated to the parts' common group size (the gcd of theirs),
+    scales of ones for a part without."""
+    gs = math.gcd(*(p.group_size for p in parts))
+    luts = [mx.repeat(p.lut, p.group_size // gs, axis=0) if p.group_size != gs else p.lut for p in parts]
+    scaled = any(p.scale is not None for p in parts)
+    scale = mx.concatenate([p.scale if p.scale is not None else mx.ones((p.shape[0],), p.lut.dtype)
+                            for p in parts]) if scaled else None
+    return PalettizedWeight(mx.concatenate([p.packed for p in parts]), mx.concatenate(luts), scale,
+                            (sum(p.shape[0] for p in parts), *parts[0].shape[1:]))
+
+
 def flatten_quantized(weights: dict):
     """{name: array | QuantizedTensor | RawBlocks | Float8Weight} -> (flat {name: array}, {layer path: setting}).
 
@@ -161,7 +236,9 @@ def flatten_quantized(weights: dict):
     "group_size"} (use `nn.quantize(model, class_predicate=quantized_predicate(layers))` before `load_weights`),
     or, for RawBlocks, "<layer>.weight" = the blocks with setting {"raw": GGUF type} (formats/gguf.use_raw_layers),
     or, for Float8Weight, "<layer>.weight" = the codes and "<layer>.weight_scale" = the row scales with setting
-    {"fp8": "float8_e4m3fn"} (formats/fp8.use_fp8_layers).
+    {"fp8": "float8_e4m3fn"} (formats/fp8.use_fp8_layers), or, for PalettizedWeight, "<layer>.weight" = the packed
+    indices, "<layer>.lut" and maybe "<layer>.scale" with setting {"palettize": nbits, "groups", "scale"}
+    (formats/palettized.use_palettized_layers).
     """
     flat, layers = {}, {}
     for name, value in weights.items():
@@ -178,6 +255,9 @@ def flatten_quantized(weights: dict):
         elif isinstance(value, RawBlocks):
             flat[name] = value.blocks
             layers[prefix] = {"raw": value.type_name}
+        elif isinstance(value, PalettizedWeight):
+            flat.update(value.arrays(prefix))
+            layers[prefix] = {"palettize": value.nbits, "groups": value.lut.shape[0], "scale": value.scale is not None}
         else:
             flat.update(value.arrays(prefix))
             layers[prefix] = value.quantization
@@ -188,7 +268,7 @@ def quantized_predicate(layers: dict):
     """class_predicate for nn.quantize: per-layer {"bits", "group_size"} for the layers stored in affine form."""
     def predicate(path, module):
         setting = layers.get(path, False)
-        if not hasattr(module, "to_quantized") or not setting or "raw" in setting or "fp8" in setting:
+        if not hasattr(module, "to_quantized") or not setting or {"raw", "fp8", "palettize"} & set(setting):
             return False
         return setting
     return predicate
@@ -198,7 +278,7 @@ def quantized_predicate(layers: dict):
 
 def linear_dims(module):
     """(input width, output width) of a linear layer of any kind mlxdiff builds (plain, quantized, dequantizing,
-    GGUF-raw, fp8, or a wrapper around one such as mlxdiff/lora.py's LoRALinear), or None if it is not one."""
+    GGUF-raw, fp8, palettized, or a wrapper around one such as mlxdiff/lora.py's LoRALinear), or None if it is not one."""
     base = module.get("base")
     if isinstance(base, nn.Module):                         # a wrapper (LoRALinear): its base layer's
         return linear_dims(base)
@@ -209,7 +289,7 @@ def linear_dims(module):
         return None
     if hasattr(module, "bits") and "scales" in module:     # nn.QuantizedLinear, DequantizedLinear
         return module["weight"].shape[1] * 32 // module.bits, module["weight"].shape[0]
-    in_dims = getattr(module, "in_dims", None)                # RawLinear (GGUF blocks), Fp8Linear
+    in_dims = getattr(module, "in_dims", None)     # RawLinear (GGUF blocks), Fp8Linear, PalettizedLinear
     return (in_dims, module["weight"].shape[0]) if isinstance(in_dims, int) else None
 
 

@@ -10,6 +10,10 @@ multiple of the group size. SD3's per-block adaLN layers ARE quantized: they hol
 Streaming: nn.quantize replaces each Linear by a QuantizedLinear whose arrays are still lazy functions of the lazily
 mapped file; `materialize` then evaluates one module at a time, so the full-precision model never exists at once.
 The peak is the quantized size plus about one layer in its stored dtype.
+
+Palettized settings ({"mode": "palettize", "bits", "group_size"}: "p6", "p6:g16") take the same layers by the model's
+own rule, with no condition on the input width, and make them PalettizedLinear (formats/palettized.py), whose k-means
+is as lazy and is streamed the same way.
 """
 
 import mlx.core as mx
@@ -20,7 +24,7 @@ from ..arguments import DEFAULT_GROUP_SIZE, quantize_setting
 from ..errors import MlxdiffError
 
 def setting(value, where="quantize") -> dict:
-    """4, {"bits": 4[, "group_size": 64]} or a QuantizeSetting -> the {"bits", "group_size"} a spec holds
+    """4, {"bits": 4[, "group_size": 64]}, "p6[:g16]" or a QuantizeSetting -> the {["mode",] "bits", "group_size"} a spec holds
     (`spec.quantize`), through the one check of quantize settings (arguments.quantize_setting; a QuantizeSetting,
     checked already, is taken as it is)."""
     return quantize_setting(value, where).as_dict()
@@ -42,17 +46,41 @@ def plan(components: dict, quantize) -> None:
         present[name].quantize = setting(value, f"quantize[{name!r}]")
 
 
-def quantizable(model, path, module, group_size) -> bool:
-    """The model's own rule, plus what MLX needs: a Linear whose input width is a multiple of the group size."""
-    if not isinstance(module, nn.Linear) or module.weight.shape[-1] % group_size:
+def quantizable(model, path, module, group_size, mode="affine") -> bool:
+    """The model's own rule, plus what MLX needs: a Linear whose input width is a multiple of the group size (for
+    the affine mode; a palettized layer's groups are of output rows, checked as it is palettized)."""
+    if not isinstance(module, nn.Linear) or (mode == "affine" and module.weight.shape[-1] % group_size):
         return False
     rule = getattr(model, "quant_predicate", None)
     return rule is None or rule(path, module)
 
 
-def quantize_model(model, bits: int, group_size: int = DEFAULT_GROUP_SIZE):
-    """Replace the quantizable Linear layers by QuantizedLinear (lazily; call materialize to stream)."""
-    checked = quantize_setting({"bits": bits, "group_size": group_size})
+def quantized_paths(model, quantize: dict) -> set:
+    """The parameter paths (`<layer>.weight`) that quantize-while-loading with the setting `quantize` replaces."""
+    mode = quantize.get("mode", "affine")
+    return {f"{path}.weight" for path, m in model.named_modules()
+            if quantizable(model, path, m, quantize["group_size"], mode)}
+
+
+def quantize_model(model, bits: int, group_size: int | None = DEFAULT_GROUP_SIZE, mode: str = "affine"):
+    """Replace the quantizable Linear layers by QuantizedLinear, or by PalettizedLinear for mode "palettize"
+    (lazily; call materialize to stream). A palettized group size that does not divide a layer's rows is refused
+    in one line naming the layer."""
+    checked = quantize_setting({"bits": bits, "group_size": group_size} | ({"mode": mode} if mode != "affine" else {}))
+    if checked.mode == "palettize":
+        from mlx.utils import tree_map_with_path
+        from ..formats.palettized import PalettizedLinear, palettize
+        dtype = getattr(model, "compute_dtype", None)
+
+        def swap(path, m):
+            if not quantizable(model, path, m, None, "palettize"):
+                return m
+            weight = palettize(m.weight, checked.bits, checked.group_size,
+                               where=f"quantize={checked.text}: layer {path}")
+            return PalettizedLinear.of(weight, m.get("bias"), dtype)
+
+        model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
+        return model
     nn.quantize(model, group_size=checked.group_size, bits=checked.bits,
                 class_predicate=lambda path, m: quantizable(model, path, m, checked.group_size))
     return model
@@ -62,7 +90,12 @@ def prepare_quantized(model, weights: dict, quantization: dict, rename=None) -> 
     """For a checkpoint saved quantized (mlxdiff.convert, mlx-lm's convert): quantize exactly the layers that have
     `.scales` in the file, each with the settings its arrays imply (mlx-lm's `infer_quant_config`), or with the
     per-layer entry of `quantization` where there is one. `rename` maps a file key to the model's (per-layer
-    entries are keyed by the file's module paths)."""
+    entries are keyed by the file's module paths). A palettized checkpoint (quantization {"mode": "palettize"}):
+    the layers with `<layer>.lut` in the file become PalettizedLinear of the tables' shapes."""
+    if quantization.get("mode") == "palettize":
+        from ..formats.palettized import palettized_layers, use_palettized_layers
+        use_palettized_layers(model, palettized_layers(weights), getattr(model, "compute_dtype", None))
+        return
     from mlx_lm.utils import infer_quant_config
     overrides = {}
     for path, value in quantization.items():
