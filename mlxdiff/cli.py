@@ -119,14 +119,15 @@ def main_exit(main):
 
 
 def parse_quantize(text):
-    """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}; checked as the API
+    """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}; "unet=p6:g16" -> {"unet":
+    "p6:g16"} (palettized: arguments.quantize_setting); checked as the API
     checks quantize= (a component named twice is refused, not overridden)."""
-    from .arguments import check_quantize
+    from .arguments import check_quantize, quantize_word
     if text is None:
         return None
     try:
         if "=" not in text:
-            return check_quantize(int(text))
+            return check_quantize(quantize_word(text))
         value = {}
         for item in text.split(","):
             name, bits = (part.strip() for part in item.split("="))
@@ -134,10 +135,10 @@ def parse_quantize(text):
                 raise ValueError
             if name in value:
                 raise MlxdiffError(f"--quantize {text!r}: {name} is given twice; give each component once")
-            value[name] = int(bits)
+            value[name] = quantize_word(bits)
     except ValueError:
         raise MlxdiffError(f"--quantize {text!r}: expected bits (e.g. 4) or component=bits pairs "
-                           "(e.g. transformer=4,text_encoder_3=8)") from None
+                           "(e.g. transformer=4,text_encoder_3=8, or palettized unet=p6)") from None
     return check_quantize(value)
 
 

@@ -55,7 +55,7 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     """
     import mlx.core as mx
     from ..formats.quantized import flatten_quantized, quantized_predicate
-    from .quantize import prepare_quantized, quantizable, quantize_model
+    from .quantize import prepare_quantized, quantize_model, quantized_paths
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
     given = {id(v): k for k, v in weights.items()}   # a refusal names a tensor as given, where sanitize only renamed it
@@ -68,19 +68,20 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
         import mlx.nn as nn  # bits) or RawLinear (the file's blocks); float8 ones Fp8Linear (formats/fp8.py)
         from ..formats.fp8 import use_fp8_layers
         from ..formats.gguf import use_raw_layers
+        from ..formats.palettized import use_palettized_layers
         nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
         use_raw_layers(model, gguf_layers, model.compute_dtype)
+        use_palettized_layers(model, gguf_layers, model.compute_dtype)
         use_fp8_layers(model, gguf_layers, weights, model.compute_dtype)
     load_into(model, weights, source)
     stored = keep_activations_in(model, model.compute_dtype)
     del weights
     # the weights that quantize-while-loading quantizes stay unread here (materialize streams them, layer by layer)
-    skip = set() if not quantize else {
-        f"{path}.weight" for path, m in model.named_modules() if quantizable(model, path, m, quantize["group_size"])}
+    skip = set() if not quantize else quantized_paths(model, quantize)
     if check:
         check_finite(model, source, stored, skip, given)
     if quantize:  # quantize while loading: still lazy here, materialized layer by layer by the caller
-        quantize_model(model, quantize["bits"], quantize["group_size"])
+        quantize_model(model, **quantize)
     return model
 
 
