@@ -65,9 +65,10 @@ def parse_args(argv=None):
                    help="how quantized layers multiply (default per backend; see bench/RESULTS.md)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    help="cap MLX memory; a component that cannot fit streams its blocks from its file")
-    p.add_argument("--split", choices=("images", "guidance"), default="images",
-                   help="under mlx.launch: the images over the ranks (default), or each image's two guidance "
-                        "forwards over two ranks (rank 0 writes)")
+    p.add_argument("--split", choices=("images", "guidance", "tensor"), default="images",
+                   help="under mlx.launch: the images over the ranks (default), each image's two guidance "
+                        "forwards over two ranks, or the transformer's blocks sharded over the ranks (FLUX.2, "
+                        "SD3.5; each rank holds about 1/N of them); rank 0 writes")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
     p.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -146,7 +147,6 @@ def generate(args, written) -> int:
     image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
     check_number("memory_limit", args.memory_limit)
 
-    import mlxdiff
     from .distributed import check_same_job, job_group, share
     model = args.model
     if model is None and args.transformer is None:   # with --transformer: FLUX.2 from files alone
@@ -163,10 +163,14 @@ def generate(args, written) -> int:
     if group is not None:
         check_same_job(group, repr(sorted(vars(args).items())))
     guidance_group = group if args.split == "guidance" else None
-    pipe = mlxdiff.load(model, group=guidance_group, transformer=args.transformer, dtype=args.dtype, quantize=quantize,
-                        text_encoder=text_encoder, text_encoders=text_encoders, vae=args.vae,
-                        tokenizer=args.tokenizer, matmul=args.matmul, loras=loras, prediction_type=args.prediction_type,
-                        keep=args.keep or ("auto" if count > 1 else "none"), memory_limit=args.memory_limit)
+    tensor_group = group if args.split == "tensor" else None      # every rank makes every image, together
+    shared = guidance_group or tensor_group
+    from .pipelines import load as load_pipeline     # mlxdiff.load with split= (checked there as by mlxdiff.load)
+    pipe = load_pipeline(model, group=shared, split=args.split if shared else None, transformer=args.transformer,
+                         dtype=args.dtype, quantize=quantize, text_encoder=text_encoder, text_encoders=text_encoders,
+                         vae=args.vae, tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
+                         prediction_type=args.prediction_type, keep=args.keep or ("auto" if count > 1 else "none"),
+                         memory_limit=args.memory_limit)
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if layers is not None:
@@ -198,13 +202,15 @@ def generate(args, written) -> int:
         from .lora import describe
         base["lora"] = describe(loras)
     job = [(prompt, seed) for prompt in prompts for seed in seeds]
-    mine = share(count, None if guidance_group else group)    # data-parallel: this rank's share of the images
-    writes = guidance_group is None or group.rank() == 0      # guidance-parallel: rank 0 writes
+    mine = share(count, None if shared else group)    # data-parallel: this rank's share of the images
+    writes = shared is None or group.rank() == 0      # guidance- or tensor-parallel: rank 0 writes
     if group is not None:
         images_here = ", ".join(str(k + 1) for k in mine) or "none"
         print(f"mlxdiff: rank {group.rank()} of {group.size()}: "
-              + (f"images {images_here} of {count}" if guidance_group is None else
-                 f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"))
+              + (f"images {images_here} of {count}" if shared is None else
+                 f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"
+                 if guidance_group is not None else
+                 f"1/{group.size()} of the transformer's heads and feed-forward widths, every image"))
     calls = pipe.steps_run(steps, strength if images else None,
                            **({"scheduler": args.scheduler} if args.scheduler else {}))
     bar = job_bar(len(mine) * calls, not args.no_progress)
@@ -235,7 +241,9 @@ def generate(args, written) -> int:
     if group is not None:
         what = f"rank {group.rank()}: {len(written)} of the {count} images written"
         if not writes:
-            what = f"rank {group.rank()}: computed its guidance forwards; rank 0 wrote the images"
+            what = (f"rank {group.rank()}: computed its guidance forwards; rank 0 wrote the images"
+                    if guidance_group is not None else
+                    f"rank {group.rank()}: computed its share of the transformer; rank 0 wrote the images")
     else:
         what = (f"image written to {outputs[0].resolve()}" if count == 1 else
                 f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")

@@ -338,6 +338,15 @@ FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_guidance_embed\.
 
 # -- the model -----------------------------------------------------------------------------------------------------
 
+def check_shardable(args: ModelArgs, n: int) -> None:
+    """Whether Model.shard can split this config over n ranks (heads, the MLP width and the model width), else one
+    line; checked when a tensor-parallel pipeline is loaded, before anything is read."""
+    from ..distributed import check_divides
+    check_divides("FLUX.2 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
+    check_divides("FLUX.2 transformer: the MLP width", int(args.num_attention_heads * args.attention_head_dim
+                                                          * args.mlp_ratio), n)
+
+
 class Model(nn.Module):
     """Flux2Transformer2DModel.
 
@@ -415,6 +424,42 @@ class Model(nn.Module):
             if after_block:
                 after_block(h)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
+
+    def shard(self, group):
+        """Tensor-parallel over `group` (mlxdiff/distributed.py), as mlx-lm shards its LLMs: in every block the
+        q/k/v projections and the feed-forward input (each SwiGLU half on its own) split by output rows, the
+        attention and feed-forward outputs by input columns with one all_sum each, the heads and hidden widths
+        divided; the shared modulations split by output rows and gathered. Embedders, norm_out and proj_out stay
+        whole on every rank. Lazy: only the slices are evaluated when the model is materialized."""
+        from ..distributed import GatheredLinear, shard_layer
+        n = group.size()
+        check_shardable(self.args, n)
+        dim = self.args.num_attention_heads * self.args.attention_head_dim
+        for i, block in enumerate(self.transformer_blocks):
+            at, where = block.attn, f"transformer_blocks.{i}"
+            for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+                setattr(at, name, shard_layer(getattr(at, name), "all-to-sharded", group, f"{where}.attn.{name}"))
+            at.to_out[0] = shard_layer(at.to_out[0], "sharded-to-all", group, f"{where}.attn.to_out.0")
+            at.to_add_out = shard_layer(at.to_add_out, "sharded-to-all", group, f"{where}.attn.to_add_out")
+            at.heads //= n
+            for name in ("ff", "ff_context"):
+                ff = getattr(block, name)
+                ff.linear_in = shard_layer(ff.linear_in, "all-to-sharded", group, f"{where}.{name}.linear_in",
+                                           boundaries=(ff.hidden,))
+                ff.linear_out = shard_layer(ff.linear_out, "sharded-to-all", group, f"{where}.{name}.linear_out")
+                ff.hidden //= n
+        for i, block in enumerate(self.single_transformer_blocks):
+            at, where = block.attn, f"single_transformer_blocks.{i}.attn"
+            m = at.mlp_hidden
+            at.to_qkv_mlp_proj = shard_layer(at.to_qkv_mlp_proj, "all-to-sharded", group,
+                                             f"{where}.to_qkv_mlp_proj", boundaries=(dim, 2 * dim, 3 * dim,
+                                                                                     3 * dim + m))
+            at.to_out = shard_layer(at.to_out, "sharded-to-all", group, f"{where}.to_out", boundaries=(dim,))
+            at.heads //= n
+            at.mlp_hidden //= n
+        for name in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation"):
+            modulation = getattr(self, name)
+            modulation.linear = GatheredLinear(modulation.linear, group, f"{name}.linear")
 
     def eager_is_faster(self) -> bool:
         """memory.compile_blocks_for: with the fused CUDA norm+RoPE kernel (fused.norm_rope) eager blocks, two

@@ -109,7 +109,8 @@ class AdaLayerNormZero(nn.Module):
         self.linear = nn.Linear(dim, (9 if dual else 6) * dim)
 
     def __call__(self, x, temb) -> ZeroOut:
-        chunks = mx.split(self.linear(nn.silu(temb)), self.linear.weight.shape[0] // x.shape[-1], axis=-1)
+        out = self.linear(nn.silu(temb))
+        chunks = mx.split(out, out.shape[-1] // x.shape[-1], axis=-1)
         mods = [Modulation(*chunks[i:i + 3]) for i in range(0, len(chunks), 3)]
         x_norm = layer_norm(x)
         msa = mods[0]
@@ -271,6 +272,13 @@ class PatchEmbed(nn.Module):
         return x.reshape(b, h * w, d) + self.cropped_pos_embed(h, w).astype(x.dtype)
 
 
+def check_shardable(args: ModelArgs, n: int) -> None:
+    """Whether Model.shard can split this config over n ranks (the heads), else one line; checked when a
+    tensor-parallel pipeline is loaded, before anything is read."""
+    from ..distributed import check_divides
+    check_divides("SD3 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
+
+
 # embedders and the output layers stay in full precision (loading/quantize.py); the per-block adaLN is quantized
 FULL_PRECISION = re.compile(r"(pos_embed|time_text_embed|context_embedder)(\..*)?|norm_out\.linear|proj_out")
 
@@ -320,6 +328,37 @@ class Model(nn.Module):
 
     def quant_predicate(self, path, module) -> bool:
         return not FULL_PRECISION.fullmatch(path)
+
+    def shard(self, group):
+        """Tensor-parallel over `group` (mlxdiff/distributed.py), as mlx-lm shards its LLMs: in every block the
+        q/k/v projections (both streams, and attn2's) and the feed-forward inputs split by output rows, the
+        attention and feed-forward outputs by input columns with one all_sum each, the heads divided; the per-block
+        adaLN linears (a third of the weights) split by output rows and gathered back. The embedders, norm_out and
+        proj_out stay whole on every rank. Lazy: only the slices are evaluated when the model is materialized."""
+        from ..distributed import GatheredLinear, shard_layer
+        n = group.size()
+        check_shardable(self.args, n)
+        for i, block in enumerate(self.transformer_blocks):
+            where = f"transformer_blocks.{i}"
+            for name in ("attn", "attn2"):
+                if name not in block:
+                    continue
+                at = block[name]
+                for proj in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+                    if proj in at:
+                        setattr(at, proj, shard_layer(at[proj], "all-to-sharded", group, f"{where}.{name}.{proj}"))
+                at.to_out[0] = shard_layer(at.to_out[0], "sharded-to-all", group, f"{where}.{name}.to_out.0")
+                if "to_add_out" in at:
+                    at.to_add_out = shard_layer(at.to_add_out, "sharded-to-all", group, f"{where}.{name}.to_add_out")
+                at.heads //= n
+            for name in ("ff", "ff_context"):
+                if name in block:
+                    net = block[name].net
+                    net[0].proj = shard_layer(net[0].proj, "all-to-sharded", group, f"{where}.{name}.net.0.proj")
+                    net[2] = shard_layer(net[2], "sharded-to-all", group, f"{where}.{name}.net.2")
+            for name in ("norm1", "norm1_context"):
+                norm = block[name]
+                norm.linear = GatheredLinear(norm.linear, group, f"{where}.{name}.linear")
 
     def sanitize(self, weights: dict) -> dict:
         """diffusers names and PyTorch layouts -> this module: only the patch conv changes (OIHW -> OHWI)."""

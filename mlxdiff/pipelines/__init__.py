@@ -7,7 +7,7 @@ from ..loading.resolve import resolve
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
          text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None,
-         prediction_type=None):
+         prediction_type=None, split=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
     FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; loading/flux2_files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
@@ -32,6 +32,10 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     SGM names, or stable-diffusion.cpp's .gguf); `transformer` replaces its UNet; `vae` its VAE.
     `group`: an mx.distributed group of two ranks (mlx.launch) over which a run with classifier-free guidance splits
     its two forwards (guidance-parallel: each rank one of them, one exchange per step); None: one process.
+    `split`: with `group`, "guidance" (the default, above) or "tensor": the transformer (FLUX.2, SD3.5) sharded over
+    the group's ranks, 2 or more (tensor-parallel: each rank holds about 1/N of its blocks' weights and computes
+    1/N of their heads and feed-forward widths, two all_sums per block; every rank runs the whole job, text encoders
+    and VAE whole; mlxdiff/distributed.py).
     """
     from ..arguments import check_load
     from .flux2 import Flux2Pipeline
@@ -54,7 +58,13 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline, "sd": StableDiffusionPipeline}[found.family]
-    from ..distributed import check_guidance_group
+    from ..distributed import check_guidance_group, check_split, check_tensor_group, tensor_parallel
+    if group is not None and check_split(split, group) == "tensor":
+        check_tensor_group(group, found.family)
+        found.components["transformer"] = tensor_parallel(found.components["transformer"], group)
+        group = None     # the pipeline itself runs as one process would; only its transformer's blocks are shared
+    elif group is None and split is not None:
+        check_split(split, group)
     pipe = family(found, dtype, keep, policy, check_guidance_group(group))
     from ..arguments import check_loras
     for file, scale in check_loras(loras) or ():

@@ -1,0 +1,170 @@
+"""Tensor-parallel transformers over mx.distributed (mlxdiff/distributed.py, Model.shard of models/flux2.py and
+models/mmdit.py): `mlx.launch --backend ring -n 2` on localhost, this CPU, against the single process.
+
+- FLUX.2 klein (safetensors, and quantized while loading) and SD3.5 (MMDiT-X, dual attention): the latents of a
+  2-rank run within 1e-5 of the single process's and its image within 1 level; each rank's transformer holds half
+  of the blocks' parameter bytes (exactly) and about half of the whole transformer's;
+- the CLI's `--split tensor`: rank 0 writes the image, within 1 level of the single process's;
+- heads that two ranks do not divide: refused on every rank in one line (exit 2), nothing written.
+The tiny fixtures of tests/conftest.py and tests/twins.py have 3 heads, which two ranks do not split: the pipelines
+here are the same with a 4-head transformer.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import PIL.Image
+import pytest
+
+from test_distributed import CHEAP, ROOT, launch, launcher  # noqa: F401  (the fixture)
+
+RUN = """import json, sys
+import numpy as np
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlxdiff.pipelines import load
+from mlxdiff.loading.quantize import materialize
+from mlxdiff.loading.spec import ComponentSpec
+group = mx.distributed.init()
+n, rank = group.size(), group.rank()
+out = sys.argv[1]
+
+
+def rchar():
+    return int(next(l.split()[1] for l in open("/proc/self/io") if l.startswith("rchar")))
+
+
+def case(name, folder, load_extra, **run):
+    pipe = load(folder, group=group if n > 1 else None, split="tensor" if n > 1 else None, **load_extra)
+    r = pipe.generate(progress_bar=False, **run)
+    np.save(f"{{out}}/{{name}}-latents-{{n}}-{{rank}}.npy", r.latents)
+    r.image.save(f"{{out}}/{{name}}-image-{{n}}-{{rank}}.png")
+    spec = pipe.components["transformer"]
+    before = rchar()
+    model = spec.build(pipe.dtype)
+    materialize(model)
+    read = rchar() - before
+    params = tree_flatten(model.parameters())
+    # what stays whole on each rank: the arrays shaped as in the unsharded model (built lazily; nothing read)
+    full = dict(tree_flatten(ComponentSpec.build(spec, pipe.dtype, check=False).parameters()))
+    whole = sum(v.nbytes for k, v in params if full[k.replace(".layer.", ".")].shape == v.shape)
+    json.dump({{"total": sum(v.nbytes for _, v in params), "whole": whole, "read": read,
+               "stored": spec.nbytes(), "estimate": spec.loaded_nbytes(compute_dtype=pipe.dtype)}},
+              open(f"{{out}}/{{name}}-bytes-{{n}}-{{rank}}.json", "w"))
+
+
+flux = dict(prompt="a fox in the snow", width={W}, height={H}, steps=3, seed=4, text_encoder_out_layers={taps!r})
+case("flux2", {flux2!r}, {{}}, **flux)
+case("flux2_q4", {flux2!r}, dict(quantize={{"transformer": {{"bits": 4, "group_size": 32}}}}, matmul="qmm"), **flux)
+case("sd3", {sd3!r}, {{}}, prompt="a fox in the snow", width=32, height=48, steps=3, seed=4)
+if n == 1:     # what the CLI test's command makes
+    r = load({sd3!r}).generate("a red circle on a blue background", width=32, height=48, steps=2, seed=7,
+                                progress_bar=False)
+    r.image.save(f"{{out}}/cli-single.png")
+"""
+
+CASES = ("flux2", "flux2_q4", "sd3")
+
+
+def flux2_klein(root):
+    """twins' klein (distilled: one forward per step) with a 4-head transformer (mlp_ratio 3: the single blocks'
+    fused [q; k; v; gate; up] splits on exact fractions)."""
+    from diffusers import Flux2Transformer2DModel
+    from twins import build_pipeline, randomize_
+    folder = build_pipeline("klein_distilled", root)[1]
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=20, out_channels=None, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=3 * 40, timestep_guidance_channels=32, mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6, guidance_embeds=False)
+    randomize_(model, seed=13, scale=0.15).eval().save_pretrained(str(folder / "transformer"))
+    return folder
+
+
+def sd35(root):
+    """conftest's tiny SD3.5 (dual attention in block 0) with a 4-head transformer."""
+    from conftest import sd3_tiny_components
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+    import torch
+    parts = sd3_tiny_components()
+    torch.manual_seed(3)
+    parts["transformer"] = SD3Transformer2DModel(
+        sample_size=16, patch_size=2, in_channels=16, num_layers=3, attention_head_dim=8, num_attention_heads=4,
+        joint_attention_dim=96, caption_projection_dim=32, pooled_projection_dim=64, out_channels=16,
+        pos_embed_max_size=20, dual_attention_layers=(0,), qk_norm="rms_norm")
+    folder = root / "sd35"
+    StableDiffusion3Pipeline(**parts).save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, launcher):
+    """Every case as one process and as two ranks (one script each, to start as few processes as possible):
+    (folder of the outputs, the pipeline folders)."""
+    from twins import H, TAPS, W
+    root = tmp_path_factory.mktemp("tensor_parallel")
+    folders = {"flux2": flux2_klein(root / "klein"), "sd3": sd35(root)}
+    script = root / "run.py"
+    script.write_text(RUN.format(flux2=str(folders["flux2"]), sd3=str(folders["sd3"]), W=W, H=H, taps=tuple(TAPS)))
+    out = root / "out"
+    out.mkdir()
+    single = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=300,
+                            cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-3000:]
+    ranks = launch(str(script), str(out))
+    assert (out / "sd3-bytes-2-1.json").exists(), ranks.stdout[-3000:] + ranks.stderr[-3000:]
+    return out, folders
+
+
+def outputs(out, name, n, rank):
+    return (np.load(out / f"{name}-latents-{n}-{rank}.npy"),
+            np.array(PIL.Image.open(out / f"{name}-image-{n}-{rank}.png")).astype(int),
+            json.loads((out / f"{name}-bytes-{n}-{rank}.json").read_text()))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_two_ranks_equal_the_single_process_each_holding_half(runs, name):
+    """Latents within 1e-5 and the image within 1 level of the single process's, on both ranks; each rank holds
+    exactly half of every array it splits, the rest (embedders, position table, output layers, q/k norms, output
+    biases) whole: 0.53 of the whole tiny FLUX.2 (0.58 with 4-bit blocks, 0.62 for the tiny SD3.5 whose position
+    table is a tenth of it; a real model's whole part is about 1%), and the memory budget counts that share. Each
+    rank still reads the whole file: mx.load's lazy arrays are read whole, then sliced."""
+    out, _ = runs
+    latents, image, whole = outputs(out, name, 1, 0)
+    for rank in (0, 1):
+        rank_latents, rank_image, share = outputs(out, name, 2, rank)
+        assert np.abs(rank_latents - latents).max() <= 1e-5
+        assert np.abs(rank_image - image).max() <= 1
+        assert (share["total"] - share["whole"]) * 2 == whole["total"] - share["whole"]   # split: exactly half
+        if name == "flux2":   # blocks are most of it (tiny SD3.5: its whole 20 x 20 position table is not)
+            assert share["total"] <= 0.54 * whole["total"]
+        assert share["read"] >= whole["stored"]   # MLX reads whole tensors to slice them (mx.load's arrays)
+        assert share["estimate"] == share["total"]
+
+
+def test_cli_tensor_split(runs, tmp_path):
+    """`--split tensor` under mlx.launch: each rank says what it holds, rank 0 writes the image, within 1 level of
+    the single process's (made by the API with the same settings), rank 1 writes nothing."""
+    out, folders = runs
+    p = launch("-m", "mlxdiff.generate", "--model", str(folders["sd3"]), "--width", "32", "--height", "48", *CHEAP,
+               "--seed", "7", "--split", "tensor", "--output", str(tmp_path / "tp.png"))
+    said = p.stdout + p.stderr
+    assert "rank 1: computed its share of the transformer; rank 0 wrote the images" in said, said[-3000:]
+    assert "rank 0 of 2: 1/2 of the transformer's heads and feed-forward widths, every image" in said
+    assert [f.name for f in tmp_path.glob("*.png")] == ["tp.png"]
+    ranks = np.array(PIL.Image.open(tmp_path / "tp.png")).astype(int)
+    assert np.abs(ranks - np.array(PIL.Image.open(out / "cli-single.png")).astype(int)).max() <= 1
+
+
+def test_heads_that_the_ranks_do_not_divide_are_refused(launcher, tmp_path, sd3_tiny):
+    """conftest's tiny SD3.5 has 3 heads: two ranks refuse it in one line each, when it is loaded, nothing written."""
+    p = launch("-m", "mlxdiff.generate", "--model", str(sd3_tiny[0]), *CHEAP, "--split", "tensor", "--output",
+               str(tmp_path / "x.png"))
+    out = p.stdout + p.stderr
+    errors = [line for line in out.splitlines() if line.startswith("mlxdiff: error:")]
+    assert errors and "exited with code 2" in out, out[-2000:]
+    assert all("SD3 transformer: num_attention_heads: 3 heads do not split over 2 ranks" in e for e in errors)
+    assert "Traceback" not in out and not list(tmp_path.glob("*.png"))
