@@ -50,6 +50,17 @@ def test_pack_round_trip_and_bit_order(nbits):
             assert np.array_equal(np.array(packed[r]), np.packbits(bits, bitorder="little"))
 
 
+def test_a_row_of_whole_units_packs_as_coremltools_packs():
+    """coremltools packs a tensor's indices as one bit string (optimize/_utils.pack_elements_into_bits); a row whose
+    indices fill whole units is packed to the same bytes, so a Core ML blob's rows are slices of it."""
+    from coremltools.optimize._utils import pack_elements_into_bits
+    rng = np.random.default_rng(3)
+    for nbits in NBITS:
+        idx = rng.integers(0, 1 << nbits, (3, 48)).astype(np.uint8)
+        assert np.array_equal(pack_elements_into_bits(idx.reshape(-1), nbits).reshape(3, -1),
+                              np.array(P.pack(mx.array(idx), nbits)))
+
+
 def _numpy_dense(idx, lut, scale):
     rows = idx.shape[0]
     group = np.arange(rows) // (rows // lut.shape[0])
@@ -251,6 +262,21 @@ def test_tiny_sd15_palettized_runs_as_its_decoded_weights_and_converts(sd15, tmp
             assert loaded[k].dtype == v.dtype and np.array_equal(np.array(loaded[k]), np.array(v)), k
     image = after.generate("a red fox", **kw)
     assert np.array_equal(np.asarray(before.image), np.asarray(image.image))
+
+
+def test_cli_settings():
+    """--quantize takes palettized settings beside affine bits, checked by the one check; refusals are one line."""
+    from mlxdiff.arguments import QuantizeSetting
+    from mlxdiff.cli import parse_quantize
+    assert parse_quantize("unet=p6:g16,text_encoder=8,vae=p4") == {
+        "unet": QuantizeSetting(6, 16, "palettize"), "text_encoder": QuantizeSetting(8, 64),
+        "vae": QuantizeSetting(4, None, "palettize")}
+    assert parse_quantize("p8").as_dict() == {"mode": "palettize", "bits": 8, "group_size": None}
+    for text, match in (("unet=p5", "5-bit palettization"), ("unet=p6:g0", "at least 1"),
+                        ("unet=p6:16", "expected bits"), ("unet=q6", "expected bits")):
+        with pytest.raises(MlxdiffError, match=match) as e:
+            parse_quantize(text)
+        assert "\n" not in str(e.value)
 
 
 def test_group_size_must_divide_the_rows(sd15):
