@@ -74,14 +74,17 @@ def trained_weights() -> list:
 
 
 def timing(out_dims, in_dims, tokens, repeat):
-    """ms per call: dense float32 matmul, affine 4-bit g64 (quantized_matmul), palettized p4 and p6 (decode+matmul)."""
+    """ms per call: dense float32 matmul, affine 4-bit g64 (quantized_matmul, and mlxdiff's dequantize strategy),
+    palettized p4 and p6 (decode + matmul)."""
     rng = np.random.default_rng(0)
     w = mx.array((rng.laplace(size=(out_dims, in_dims)) * 0.02).astype(np.float32))
     x = mx.array(rng.standard_normal((1, tokens, in_dims)).astype(np.float32))
     dense = nn.Linear(in_dims, out_dims, bias=False)
     dense.weight = w
     affine = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=4)
-    layers = {"dense float32": dense, "affine 4 g64 (qmm)": affine}
+    from mlxdiff.loading.matmul import to_dequantized
+    layers = {"dense float32": dense, "affine 4 g64 (qmm)": affine,
+              "affine 4 g64 (dequantize + matmul)": to_dequantized(affine, mx.float32)}
     for nbits in (4, 6):
         pw = P.palettize(w, nbits)
         mx.eval(pw.packed, pw.lut)
