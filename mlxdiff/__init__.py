@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
          text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None, prediction_type=None,
-         **unknown):
+         split=None, **unknown):
     """Resolve `model` (a diffusers folder, a single file or a cached hub id; None for FLUX.2 from its transformer,
     text encoder and VAE files alone) into a pipeline that holds specs, not weights. See mlxdiff.pipelines.load for
     the details; the arguments are checked first (arguments.py)."""
@@ -19,7 +19,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer, loras=loras)
     return _load(model, transformer=transformer, dtype=dtype, text_encoders=text_encoders, quantize=quantize,
                  matmul=matmul, keep=keep, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer, loras=loras,
-                 memory_limit=memory_limit, group=group, prediction_type=prediction_type)
+                 memory_limit=memory_limit, group=group, prediction_type=prediction_type,
+                 **({} if split is None else {"split": split}))
 
 
 __all__ = ["load", "MlxdiffError", "__version__"]

@@ -361,12 +361,13 @@ def load_streamed(spec, compute_dtype, budget, strategy):
     """(model, plan): `spec`'s model with the plan's resident blocks read (and its quantized layers given
     `strategy`, loading/matmul.py) and its streamed blocks wrapped (nothing of them read here). The model's
     `block_stream` counts what the streamed blocks read."""
+    from ..arguments import quantize_setting
     from .matmul import use_strategy
     from .spec import NATIVE_KEY
     if spec.quantize:
         raise MlxdiffError(f"{spec.name}: its weights do not fit the memory budget of {fmt_gb(budget)} and would "
                            "have to be quantized again at every step to be streamed; quantize them once: "
-                           f"python -m mlxdiff.convert MODEL DEST --quantize {spec.name}={spec.quantize['bits']}, "
+                           f"python -m mlxdiff.convert MODEL DEST --quantize {spec.name}={quantize_setting(spec.quantize).text}, "
                            "then use DEST")
     native = bool(spec.config.get(NATIVE_KEY))
     everything = frozenset(n for f in spec.files for n in tensor_nbytes(f))
