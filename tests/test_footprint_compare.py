@@ -286,7 +286,7 @@ def test_reference_chosen_by_family(tmp_path, capsys):
         footprint.reference_for(str(tmp_path / "kandinsky"))
 
 
-def test_reference_dtype_refused_where_not_taken(tmp_path):
+def test_reference_dtype_refused_where_not_taken(tmp_path, capsys):
     """--reference-dtype: float32 or bfloat16 for the SD 1.x / SDXL reference; the other families' references run
     bfloat16 only. Refused in one line, exit 2, before any run."""
     sd = tmp_path / "sd"
@@ -294,12 +294,11 @@ def test_reference_dtype_refused_where_not_taken(tmp_path):
     (sd / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline"}))
     flux2 = "mlxdiff.reference.flux2 runs diffusers in bfloat16 only; leave it out"
     for model, value, message in ((DEFAULT, "float32", flux2), (sd, "float16", "expected one of bfloat16, float32")):
-        proc = subprocess.run([sys.executable, "-m", "mlxdiff.footprint", "compare", "--model", str(model),
-                               "--reference-dtype", value, "--out", str(tmp_path / "out")],
-                              cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 2 and proc.stdout == ""
-        assert proc.stderr.strip().splitlines() == [f"mlxdiff: error: --reference-dtype {value}: {message}"], \
-            proc.stderr
+        capsys.readouterr()
+        assert footprint.main(["compare", "--model", str(model), "--reference-dtype", value,
+                               "--out", str(tmp_path / "out")]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.splitlines() == [f"mlxdiff: error: --reference-dtype {value}: {message}"]
 
 
 def test_cuda_table_names_the_gpu_figures(tmp_path, monkeypatch, capsys):
