@@ -73,18 +73,18 @@ def trained_weights() -> list:
             if a.ndim == 2 and k.endswith(".weight") and min(a.shape) >= 64 and a.shape[1] % 64 == 0]
 
 
-def timing(out_dims, in_dims, tokens, repeat):
-    """ms per call: dense float32 matmul, affine 4-bit g64 (quantized_matmul, and mlxdiff's dequantize strategy),
+def timing(out_dims, in_dims, tokens, repeat, dtype=mx.float32):
+    """ms per call: dense matmul, affine 4-bit g64 (quantized_matmul, and mlxdiff's dequantize strategy),
     palettized p4 and p6 (decode + matmul)."""
     rng = np.random.default_rng(0)
-    w = mx.array((rng.laplace(size=(out_dims, in_dims)) * 0.02).astype(np.float32))
-    x = mx.array(rng.standard_normal((1, tokens, in_dims)).astype(np.float32))
+    w = mx.array((rng.laplace(size=(out_dims, in_dims)) * 0.02).astype(np.float32)).astype(dtype)
+    x = mx.array(rng.standard_normal((1, tokens, in_dims)).astype(np.float32)).astype(dtype)
     dense = nn.Linear(in_dims, out_dims, bias=False)
     dense.weight = w
     affine = nn.QuantizedLinear.from_linear(dense, group_size=64, bits=4)
     from mlxdiff.loading.matmul import to_dequantized
-    layers = {"dense float32": dense, "affine 4 g64 (qmm)": affine,
-              "affine 4 g64 (dequantize + matmul)": to_dequantized(affine, mx.float32)}
+    layers = {"dense": dense, "affine 4 g64 (qmm)": affine,
+              "affine 4 g64 (dequantize + matmul)": to_dequantized(affine, dtype)}
     for nbits in (4, 6):
         pw = P.palettize(w, nbits)
         mx.eval(pw.packed, pw.lut)
@@ -102,7 +102,17 @@ def timing(out_dims, in_dims, tokens, repeat):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller random weights, fewer repeats")
+    ap.add_argument("--timing-only", nargs=3, type=int, metavar=("OUT", "IN", "TOKENS"),
+                    help="only the layer timing, at this shape, in the backend's compute dtype (GPU: bfloat16)")
     a = ap.parse_args()
+    if a.timing_only:
+        from mlxdiff.backend import compute_dtype
+        dtype = compute_dtype(None)
+        print(f"| layer {a.timing_only[0]}x{a.timing_only[1]}, {a.timing_only[2]} tokens, {dtype}, "
+              f"{mx.default_device()} | ms per call |\n|---|---:|")
+        for name, ms in timing(*a.timing_only, repeat=20, dtype=dtype):
+            print(f"| {name} | {ms:.2f} |")
+        return
     rng = np.random.default_rng(0)
     sizes = [(1280, 1280), (10240, 1280)] if not a.quick else [(640, 640)]
     for name, draw in (("Laplace", rng.laplace), ("Gaussian", rng.standard_normal)):
