@@ -293,6 +293,9 @@ class LutWeight:
         self.name, self.shape, self.nbits = name, tuple(shape), nbits
         self._load = load_indices
         self.lut, self.vector_axis, self.scale, self.offset = lut, vector_axis, scale, offset
+        self.indices_shape = list(self.shape)
+        if lut.shape[-1] > 1:
+            self.indices_shape[vector_axis] //= lut.shape[-1]
 
     def indices(self) -> np.ndarray:
         return self._load()
@@ -613,7 +616,7 @@ def _base(const: str) -> str:
 def read_diffusers(path, targets: dict, prefix: str = "") -> dict:
     """{state-dict name: np.ndarray | LutWeight} for `targets` ({name: torch shape}) from an .mlpackage converted
     from those modules by torch.jit.trace + ct.convert (`prefix`: the traced wrapper's attribute path, e.g. "unet_"
-    for a wrapper holding the model as `self.unet`). Names are the tracer's (dots -> '_', plus coremltools'
+    for a wrapper holding the model as `self.unet`; None: found from the names, see _find_prefix). Names are the tracer's (dots -> '_', plus coremltools'
     suffixes), checked by shape; GroupNorm affines (renamed by the converter) are found by dataflow (NORM_BEFORE).
     A name the package lacks, or a shape that differs, is refused in one line."""
     path = Path(path)
@@ -624,6 +627,8 @@ def read_diffusers(path, targets: dict, prefix: str = "") -> dict:
     by_base = {}
     for const in weights:
         by_base.setdefault(_base(const), []).append(const)
+    if prefix is None:
+        prefix = _find_prefix(by_base, targets)
     found, missing = {}, []
     for name in targets:
         s = _sanitized(prefix + name)
@@ -691,3 +696,67 @@ def _next_named_layer(program, var, named):
                         step.append(o)
         frontier = step
     return None
+
+
+def _find_prefix(by_base: dict, targets: dict) -> str:
+    """The traced wrapper's attribute path ("" for the model traced itself, "unet_" for `self.unet`, ...): the one
+    that most target names (the longest few, which no other layer's name ends with) appear under."""
+    bases = list(by_base)
+    votes = {}
+    for name in sorted(targets, key=len, reverse=True)[:16]:
+        s = _sanitized(name)
+        for b in bases:
+            if b == s or b.endswith("_" + s):
+                p = b[:-len(s)]
+                votes[p] = votes.get(p, 0) + 1
+    return max(votes, key=votes.get) if votes else ""
+
+
+def open_diffusers(path, targets: dict, linear=frozenset(), prefix=None) -> dict:
+    """{state-dict name: mx.array | formats/palettized.PalettizedWeight} of `targets` ({name: torch shape}) from an
+    .mlpackage converted from those diffusers modules (read_diffusers): a palettized weight of a name in `linear` (a
+    Linear layer's weight) stays palettized where its tables fit formats/palettized's form (LutWeight.palettized);
+    every other weight (convolutions, norms, biases, tables that do not fit) is decoded exactly, in the package's
+    dtype (float16 as ct.convert stores it)."""
+    import mlx.core as mx
+    found = read_diffusers(path, targets, prefix)
+    out = {}
+    for name, value in found.items():
+        if isinstance(value, LutWeight):
+            kept = value.palettized() if name in linear and len(value.shape) == 2 else None
+            out[name] = kept if kept is not None else mx.array(value.dense())
+        else:
+            out[name] = mx.array(value)
+    return out
+
+
+def shapes(path) -> dict:
+    """{const name: shape} of a package's weights (the program only; no weight is read)."""
+    return {k: tuple(v.shape) for k, v in read(path).items()}
+
+
+def nbytes(path) -> dict:
+    """{const name: bytes as stored} of a package's weights (a palettized one: its packed indices and its tables)."""
+    out = {}
+    for name, v in read(path).items():
+        if isinstance(v, LutWeight):
+            out[name] = math.ceil(math.prod(v.indices_shape) * v.nbits / 8) + int(v.lut.nbytes)
+        else:
+            out[name] = int(v.nbytes)
+    return out
+
+
+def loaded_nbytes(path, targets: dict, linear=frozenset(), prefix=None) -> int:
+    """Bytes open_diffusers' weights take (nothing decoded): a palettized Linear weight whose tables fit
+    formats/palettized's form its rows of packed indices and its tables, any other weight decoded in its dtype."""
+    from .palettized import row_bytes
+    total = 0
+    for name, v in read_diffusers(path, targets, prefix).items():
+        if not isinstance(v, LutWeight):
+            total += int(v.nbytes)
+        elif name in linear and len(v.shape) == 2 and v.lut.shape[-1] == 1 and v.scale is None \
+                and all(g == 1 for g in v.lut.shape[1:-2]):             # LutWeight.row_tables' test, unread
+            total += v.shape[0] * row_bytes(v.shape[1], v.nbits) + int(v.lut.nbytes)
+        else:
+            total += math.prod(v.shape) * v.lut.dtype.itemsize
+    return total

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..config_checks import (MAX_IMAGE_SIZE, MAX_LAYERS, MAX_POSITIONS, MAX_PROMPT_TOKENS, CheckedArgs, Limit, Rule,
                              between, json_type, one_of, positive, show)
 from ..errors import MlxdiffError
-from ..formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
+from ..formats import PACKAGE_WHATS, check_weight_file, is_coreml, is_gguf, safetensors as st, tensor_shapes
 from ..formats.keymaps import remap
 from ..models import flux2, mmdit, text_llm, vae, vae_flux2
 from .spec import ARCHITECTURES, ComponentSpec, PipelineSources   # also reached as sources.ComponentSpec
@@ -89,6 +89,9 @@ def transformer_from_file(path, arch, base_config=None, base_where=None) -> Comp
     `model.diffusion_model.` prefix, or with diffusers names. The config comes from the file's shapes
     (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
     folder's transformer config (`base_where` names it); diffusers-named files need that folder config."""
+    if is_coreml(path):   # a Core ML package (formats/coreml.py): an SD UNet converted by coremltools
+        from .spec import coreml_component
+        return coreml_component(check_weight_file(path, "transformer file"), arch, base_config, base_where)
     path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
     shapes = tensor_shapes(path)
     prefix = arch.ORIGINAL_PREFIX if any(n.startswith(arch.ORIGINAL_PREFIX) for n in shapes) else ""
@@ -148,7 +151,7 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
 def not_a_folder(path, what) -> Path:
     """A path given as a file must not be a folder (check_weight_file would only say "not found")."""
     path = Path(path)
-    if path.is_dir():
+    if path.is_dir() and not (is_coreml(path) and what in PACKAGE_WHATS):   # a Core ML package is a folder
         raise MlxdiffError(f"{path}: is a folder; the {what} must be one .safetensors or .gguf file")
     return path
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from ..formats import is_gguf, loaded_nbytes, open_weights, tensor_nbytes
+from ..formats import is_coreml, is_gguf, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.keymaps import strip_prefix
 from ..models import clip, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
 from ..models.protocol import Architecture
@@ -81,7 +81,10 @@ class ComponentSpec:
         file tensors as stand-ins that read nothing (formats.open_weights), for the blocks streamed later."""
         weights = {}
         for f in self.files:
-            if standins:
+            if is_coreml(f):   # a Core ML package: its traced names mapped onto the model's (formats/coreml.py)
+                weights.update(open_weights(f, compute_dtype, names=names, standins=bool(standins),
+                                            **self.diffusers_targets()))
+            elif standins:
                 chosen = set(tensor_nbytes(f)) if names is None else set(tensor_nbytes(f)) & set(names)
                 if chosen & standins:
                     weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen & standins,
@@ -102,6 +105,19 @@ class ComponentSpec:
                 weights.setdefault(k, fn(weights))
         return weights
 
+    def diffusers_targets(self) -> dict:
+        """{"targets": {diffusers name: PyTorch shape}, "linear": the Linear layers' weight names} of this
+        component's model (built lazily from the config: nothing is computed), for a Core ML package's names to be
+        mapped onto (formats/coreml.open_diffusers). A UNet's: sanitize's only change is a conv weight's OIHW ->
+        OHWI, undone here."""
+        import mlx.nn as nn
+        from mlx.utils import tree_flatten
+        model = self.arch.Model(self.args)
+        targets = {k: ((v.shape[0], v.shape[3], v.shape[1], v.shape[2]) if v.ndim == 4 and k.endswith(".weight")
+                       else tuple(v.shape)) for k, v in tree_flatten(model.parameters())}
+        linear = {f"{path}.weight" for path, m in model.named_modules() if type(m) is nn.Linear}
+        return {"targets": targets, "linear": frozenset(linear)}
+
     def nbytes(self) -> int:
         """Bytes, as stored, of the tensors this component reads (headers only; nothing is read)."""
         reads = getattr(self.arch, "reads_stored", None)
@@ -118,6 +134,8 @@ class ComponentSpec:
         `quantize` bits or setting to estimate), the exact size of the model built lazily: safetensors are mapped,
         not read, so nothing is read. GGUF weights are already quantized: their size in the layout they load in
         (from the header)."""
+        if any(is_coreml(f) for f in self.files) and not (self.quantize if quantize is None else quantize):
+            return sum(loaded_nbytes(f, **self.diffusers_targets()) for f in self.files) + self.lora_nbytes()
         if any(is_gguf(f) for f in self.files):
             total = sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
             if getattr(self.arch, "reads_stored", None) is None:
@@ -167,3 +185,22 @@ class PipelineSources:
     tokenizers: dict                   # name -> transformers tokenizer
     scheduler_config: dict
     options: dict = field(default_factory=dict)   # folder defaults: is_distilled, sample_size, max_sequence_length
+
+
+def coreml_component(path, arch, base_config=None, base_where=None) -> ComponentSpec:
+    """A UNet given as a Core ML package (an .mlpackage coremltools converted from diffusers' UNet2DConditionModel,
+    palettized or not): the pipeline folder's UNet config, the package's weights mapped onto it by name and checked
+    by shape now (formats/coreml.read_diffusers; the program is parsed, no weight decoded), one line if they do not
+    fit."""
+    from ..errors import MlxdiffError
+    from ..formats.coreml import read_diffusers
+    from ..models import unet
+    if arch is not unet:
+        raise MlxdiffError(f"{path}: a Core ML package is read as an SD 1.x / SDXL UNet only (transformer= of a "
+                           "StableDiffusion folder); give this model's transformer as a .safetensors or .gguf file")
+    if base_config is None:
+        raise MlxdiffError(f"{path}: a Core ML package's UNet needs its config.json; load the pipeline folder and "
+                           "pass the package as transformer=")
+    spec = ComponentSpec("unet", arch, dict(base_config), [Path(path)])
+    read_diffusers(path, spec.diffusers_targets()["targets"], prefix=None)
+    return spec
