@@ -282,6 +282,8 @@ def linear_dims(module):
     base = module.get("base")
     if isinstance(base, nn.Module):                         # a wrapper (LoRALinear): its base layer's
         return linear_dims(base)
+    if isinstance(module, nn.Conv2d):                       # a convolution, quantized ones included (their codes
+        return None                                         # are 2-D rows too: loading/quantize.QuantizedConv2d)
     if isinstance(module, nn.Linear):
         out_dims, in_dims = module["weight"].shape
         return in_dims, out_dims

@@ -422,6 +422,12 @@ class Model(nn.Module):
         x = self.conv_out(nn.silu(self.conv_norm_out(x)))
         return x.transpose(0, 3, 1, 2)
 
+    def quant_predicate(self, path, module) -> bool:
+        """Every layer may be quantized (convolutions too) but conv_in and conv_out, which read and write the 4
+        latent channels themselves: small, and their error lands on every latent value unaveraged (loading/quantize
+        also keeps any convolution with fewer than 16 input or output channels)."""
+        return path not in ("conv_in", "conv_out")
+
     def sanitize(self, weights: dict) -> dict:
         """diffusers names and PyTorch layouts -> this module: every 4-D (conv) weight OIHW -> OHWI."""
         return {k: (v.transpose(0, 2, 3, 1) if k.endswith(".weight") and len(v.shape) == 4 else v)

@@ -174,12 +174,19 @@ class Conv2d(nn.Conv2d):
     `band_bytes` None (the default): never band; the caller's memory policy sets it (`Model.set_band_bytes`)."""
     band_bytes = None
 
+    def kernel(self, x) -> mx.array:
+        """The OHWI kernel this call convolves with: the weight itself; a quantized convolution
+        (loading/quantize.QuantizedConv2d, PalettizedConv2d) decodes its compact one here, once per call, after `x`."""
+        return self.weight
+
     def __call__(self, x):
-        kh, kw = self.weight.shape[1:3]
+        weight = self.kernel(x)
+        kh, kw = weight.shape[1:3]
         (sh, sw), (ph, pw) = self.stride, self.padding
         b, h, w, c = x.shape
         if self.band_bytes is None or b * h * w * c * kh * kw * x.itemsize <= self.band_bytes:
-            return super().__call__(x)
+            y = mx.conv2d(x, weight, self.stride, self.padding, self.dilation, self.groups)
+            return y + self.bias if "bias" in self else y
         rows_out = (h + 2 * ph - kh) // sh + 1
         per_row = b * ((w + 2 * pw - kw) // sw + 1) * c * kh * kw * x.itemsize
         step = max(1, self.band_bytes // per_row)
@@ -189,7 +196,7 @@ class Conv2d(nn.Conv2d):
             top, bottom = r * sh - ph, (r + n - 1) * sh + kh - ph        # input rows, in unpadded coordinates
             xb = x[:, max(top, 0):min(bottom, h)]
             xb = mx.pad(xb, [(0, 0), (max(-top, 0), max(bottom - h, 0)), (pw, pw), (0, 0)])
-            y = mx.conv2d(xb, self.weight, stride=self.stride, padding=0, dilation=self.dilation, groups=self.groups)
+            y = mx.conv2d(xb, weight, stride=self.stride, padding=0, dilation=self.dilation, groups=self.groups)
             bands.append(y + self.bias if "bias" in self else y)
             mx.eval(bands[-1])   # one band's working buffer at a time (lazily, MLX would hold them all)
         return mx.concatenate(bands, axis=1)
