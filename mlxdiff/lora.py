@@ -187,7 +187,7 @@ def conv_dims(module):
         return conv_dims(module.base)
     if not isinstance(module, nn.Conv2d) or module.groups != 1 or module.dilation not in (1, (1, 1)):
         return None
-    out, kh, kw, in_ = module["weight"].shape
+    out, kh, kw, in_ = getattr(module, "kernel_shape", None) or module["weight"].shape   # a quantized conv's rows
     return in_, out, (kh, kw)
 
 

@@ -213,3 +213,37 @@ def test_resident_bytes_are_codes_and_tables(sd15, quantize):
     held, model = resident(spec)
     print(f"resident {held} bytes, codes + tables + the rest {expected}, overhead {overhead}")
     assert held <= 1.02 * expected + max(overhead, 0)
+
+
+def test_lora_on_quantized_convolutions(sd15, tmp_path):
+    """A kohya LoCon on a UNet whose convolutions are quantized (p4) wraps the quantized conv (its kernel shape read
+    from the layer, not its stored rows) and computes what the same LoRA on the decoded dense UNet computes (the
+    LoRA on a dense conv is tests/test_lora_unet.py's, against diffusers)."""
+    from safetensors.numpy import save_file
+    from mlxdiff import lora
+    rng = np.random.default_rng(7)
+    file = tmp_path / "locon.safetensors"
+    save_file({"lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight":
+               (rng.standard_normal((3, 32, 3, 3)) * 0.2).astype(np.float32),
+               "lora_unet_down_blocks_0_resnets_0_conv1.lora_up.weight":
+               (rng.standard_normal((32, 3, 1, 1)) * 0.2).astype(np.float32),
+               "lora_unet_down_blocks_0_resnets_0_conv1.alpha": np.array(2.0, np.float32),
+               "lora_unet_up_blocks_1_resnets_0_conv2.lora_down.weight":
+               (rng.standard_normal((2, 32, 3, 3)) * 0.2).astype(np.float32),
+               "lora_unet_up_blocks_1_resnets_0_conv2.lora_up.weight":
+               (rng.standard_normal((32, 2, 1, 1)) * 0.2).astype(np.float32)}, str(file))
+    pipe = mlxdiff.load(str(sd15), quantize={"unet": "p4"}, loras=[(str(file), 0.8)])
+    unet = _built(pipe, "unet")
+    wrapped = [p for p, m in unet.named_modules() if isinstance(m, lora.LoRAConv)]
+    assert len(wrapped) == 2 and isinstance(unet.down_blocks[0].resnets[0].conv1.base, PalettizedConv2d)
+    rng = np.random.default_rng(1)
+    sample = mx.array(rng.standard_normal((1, 4, 12, 10)).astype(np.float32))
+    context = mx.array(rng.standard_normal((1, 7, 20)).astype(np.float32))
+    t = mx.array([500.0])
+    got = np.array(unet(sample, t, context))
+    plain = _built(mlxdiff.load(str(sd15), quantize={"unet": "p4"}), "unet")
+    without = np.array(plain(sample, t, context))
+    dense = _densify(plain)              # (in place)
+    lora.apply_loras(dense, pipe.components["unet"].arch, [(str(file), 0.8)], mx.float32, "unet")
+    assert max_rel_err(got, np.array(dense(sample, t, context))) <= 1e-5
+    assert max_rel_err(got, without) > 1e-3     # the LoRA does change the output
