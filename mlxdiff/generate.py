@@ -36,8 +36,8 @@ def parse_args(argv=None):
                    help="N images from one --seed S: seeds S..S+N-1")
     p.add_argument("--keep", choices=("none", "auto", "all"), default=None,
                    help="components kept loaded between images (default: auto for several images, none for one)")
-    p.add_argument("--transformer", help="a file that replaces the denoiser (the UNet of SD 1.x / SDXL; safetensors or "
-                   "GGUF); without --model, "
+    p.add_argument("--transformer", help="a file that replaces the denoiser (the UNet of SD 1.x / SDXL; safetensors, GGUF, or a Core ML "
+                   ".mlpackage for the UNet); without --model, "
                                           "FLUX.2 from files alone: with --text-encoder FILE and --vae FILE")
     p.add_argument("--lora", action="append", default=None, metavar="FILE[:SCALE]",
                    help="a LoRA (diffusers/PEFT, kohya/ComfyUI or original-named safetensors) at SCALE (default 1, "
