@@ -56,7 +56,7 @@ from mlx.utils import tree_flatten
 from mlxdiff.loading.component import load_component
 
 model, recipe = sys.argv[1], sys.argv[2]
-quantize = {k: int(v) for k, v in (p.split("=") for p in recipe.split(","))}
+quantize = {k: (v if v.startswith("p") else int(v)) for k, v in (p.split("=") for p in recipe.split(","))}
 MB = 2 ** 20
 
 
@@ -64,8 +64,9 @@ def kinds(m):
     """bytes by what holds them: quantized Linear (packed weights, scales, biases), Linear, Conv, the rest"""
     out = {}
     for path, module in m.named_modules():
-        quantized = "scales" in module and "weight" in module
-        kind = ("quantized Linear" if quantized else "Linear" if isinstance(module, nn.Linear)
+        quantized = ("scales" in module or "lut" in module) and "weight" in module
+        conv = isinstance(module, (nn.Conv2d, nn.Conv1d))
+        kind = (("quantized Conv" if conv else "quantized Linear") if quantized else "Linear" if isinstance(module, nn.Linear)
                 else "Conv" if isinstance(module, (nn.Conv2d, nn.Conv1d)) else None)
         if kind is None:
             continue
