@@ -39,10 +39,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxdiffError
-from .quantized import DecodingLinear, PalettizedWeight
+from .quantized import UNITS, DecodingLinear, PalettizedWeight, decode, unpack  # noqa: F401 (decode, unpack: here too)
 
 NBITS = (1, 2, 3, 4, 6, 8)
-UNITS = {1: (8, 1), 2: (4, 1), 3: (8, 3), 4: (2, 1), 6: (4, 3), 8: (1, 1)}   # nbits: (indices, bytes) per unit
 ITERATIONS = 16      # Lloyd steps (from the companded start, a few suffice: bench/palettize_quality.py)
 MAX_BINS = 1 << 16   # the histogram k-means runs on: about 4 values a bin, INIT_BINS to MAX_BINS (a power of 2)
 INIT_BINS = 1 << 10  # the coarser one its start is drawn from (a cube root of sparse counts would favour the tails)
@@ -67,34 +66,6 @@ def pack(indices: mx.array, nbits: int) -> mx.array:
         return words.astype(mx.uint8)
     parts = (words[..., None] >> mx.arange(0, 8 * nbytes, 8, dtype=mx.uint32)) & 0xFF
     return parts.astype(mx.uint8).reshape(rows, -1)
-
-
-def unpack(packed: mx.array, nbits: int, cols: int) -> mx.array:
-    """Inverse of pack: uint8 [rows, row bytes] -> uint32 indices [rows, cols]."""
-    per, nbytes = UNITS[nbits]
-    rows = packed.shape[0]
-    if nbits == 8:
-        return packed.astype(mx.uint32)
-    units = packed.reshape(rows, -1, nbytes).astype(mx.uint32)
-    words = units[..., 0]
-    for j in range(1, nbytes):
-        words = words | (units[..., j] << (8 * j))
-    shifts = mx.arange(0, nbits * per, nbits, dtype=mx.uint32)
-    idx = ((words[..., None] >> shifts) & ((1 << nbits) - 1)).reshape(rows, -1)
-    return idx if idx.shape[1] == cols else idx[:, :cols]
-
-
-def decode(packed, lut, scale, cols: int, group_size: int, first_row: int = 0) -> mx.array:
-    """The dense rows [rows, cols] (lut's dtype) of packed rows whose first is row `first_row` of the weight (its
-    group's table); `scale`: those rows' scales, or None."""
-    idx = unpack(packed, lut.shape[1].bit_length() - 1, cols)
-    if lut.shape[0] == 1:
-        w = mx.take(lut[0], idx)
-    else:
-        rows = packed.shape[0]
-        group = mx.arange(first_row, first_row + rows, dtype=mx.uint32) // group_size
-        w = mx.take(lut.reshape(-1), idx + (group * lut.shape[1])[:, None])
-    return w if scale is None else w * scale[:, None].astype(w.dtype)
 
 
 def palettized(indices, lut, scale=None) -> PalettizedWeight:

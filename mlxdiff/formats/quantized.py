@@ -111,6 +111,39 @@ class Float8Weight:
         return w.astype(dtype) if dtype is not None else w
 
 
+# -- palettized rows: the bit layout (formats/palettized.py makes and packs them; decoding lives with the type) ------
+
+UNITS = {1: (8, 1), 2: (4, 1), 3: (8, 3), 4: (2, 1), 6: (4, 3), 8: (1, 1)}   # nbits: (indices, bytes) per unit
+
+
+def unpack(packed: mx.array, nbits: int, cols: int) -> mx.array:
+    """Inverse of pack: uint8 [rows, row bytes] -> uint32 indices [rows, cols]."""
+    per, nbytes = UNITS[nbits]
+    rows = packed.shape[0]
+    if nbits == 8:
+        return packed.astype(mx.uint32)
+    units = packed.reshape(rows, -1, nbytes).astype(mx.uint32)
+    words = units[..., 0]
+    for j in range(1, nbytes):
+        words = words | (units[..., j] << (8 * j))
+    shifts = mx.arange(0, nbits * per, nbits, dtype=mx.uint32)
+    idx = ((words[..., None] >> shifts) & ((1 << nbits) - 1)).reshape(rows, -1)
+    return idx if idx.shape[1] == cols else idx[:, :cols]
+
+
+def decode(packed, lut, scale, cols: int, group_size: int, first_row: int = 0) -> mx.array:
+    """The dense rows [rows, cols] (lut's dtype) of packed rows whose first is row `first_row` of the weight (its
+    group's table); `scale`: those rows' scales, or None."""
+    idx = unpack(packed, lut.shape[1].bit_length() - 1, cols)
+    if lut.shape[0] == 1:
+        w = mx.take(lut[0], idx)
+    else:
+        rows = packed.shape[0]
+        group = mx.arange(first_row, first_row + rows, dtype=mx.uint32) // group_size
+        w = mx.take(lut.reshape(-1), idx + (group * lut.shape[1])[:, None])
+    return w if scale is None else w * scale[:, None].astype(w.dtype)
+
+
 @dataclass
 class PalettizedWeight:
     """A palettized weight (formats/palettized.py says the layout): `packed` uint8 [out, bytes per row], each row's
@@ -138,7 +171,6 @@ class PalettizedWeight:
         return self.packed.nbytes + self.lut.nbytes + (0 if self.scale is None else self.scale.nbytes)
 
     def dequantize(self, dtype=None) -> mx.array:
-        from .palettized import decode
         w = decode(self.packed, self.lut, self.scale, math.prod(self.shape[1:]), self.group_size).reshape(self.shape)
         return w.astype(dtype) if dtype is not None else w
 

@@ -341,7 +341,7 @@ FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_guidance_embed\.
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this config over n ranks (heads, the MLP width and the model width), else one
     line; checked when a tensor-parallel pipeline is loaded, before anything is read."""
-    from ..distributed import check_divides
+    from .sharding import check_divides
     check_divides("FLUX.2 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
     check_divides("FLUX.2 transformer: the MLP width", int(args.num_attention_heads * args.attention_head_dim
                                                           * args.mlp_ratio), n)
@@ -426,12 +426,12 @@ class Model(nn.Module):
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
 
     def shard(self, group):
-        """Tensor-parallel over `group` (mlxdiff/distributed.py), as mlx-lm shards its LLMs: in every block the
+        """Tensor-parallel over `group` (mlxdiff/distributed.py; the layers: models/sharding.py), as mlx-lm shards its LLMs: in every block the
         q/k/v projections and the feed-forward input (each SwiGLU half on its own) split by output rows, the
         attention and feed-forward outputs by input columns with one all_sum each, the heads and hidden widths
         divided; the shared modulations split by output rows and gathered. Embedders, norm_out and proj_out stay
         whole on every rank. Lazy: only the slices are evaluated when the model is materialized."""
-        from ..distributed import GatheredLinear, shard_layer
+        from .sharding import GatheredLinear, shard_layer
         n = group.size()
         check_shardable(self.args, n)
         dim = self.args.num_attention_heads * self.args.attention_head_dim

@@ -275,7 +275,7 @@ class PatchEmbed(nn.Module):
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this config over n ranks (the heads), else one line; checked when a
     tensor-parallel pipeline is loaded, before anything is read."""
-    from ..distributed import check_divides
+    from .sharding import check_divides
     check_divides("SD3 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
 
 
@@ -330,12 +330,12 @@ class Model(nn.Module):
         return not FULL_PRECISION.fullmatch(path)
 
     def shard(self, group):
-        """Tensor-parallel over `group` (mlxdiff/distributed.py), as mlx-lm shards its LLMs: in every block the
+        """Tensor-parallel over `group` (mlxdiff/distributed.py; the layers: models/sharding.py), as mlx-lm shards its LLMs: in every block the
         q/k/v projections (both streams, and attn2's) and the feed-forward inputs split by output rows, the
         attention and feed-forward outputs by input columns with one all_sum each, the heads divided; the per-block
         adaLN linears (a third of the weights) split by output rows and gathered back. The embedders, norm_out and
         proj_out stay whole on every rank. Lazy: only the slices are evaluated when the model is materialized."""
-        from ..distributed import GatheredLinear, shard_layer
+        from .sharding import GatheredLinear, shard_layer
         n = group.size()
         check_shardable(self.args, n)
         for i, block in enumerate(self.transformer_blocks):

@@ -58,7 +58,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline, "sd": StableDiffusionPipeline}[found.family]
-    from ..distributed import check_guidance_group, check_split, check_tensor_group, tensor_parallel
+    from ..distributed import check_guidance_group, check_split, check_tensor_group
+    from ..loading.tensor_parallel import tensor_parallel
     if group is not None and check_split(split, group) == "tensor":
         check_tensor_group(group, found.family)
         found.components["transformer"] = tensor_parallel(found.components["transformer"], group)

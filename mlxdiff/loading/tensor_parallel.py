@@ -1,0 +1,53 @@
+"""A transformer sharded over the ranks of a tensor-parallel run (mlxdiff/distributed.py): its spec shards the model
+between the lazy build and materializing, and counts a rank's share for the memory budget."""
+
+from dataclasses import dataclass, replace
+
+from ..errors import MlxdiffError
+from ..formats import is_gguf
+from .quantize import parameter_nbytes, setting
+from .spec import ComponentSpec
+
+
+def tensor_parallel(spec, group) -> "TensorParallelSpec":
+    """`spec` (a transformer's) as a TensorParallelSpec over `group`; its config checked for the split here, before
+    anything is read (heads and widths that the ranks do not divide are refused in one line)."""
+    spec.arch.check_shardable(spec.args, group.size())
+    fields = {name: getattr(spec, name) for name in spec.__dataclass_fields__}
+    return TensorParallelSpec(**fields, group=group)
+
+
+@dataclass
+class TensorParallelSpec(ComponentSpec):
+    """A component whose model is sharded over `group` between its lazy build and its materialization: build() makes
+    the model as any spec does (weights mapped, quantized layers made, nothing read but the small checked tensors),
+    then `model.shard(group)` swaps its block linears for slices of the same lazy arrays, so that materializing
+    evaluates only this rank's slices (MLX still reads each whole tensor from the file to slice it: the file's
+    bytes pass through, a layer at a time, but only the slices stay). `loaded_nbytes` is this rank's share, so the
+    memory budget (memory.check_fits) counts what a rank holds."""
+    group: object = None
+
+    def build(self, compute_dtype=None, standins=frozenset(), check=True):
+        n = self.group.size()
+        if standins:
+            raise MlxdiffError(f"{self.name}: its 1/{n} share does not fit this rank's memory budget, and a "
+                               "tensor-parallel transformer cannot stream its blocks; raise --memory-limit or "
+                               "start more ranks")
+        if self.loras:
+            raise MlxdiffError(f"{self.name}: LoRAs are not added to a tensor-parallel transformer yet; use "
+                               "--split guidance or --split images with --lora")
+        model = super().build(compute_dtype, check=check)
+        model.shard(self.group)
+        return model
+
+    def loaded_nbytes(self, quantize=None, compute_dtype=None) -> int:
+        """This rank's bytes: those of the sharded model, built lazily (nothing read). GGUF files (their build
+        converts what it reads): the whole model's bytes, a bound."""
+        if any(is_gguf(f) for f in self.files):
+            return super().loaded_nbytes(quantize, compute_dtype)
+        spec = replace(self, quantize=self.quantize if quantize is None else setting(quantize), loras=())
+        model = spec.build(compute_dtype, check=False)
+        try:
+            return parameter_nbytes(model)
+        finally:
+            model.clear()
