@@ -60,7 +60,7 @@ def parse_args(argv=None):
                    help="SD3.5, SD 1.x / SDXL: take the CLIP hidden state N layers earlier")
     p.add_argument("--quantize", default=None,
                    help="quantize while loading: bits for all (e.g. 4) or per component "
-                        "(e.g. transformer=4,text_encoder_3=8)")
+                        "(e.g. transformer=4,text_encoder_3=8); pN[:gG] palettized (e.g. unet=p6)")
     p.add_argument("--matmul", choices=("qmm", "dequantize"), default=None,
                    help="how quantized layers multiply (default per backend; see bench/RESULTS.md)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
@@ -176,13 +176,11 @@ def generate(args, written) -> int:
     if layers is not None:
         options["skip_guidance_layers"] = layers
     for name in ("scheduler", "clip_skip"):       # family options: given only when set (others refuse them)
-        if getattr(args, name) is not None:
-            options[name] = getattr(args, name)
-            check_options(pipe.family, {k: v for k, v in options.items() if k == name and name not in pipe.OPTIONS})
-    if args.scheduler is not None:
-        from .ldm_schedulers import SCHEDULERS
-        if args.scheduler not in SCHEDULERS:
-            raise MlxdiffError(f"--scheduler {args.scheduler!r} does not exist; use one of {', '.join(SCHEDULERS)}")
+        value = getattr(args, name)
+        if value is not None:
+            if name not in pipe.OPTIONS:
+                check_options(pipe.family, {name: value})
+            options[name] = value
     strength = args.strength
     if images:
         check_images(images, strength, pipe.family)     # how this family takes them, before anything is loaded

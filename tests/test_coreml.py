@@ -174,14 +174,7 @@ UNET = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16
 @pytest.fixture(scope="module")
 def unet_package(tmp_path_factory):
     from diffusers import UNet2DConditionModel
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self, unet):
-            super().__init__()
-            self.unet = unet
-
-        def forward(self, x, t, c):
-            return self.unet(x, t, c, return_dict=False)[0]
+    from test_coreml_pipeline import Wrapper      # the UNet as `self.unet`, returning the sample
 
     torch.manual_seed(0)
     unet = randomize_(UNet2DConditionModel(**UNET), seed=10, scale=0.15).eval()

@@ -7,7 +7,6 @@ lut[group][idx] * scale for the decode, a brute-force nearest-centroid search fo
 quantization for the error comparison, and a plain matmul with the decoded weight for the layers and the models.
 """
 
-import gc
 import json
 
 import numpy as np
@@ -194,27 +193,7 @@ def sd15(tmp_path_factory):
     return folder
 
 
-def _built(pipe, name):
-    from mlxdiff.loading.quantize import materialize
-    model = pipe.components[name].build(mx.float32)
-    materialize(model)
-    return model
-
-
-def _densify(model):
-    """Every PalettizedLinear of `model` replaced, in place, by an nn.Linear holding its decoded weight."""
-    from mlx.utils import tree_map_with_path
-
-    def swap(_, m):
-        if not isinstance(m, P.PalettizedLinear):
-            return m
-        out = nn.Linear(m.in_dims, m.weight.shape[0], bias="bias" in m)
-        out.weight = m.dense_weight()
-        if "bias" in m:
-            out.bias = m.bias
-        return out
-    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
-    return model
+from test_quantized_conv import _built, _densify   # noqa: E402  (build + materialize; every quantized layer dense)
 
 
 QUANTIZE = {"unet": "p4", "text_encoder": "p6:g4"}
@@ -293,7 +272,7 @@ def test_resident_bytes_are_indices_and_tables(tmp_path):
     derived from the layers' shapes."""
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel
-    from mlxdiff.loading.quantize import materialize, setting
+    from mlxdiff.loading.quantize import setting
     from mlxdiff.loading.spec import ComponentSpec
     from mlxdiff.models import clip
     config = CLIPTextConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
@@ -310,13 +289,7 @@ def test_resident_bytes_are_indices_and_tables(tmp_path):
                    for m in palettized.values())                                 # indices, bias, tables
     expected += sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k.rsplit(".", 1)[0] not in palettized)
     del model, palettized
-    gc.collect()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    model = spec.build(mx.float32)
-    materialize(model)
-    gc.collect()
-    mx.clear_cache()
-    resident = mx.get_active_memory() - before
+    from test_quantized_encoders import resident_after_build    # (model, MLX active bytes added, parameter bytes)
+    model, resident, _ = resident_after_build(spec)
     print(f"resident {resident} bytes, indices + tables + the rest {expected}")
     assert resident <= 1.02 * expected

@@ -6,7 +6,6 @@ palettized decode over the rows, reshaped OHWI); for the UNet, the same UNet wit
 plain layer holding its decoded weight.
 """
 
-import gc
 import json
 
 import numpy as np
@@ -20,8 +19,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 from helpers import max_rel_err
 from mlxdiff.convert import convert
 from mlxdiff.formats import palettized as P
-from mlxdiff.loading.quantize import (MIN_CONV_CHANNELS, PalettizedConv2d, QuantizedConv2d, materialize,
-                                      quantize_model)
+from mlxdiff.loading.quantize import MIN_CONV_CHANNELS, PalettizedConv2d, QuantizedConv2d, materialize
 from mlxdiff.models.vae import Conv2d
 
 QUANTIZED = (QuantizedConv2d, PalettizedConv2d)
@@ -182,15 +180,11 @@ def test_resident_bytes_are_codes_and_tables(sd15, quantize):
     """A UNet quantized while loading holds, as MLX's active memory after the load, at most its quantized layers'
     codes / indices plus scales / tables plus its other parameters as stored, plus 2%: bytes from shapes; plus the
     fixed overhead (about 50 kB, measured here) that the same UNet loaded unquantized holds beyond its parameters."""
+    from test_quantized_encoders import resident_after_build    # (model, MLX active bytes added, parameter bytes)
+
     def resident(spec):
-        gc.collect()
-        mx.clear_cache()
-        before = mx.get_active_memory()
-        model = spec.build(mx.float32)
-        materialize(model)
-        gc.collect()
-        mx.clear_cache()
-        return mx.get_active_memory() - before, model
+        model, held, _ = resident_after_build(spec)
+        return held, model
 
     plain, model = resident(mlxdiff.load(str(sd15)).components["unet"])
     overhead = plain - sum(v.nbytes for _, v in tree_flatten(model.parameters()))

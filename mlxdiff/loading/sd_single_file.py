@@ -36,7 +36,7 @@ from ..formats.keymaps import remap, strip_prefix
 from ..models import clip, unet, vae
 from ..tokenizers import bundled_clip_tokenizer
 from .single_file import _config
-from .sources import not_a_folder
+from .sources import check_unet_together, not_a_folder
 from .spec import ComponentSpec, PipelineSources
 
 # the released models' scheduler/scheduler_config.json
@@ -183,7 +183,6 @@ def sd_single_file(path, vae_file=None, prediction_type=None) -> PipelineSources
                                    unet.original_to_diffusers)}
     for component, (prefixes, kind) in ENCODERS[family].items():
         specs[component] = _encoder(path, component, shapes, prefixes, kind, family)
-    _check_together(path, family, specs)
 
     defaults = dict(VAE_CONFIGS[family])
     if family == "sd2" and prediction_type == "epsilon":
@@ -195,10 +194,7 @@ def sd_single_file(path, vae_file=None, prediction_type=None) -> PipelineSources
                            "checkpoint")
     if vae_file is not None:
         specs["vae"] = vae_from_file(vae_file, specs["vae"].config if "vae" in specs else defaults)
-    latent, takes = specs["vae"].args.latent_channels, specs["unet"].args.in_channels
-    if latent != takes:
-        raise MlxdiffError(f"{vae_file or path}: the VAE gives {latent} latent channels but the UNet of {path} takes "
-                           f"in_channels {takes}; the files do not belong together")
+    check_unet_together(vae_file or path, specs)   # latents, cross-attention width, SDXL's added embedding
 
     if family == "sdxl":
         tokenizers = {"tokenizer": bundled_clip_tokenizer("<|endoftext|>"), "tokenizer_2": bundled_clip_tokenizer("!")}
@@ -208,20 +204,3 @@ def sd_single_file(path, vae_file=None, prediction_type=None) -> PipelineSources
     if prediction_type is not None:
         scheduler["prediction_type"] = prediction_type
     return PipelineSources("sd", PIPELINES[family], specs, tokenizers, scheduler)
-
-
-def _check_together(path, family, specs) -> None:
-    """The UNet's cross-attention width is the text encoders' hidden widths (SDXL: both, concatenated); SDXL's added
-    embedding takes bigG's pooled projection and the six 256-wide time ids."""
-    args = specs["unet"].args
-    encoders = [specs[c].args for c in ("text_encoder", "text_encoder_2") if c in specs]
-    width = sum(e.hidden_size for e in encoders)
-    if set(args.cross_dims) != {width}:
-        raise MlxdiffError(f"{path}: the UNet's cross_attention_dim {args.cross_dims[0]} is not the text encoders' "
-                           f"width {width}; the file mixes parts of different models")
-    if family == "sdxl":
-        pooled = encoders[1].projection_dim + 6 * args.addition_time_embed_dim
-        if args.projection_class_embeddings_input_dim != pooled:
-            raise MlxdiffError(f"{path}: the UNet's label_emb takes {args.projection_class_embeddings_input_dim} "
-                               f"values, not bigG's projection {encoders[1].projection_dim} + 6 x "
-                               f"{args.addition_time_embed_dim}; the file mixes parts of different models")
