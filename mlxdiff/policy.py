@@ -33,7 +33,7 @@ class RunPolicy:
     conv_band: int | None = None      # a VAE convolution's largest working buffer before row bands; None: no bands
     cache_limit: int | None = None    # bytes MLX's buffer cache may keep in a phase; None: MLX's own limit
     fuse: bool = True                 # the blocks' elementwise chains compiled (models/fused.py)
-    cuda_kernels: bool = True         # mlxdiff's CUDA kernels where they apply (models/fused.norm_rope)
+    cuda_kernels: bool = True         # mlxdiff's CUDA kernels where they apply (policy.cuda_kernels)
     gguf_layout: str | None = None    # how GGUF tensors are kept; None: the spec's, else "auto" (formats/gguf.py)
     matmul: str | None = None         # how quantized layers multiply; None: the spec's, else per backend
     phase_markers: bool = False       # marker lines on stderr for mlxdiff.footprint
@@ -113,6 +113,16 @@ def _cache_cap(policy: RunPolicy):
     caps = [c for c in (policy.cache_limit, policy.memory_limit and
                         min(policy.memory_limit, mx.get_cache_memory() + policy.memory_limit // 4)) if c]
     return min(caps) if caps else None
+
+
+def cuda_kernels() -> bool:
+    """Whether mlxdiff's own CUDA kernels run (models/fused.norm_rope, formats/quantized's palettized decode): the
+    CUDA default device, and fusion and the kernels on in the installed policy (with none installed, on)."""
+    policy = current()
+    if (policy is not None and not (policy.fuse and policy.cuda_kernels)) or mx.default_device() != mx.gpu:
+        return False
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda and cuda.is_available())
 
 
 @contextmanager

@@ -14,6 +14,7 @@ the per-layer decode-then-matmul that DequantizedLinear and RawLinear share.
 """
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +26,7 @@ import mlx.nn as nn
 
 from ..errors import MlxdiffError
 from .. import pacing
+from ..policy import cuda_kernels
 
 @dataclass
 class QuantizedTensor:
@@ -133,7 +135,10 @@ def unpack(packed: mx.array, nbits: int, cols: int) -> mx.array:
 
 def decode(packed, lut, scale, cols: int, group_size: int, first_row: int = 0) -> mx.array:
     """The dense rows [rows, cols] (lut's dtype) of packed rows whose first is row `first_row` of the weight (its
-    group's table); `scale`: those rows' scales, or None."""
+    group's table); `scale`: those rows' scales, or None. On CUDA one kernel (below) does it; these MLX ops are the
+    reference path and every other backend's."""
+    if cuda_kernels() and packed.shape[0] and lut.dtype in (mx.bfloat16, mx.float16, mx.float32):
+        return _decode_on_cuda(packed, lut, scale, cols, group_size, first_row)
     idx = unpack(packed, lut.shape[1].bit_length() - 1, cols)
     if lut.shape[0] == 1:
         w = mx.take(lut[0], idx)
@@ -142,6 +147,49 @@ def decode(packed, lut, scale, cols: int, group_size: int, first_row: int = 0) -
         group = mx.arange(first_row, first_row + rows, dtype=mx.uint32) // group_size
         w = mx.take(lut.reshape(-1), idx + (group * lut.shape[1])[:, None])
     return w if scale is None else w * scale[:, None].astype(w.dtype)
+
+
+# One thread per packed unit (UNITS: PER indices in NBYTES bytes), each index looked up in its row's table and times
+# the row's scale in float, rounded once to T (the product of two T values is exact in float, so this equals MLX's
+# multiply in T). Replaces unpack's eight-odd ops and their [rows, cols] uint32 transients with one pass that
+# writes only the output (timing: bench/RESULTS.md, "Palettized weights").
+_DECODE_SOURCE = """
+    constexpr long UNITS_PER_ROW = (COLS + PER - 1) / PER;
+    const long unit = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= (long)ROWS * UNITS_PER_ROW) return;
+    const long row = unit / UNITS_PER_ROW;
+    const long first_col = (unit % UNITS_PER_ROW) * PER;
+    const uint8_t* src = packed + row * ROW_BYTES + (unit % UNITS_PER_ROW) * NBYTES;
+    uint32_t word = 0;
+    for (int j = 0; j < NBYTES; j++) word |= static_cast<uint32_t>(src[j]) << (8 * j);
+    const T* table = lut + (ONE_TABLE ? 0 : ((long)first_row[0] + row) / GS) * (1 << NBITS);
+    const float row_scale = HAS_SCALE ? static_cast<float>(scale[row]) : 1.0f;
+    T* dst = out + row * COLS + first_col;
+    for (int j = 0; j < PER && first_col + j < COLS; j++) {
+        const T v = table[(word >> (j * NBITS)) & ((1u << NBITS) - 1u)];
+        dst[j] = HAS_SCALE ? static_cast<T>(static_cast<float>(v) * row_scale) : v;
+    }
+"""
+
+
+@functools.cache
+def _decode_kernel():
+    return mx.fast.cuda_kernel(name="mlxdiff_palettized_decode",
+                               input_names=["packed", "lut", "scale", "first_row"], output_names=["out"],
+                               source=_DECODE_SOURCE)
+
+
+def _decode_on_cuda(packed, lut, scale, cols, group_size, first_row):
+    nbits = lut.shape[1].bit_length() - 1
+    per, nbytes = UNITS[nbits]
+    rows = packed.shape[0]
+    threads = rows * -(-cols // per)
+    return _decode_kernel()(
+        inputs=[packed, lut, lut if scale is None else scale.astype(lut.dtype), mx.array([first_row], mx.int32)],
+        template=[("T", lut.dtype), ("NBITS", nbits), ("PER", per), ("NBYTES", nbytes), ("COLS", cols),
+                  ("ROWS", rows), ("ROW_BYTES", packed.shape[1]), ("GS", group_size),
+                  ("ONE_TABLE", lut.shape[0] == 1), ("HAS_SCALE", scale is not None)],
+        grid=(threads, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, cols)], output_dtypes=[lut.dtype])[0]
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import replace
 import mlx.core as mx
 
 from .. import pacing
-from ..policy import current, installed
+from ..policy import cuda_kernels, current, installed  # noqa: F401 (cuda_kernels: models ask it here)
 
 
 def forget_compiled(model):
@@ -188,16 +188,6 @@ def _norm_rope_kernel():
 def _eps_array(eps):
     """The kernel's eps input, made once per value (not a new device scalar per block call)."""
     return mx.array(eps, mx.float32)
-
-
-def cuda_kernels() -> bool:
-    """Whether the fused CUDA kernels of this module run: the CUDA default device, and fusion and the kernels on in
-    the installed policy (with none installed, on)."""
-    policy = current()
-    if (policy is not None and not (policy.fuse and policy.cuda_kernels)) or mx.default_device() != mx.gpu:
-        return False
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda and cuda.is_available())
 
 
 def norm_rope(parts, cos, sin, rope):
