@@ -154,18 +154,20 @@ def decode(packed, lut, scale, cols: int, group_size: int, first_row: int = 0) -
 # multiply in T). Replaces unpack's eight-odd ops and their [rows, cols] uint32 transients with one pass that
 # writes only the output (timing: bench/RESULTS.md, "Palettized weights").
 _DECODE_SOURCE = """
-    constexpr long UNITS_PER_ROW = (COLS + PER - 1) / PER;
+    // dims: rows, cols, bytes per row, group size, first row (runtime, so one kernel serves every layer shape)
+    const long rows = dims[0], cols = dims[1], row_bytes = dims[2], group_size = dims[3], first_row = dims[4];
+    const long units_per_row = (cols + PER - 1) / PER;
     const long unit = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (unit >= (long)ROWS * UNITS_PER_ROW) return;
-    const long row = unit / UNITS_PER_ROW;
-    const long first_col = (unit % UNITS_PER_ROW) * PER;
-    const uint8_t* src = packed + row * ROW_BYTES + (unit % UNITS_PER_ROW) * NBYTES;
+    if (unit >= rows * units_per_row) return;
+    const long row = unit / units_per_row;
+    const long first_col = (unit % units_per_row) * PER;
+    const uint8_t* src = packed + row * row_bytes + (unit % units_per_row) * NBYTES;
     uint32_t word = 0;
     for (int j = 0; j < NBYTES; j++) word |= static_cast<uint32_t>(src[j]) << (8 * j);
-    const T* table = lut + (ONE_TABLE ? 0 : ((long)first_row[0] + row) / GS) * (1 << NBITS);
+    const T* table = lut + (ONE_TABLE ? 0 : (first_row + row) / group_size) * (1 << NBITS);
     const float row_scale = HAS_SCALE ? static_cast<float>(scale[row]) : 1.0f;
-    T* dst = out + row * COLS + first_col;
-    for (int j = 0; j < PER && first_col + j < COLS; j++) {
+    T* dst = out + row * cols + first_col;
+    for (int j = 0; j < PER && first_col + j < cols; j++) {
         const T v = table[(word >> (j * NBITS)) & ((1u << NBITS) - 1u)];
         dst[j] = HAS_SCALE ? static_cast<T>(static_cast<float>(v) * row_scale) : v;
     }
@@ -175,7 +177,7 @@ _DECODE_SOURCE = """
 @functools.cache
 def _decode_kernel():
     return mx.fast.cuda_kernel(name="mlxdiff_palettized_decode",
-                               input_names=["packed", "lut", "scale", "first_row"], output_names=["out"],
+                               input_names=["packed", "lut", "scale", "dims"], output_names=["out"],
                                source=_DECODE_SOURCE)
 
 
@@ -183,13 +185,13 @@ def _decode_on_cuda(packed, lut, scale, cols, group_size, first_row):
     nbits = lut.shape[1].bit_length() - 1
     per, nbytes = UNITS[nbits]
     rows = packed.shape[0]
-    threads = rows * -(-cols // per)
+    dims = mx.array([rows, cols, packed.shape[1], group_size, first_row], mx.int32)
     return _decode_kernel()(
-        inputs=[packed, lut, lut if scale is None else scale.astype(lut.dtype), mx.array([first_row], mx.int32)],
-        template=[("T", lut.dtype), ("NBITS", nbits), ("PER", per), ("NBYTES", nbytes), ("COLS", cols),
-                  ("ROWS", rows), ("ROW_BYTES", packed.shape[1]), ("GS", group_size),
+        inputs=[packed, lut, lut if scale is None else scale.astype(lut.dtype), dims],
+        template=[("T", lut.dtype), ("NBITS", nbits), ("PER", per), ("NBYTES", nbytes),
                   ("ONE_TABLE", lut.shape[0] == 1), ("HAS_SCALE", scale is not None)],
-        grid=(threads, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, cols)], output_dtypes=[lut.dtype])[0]
+        grid=(rows * -(-cols // per), 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, cols)],
+        output_dtypes=[lut.dtype])[0]
 
 
 @dataclass
