@@ -266,11 +266,16 @@ CPU_CONV_BAND = 256 << 20   # mlx-cpu unfolds a convolution's input: band it abo
 
 def conv_band_bytes(policy: RunPolicy):
     """The largest convolution working buffer a VAE may build before it runs in row bands: on the CPU, where the
-    convolution unfolds its input, CPU_CONV_BAND (or a sixteenth of a smaller memory limit); on GPUs only under a
-    memory limit. None: no bands."""
+    convolution unfolds its input, CPU_CONV_BAND (or a sixteenth of a smaller memory limit); on Metal only under a
+    memory limit; on CUDA never (cuDNN does not unfold: at 1024x1024 the banded decode peaked at what the whole one
+    did, and its other algorithms moved the image by 1-4 levels; bench/RESULTS.md, "Streaming, third GPU job").
+    None: no bands."""
     limit = policy.memory_limit
     if mx.default_device() == mx.cpu:
         return min(CPU_CONV_BAND, limit // 16) if limit else CPU_CONV_BAND
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return None
     return limit // 16 if limit else None
 
 
