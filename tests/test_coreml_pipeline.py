@@ -54,17 +54,73 @@ def _convert(module, example, names):
                       convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18)
 
 
-@pytest.fixture(scope="module")
-def sd15_coreml(tmp_path_factory):
-    """(folder, package, diffusers pipeline on the decompressed weights, {diffusers name: LutWeight})."""
+class Conv1x1(torch.nn.Module):
+    """A Linear computed as a 1x1 convolution over [1, in, 1, tokens], its weight [out, in, 1, 1] under the Linear's
+    own name: how Apple's ml-stable-diffusion converts every Linear of its UNet (its load_state_dict hook reshapes
+    diffusers' weights so). Written here from that description; Apple's code is not used."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = torch.nn.Parameter(linear.weight.detach()[:, :, None, None].clone())
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        lead, width = x.shape[:-1], x.shape[-1]
+        y = torch.nn.functional.conv2d(x.reshape(1, -1, width).permute(0, 2, 1).reshape(1, width, 1, -1),
+                                       self.weight, self.bias)
+        return y.reshape(1, y.shape[1], -1).permute(0, 2, 1).reshape(*lead, y.shape[1])
+
+
+class HandLayerNorm(torch.nn.Module):
+    """A LayerNorm computed by hand over the channels of a [B, C, 1, tokens] tensor, (normalised + bias / weight) *
+    weight, under the module's own parameter names: the form of Apple's LayerNormANE (as its source describes it),
+    which the converter fuses into a layer_norm op whose gamma and beta get op-made names."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.eps = norm.eps
+        self.weight = torch.nn.Parameter(norm.weight.detach().clone())
+        self.bias = torch.nn.Parameter(norm.bias.detach().clone())
+
+    def forward(self, x):
+        c = x.shape[-1]
+        x = x.transpose(1, 2).unsqueeze(2)
+        centred = x - x.mean(dim=1, keepdim=True)
+        out = centred * ((centred * centred).mean(dim=1, keepdim=True) + self.eps).rsqrt()
+        out = (out + (self.bias / self.weight).view(1, c, 1, 1)) * self.weight.view(1, c, 1, 1)
+        return out.squeeze(2).transpose(1, 2)
+
+
+class AppleStyle(torch.nn.Module):
+    """The UNet traced itself (no wrapper: names without a prefix), its Linears as Conv1x1, its LayerNorms by hand."""
+
+    def __init__(self, unet):
+        super().__init__()
+        import copy
+        self.model = copy.deepcopy(unet)
+        for name, module in list(self.model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(module, child_name, Conv1x1(child))
+                elif isinstance(child, torch.nn.LayerNorm):
+                    setattr(module, child_name, HandLayerNorm(child))
+
+    def forward(self, x, t, c):
+        return self.model(x, t, c, return_dict=False)[0]
+
+
+def _coreml_unet(tmp_path_factory, style):
+    """(folder, package, diffusers pipeline on the package's decompressed weights, {diffusers name: LutWeight}) for
+    a tiny SD 1.5 whose UNet is traced as `Wrapper` (diffusers' modules) or `AppleStyle`, converted and palettized
+    (6-bit k-means, every weight)."""
     from diffusers import StableDiffusionPipeline
-    root = tmp_path_factory.mktemp("coreml_sd15")
+    root = tmp_path_factory.mktemp(f"coreml_sd15_{style.__name__}")
     parts = sd15_components()
     folder = root / "sd15"
     StableDiffusionPipeline(**parts).save_pretrained(str(folder))
     unet = parts["unet"]
     example = (torch.zeros(1, 4, H // 4, W // 4), torch.tensor([10.0]), torch.zeros(1, 77, 20))
-    mlmodel = palettize_weights(_convert(Wrapper(unet), example, ("x", "t", "c")), OptimizationConfig(
+    mlmodel = palettize_weights(_convert(style(unet), example, ("x", "t", "c")), OptimizationConfig(
         global_config=OpPalettizerConfig(mode="kmeans", nbits=6, weight_threshold=0)))
     package = root / "unet.mlpackage"
     mlmodel.save(str(package))
@@ -73,13 +129,14 @@ def sd15_coreml(tmp_path_factory):
     # diffusers' UNet on the package's weights: a palettized one as decompress_weights gives it (the const our
     # mapping names), every other as ct.convert stored it (float16; checked equal to the module's own, rounded)
     sd = unet.state_dict()
-    ours = coreml.read_diffusers(package, {k: tuple(v.shape) for k, v in sd.items()}, prefix="unet_")
+    ours = coreml.read_diffusers(package, {k: tuple(v.shape) for k, v in sd.items()}, prefix=None)   # found
     assert set(ours) == set(sd)
     luts = {k: v for k, v in ours.items() if isinstance(v, coreml.LutWeight)}
     replaced = {}
     for k, v in sd.items():
         if k in luts:
-            replaced[k] = torch.from_numpy(decompressed[luts[k].name].astype(np.float32))
+            replaced[k] = torch.from_numpy(decompressed[luts[k].name].astype(np.float32).reshape(v.shape))
+            assert np.array_equal(luts[k].dense().astype(np.float32), replaced[k].numpy()), k
         else:
             half = v.numpy().astype(np.float16)
             assert np.array_equal(ours[k].view(np.uint16), half.view(np.uint16)), k
@@ -87,6 +144,30 @@ def sd15_coreml(tmp_path_factory):
     pipe = StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None, requires_safety_checker=False)
     pipe.unet.load_state_dict(replaced)
     return folder, package, pipe, luts
+
+
+@pytest.fixture(scope="module")
+def sd15_coreml(tmp_path_factory):
+    return _coreml_unet(tmp_path_factory, Wrapper)
+
+
+def test_apple_layout_maps_onto_diffusers_names(tmp_path_factory):
+    """A package in the layout of Apple's ml-stable-diffusion conversion (Linears as 1x1 convolutions [out, in, 1,
+    1], LayerNorms fused into layer_norm ops whose gamma/beta have op-made names, no wrapper prefix): every diffusers
+    weight found (the norms by dataflow), each equal to coremltools' own decompression (the fixture checks), the
+    Linears kept palettized, and the image within 2 levels of diffusers on those weights."""
+    folder, package, pipe, luts = _coreml_unet(tmp_path_factory, AppleStyle)
+    program = coreml._Program(package)
+    fused = [op for op in program.ops if op.type == "layer_norm"]
+    assert fused and all("norm" not in op.inputs["gamma"][0] for op in fused)   # names the dataflow must undo
+    as_conv = [v for k, v in luts.items() if len(v.shape) == 2]
+    assert len(as_conv) > 20 and all(v.palettized() is not None for v in as_conv)
+    noise = np.random.default_rng(2).standard_normal((1, 4, H // 4, W // 4)).astype(np.float32)
+    ref = pipe(prompt=PROMPT, height=H, width=W, num_inference_steps=3, guidance_scale=5.0,
+               latents=torch.from_numpy(noise), output_type="np").images[0]
+    ours = mlxdiff.load(str(folder), transformer=str(package)).generate(
+        PROMPT, width=W, height=H, steps=3, guidance=5.0, latents=noise, progress_bar=False)
+    assert _levels(ours.image, ref) <= 2
 
 
 def test_pipeline_image_matches_diffusers_on_decompressed(sd15_coreml):

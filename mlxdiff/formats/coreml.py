@@ -26,8 +26,12 @@ Other constexpr ops (sparse, affine int8 of iOS 16, casts) are refused in one li
 
 `read(path)` gives {weight name: np.ndarray (dense) | LutWeight}; a LutWeight keeps the table and unpacks its indices
 when asked, `.dense()` is its exact decode and `.palettized(layout)` is formats/palettized's form when it fits (tables
-per group of output rows, no vector palettes, no scale on another axis). `map_diffusers(...)` maps the names of a
-model traced from diffusers' modules (torch.jit.trace + ct.convert) back onto the state dict's.
+per group of output rows, no vector palettes, no scale on another axis). `read_diffusers(...)` maps the names of a
+model traced from diffusers' modules (torch.jit.trace + ct.convert) back onto the state dict's, and those of Apple's
+ml-stable-diffusion conversion (apple/ml-stable-diffusion, torch2coreml.py): the same module paths, traced without a
+wrapper, every Linear a 1x1 convolution ([out, in, 1, 1], read as [out, in]), its LayerNorms fused by the converter
+into layer_norm ops (found by dataflow, LAYER_NORM_BEFORE). How far that goes: one .mlpackage UNet (the form
+`--chunk-unet` splits in two is not joined; compiled .mlmodelc folders, whose program is MIL text, are not read).
 """
 
 import json
@@ -328,9 +332,29 @@ class LutWeight:
             indices = indices.transpose(0, 2, 3, 1)
         return palettized(np.ascontiguousarray(indices), lut)
 
+    def as_linear(self) -> "LutWeight":
+        """This [out, in, 1, 1] weight (a Linear converted as a 1x1 convolution, Apple's ml-stable-diffusion) as the
+        [out, in] weight it is: the same indices and tables, the two unit axes dropped (their tables' block axes
+        are 1 as well, as the axes themselves are)."""
+        if len(self.shape) != 4 or self.shape[2:] != (1, 1) or self.lut.shape[2:4] != (1, 1) or \
+                (self.lut.shape[-1] > 1 and self.vector_axis % 4 >= 2) or \
+                (self.scale is not None and self.scale.ndim == 4 and self.scale.shape[2:] != (1, 1)) or \
+                (self.offset is not None and self.offset.ndim == 4 and self.offset.shape[2:] != (1, 1)):
+            raise MlxdiffError(f"{self.name}: a {list(self.shape)} weight is not a 1x1 convolution's")
+        load, indices_shape = self._load, tuple(self.indices_shape[:2])
+        return LutWeight(self.name, self.shape[:2], self.nbits, lambda: load().reshape(indices_shape),
+                         self.lut.reshape(self.lut.shape[:2] + self.lut.shape[4:]),
+                         None if self.vector_axis is None else self.vector_axis % 4,
+                         _unit_axes_dropped(self.scale), _unit_axes_dropped(self.offset))
+
     def __repr__(self):
         return (f"LutWeight({self.name!r}, shape={self.shape}, {self.nbits}-bit, tables={self.lut.shape[:-2]}, "
                 f"vector={self.lut.shape[-1]}" + (", scaled" if self.scale is not None else "") + ")")
+
+
+def _unit_axes_dropped(a):
+    """A [a, b, 1, 1] block array (a 1x1 convolution's scale or offset) as [a, b]; None and others as they are."""
+    return a.reshape(a.shape[:2]) if a is not None and a.ndim == 4 else a
 
 
 def _repeat_to(data: np.ndarray, shape) -> np.ndarray:
@@ -595,6 +619,12 @@ SUFFIXES = ("_palettized", "_pcs", "_quantized", "_lut_0", "_to_fp16", "_to_fp32
 # module's name; its output reaches the next named layer, whose sibling the norm is: {next layer: the norm}.
 NORM_BEFORE = {"conv1": "norm1", "conv2": "norm2", "proj_in": "norm", "conv_out": "conv_norm_out",
                "to_q": "group_norm", "to_k": "group_norm", "to_v": "group_norm"}
+# The same for the LayerNorms of a transformer block where the converter fused them into a layer_norm op with
+# op-made names (Apple's ml-stable-diffusion computes them by hand, unet.py's LayerNormANE): {path from the block
+# to the next layer: the block's norm}.
+LAYER_NORM_BEFORE = {"attn1.to_q": "norm1", "attn1.to_k": "norm1", "attn1.to_v": "norm1", "attn2.to_q": "norm2",
+                     "ff.net.0.proj": "norm3"}
+NORM_OPS = {"batch_norm": NORM_BEFORE, "layer_norm": LAYER_NORM_BEFORE}
 NORM_HOPS = 12
 
 
@@ -643,11 +673,14 @@ def read_diffusers(path, targets: dict, prefix: str = "") -> dict:
     if missing:
         raise MlxdiffError(f"{program.model_file}: {len(missing)} of {len(targets)} weights not found by name "
                            f"(e.g. {', '.join(missing[:3])}); the package was not converted from these diffusers "
-                           "modules by torch.jit.trace (Apple's ml-stable-diffusion packages use their own names)")
+                           "modules (torch.jit.trace of them, or Apple's ml-stable-diffusion of the same config)")
     out = {}
     for name, const in found.items():
         value = weights[const]
         shape = tuple(value.shape)
+        if len(targets[name]) == 2 and shape == (*targets[name], 1, 1):   # a Linear converted as a 1x1 convolution
+            value = value.as_linear() if isinstance(value, LutWeight) else value.reshape(shape[:2])
+            shape = shape[:2]
         if shape != tuple(targets[name]):
             raise MlxdiffError(f"{program.model_file}: {const} has shape {list(shape)}, {name} expects "
                                f"{list(targets[name])}; the package was converted from another configuration")
@@ -655,24 +688,31 @@ def read_diffusers(path, targets: dict, prefix: str = "") -> dict:
     return out
 
 
+def _norm_before(layer: str, table: dict):
+    """The norm whose output `layer` reads first, by `table` ({path suffix: the norm beside its start}), or None."""
+    for suffix, norm in table.items():
+        if layer == suffix or layer.endswith("." + suffix):
+            parent = layer[:-len(suffix)]
+            return parent + norm
+    return None
+
+
 def _norms_by_dataflow(program, weights, targets, found, prefix):
-    """GroupNorm gamma/beta (batch_norm inputs with op-made names) -> their module: follow the batch_norm's output
-    forward to the first layer with a named weight, whose NORM_BEFORE sibling is the norm."""
+    """GroupNorm / LayerNorm gamma and beta (batch_norm / layer_norm inputs with op-made names) -> their module:
+    follow the norm op's output forward to the first layer with a named weight; NORM_OPS' table for that op names
+    the norm beside it."""
     named = {}                                             # sanitized layer path -> state-dict layer path
     for name, const in found.items():
         if name.endswith(".weight"):
             named[_base(const)[:-len("_weight")]] = name[:-len(".weight")]
     out = {}
     for op in program.ops:
-        if op.type != "batch_norm" or not op.outputs:
+        if op.type not in NORM_OPS or not op.outputs:
             continue
         layer = _next_named_layer(program, op.outputs[0], named)
-        if layer is None:
+        norm = None if layer is None else _norm_before(layer, NORM_OPS[op.type])
+        if norm is None:
             continue
-        parent, _, leaf = layer.rpartition(".")
-        if leaf not in NORM_BEFORE:
-            continue
-        norm = (parent + "." if parent else "") + NORM_BEFORE[leaf]
         for key, param in (("gamma", "weight"), ("beta", "bias")):
             binding = op.inputs.get(key, [None])[0]
             target = f"{norm}.{param}"
