@@ -182,24 +182,24 @@ def test_pipeline_image_matches_diffusers_on_decompressed(sd15_coreml):
 
 
 def test_palettized_layers_stay_palettized(sd15_coreml):
-    """Every palettized Linear weight of the package is a PalettizedLinear of the built UNet (its packed 6-bit
-    indices and table resident, nothing decoded), the convolutions and norms dense; the size the loader plans with
-    is the built model's."""
+    """Every palettized Linear weight of the package is a PalettizedLinear of the built UNet and every palettized
+    convolution a PalettizedConv2d (their packed 6-bit indices and tables resident, nothing decoded), the norms and
+    biases dense; the size the loader plans with is the built model's."""
     from mlx.utils import tree_flatten
     from mlxdiff.formats.palettized import PalettizedLinear, row_bytes
-    from mlxdiff.loading.quantize import parameter_nbytes
+    from mlxdiff.loading.quantize import PalettizedConv2d, parameter_nbytes
     from mlxdiff.loading.resolve import resolve
     folder, package, _, luts = sd15_coreml
     spec = resolve(str(folder), transformer=str(package)).components["unet"]
     model = spec.build()
-    layers = {path: m for path, m in model.named_modules() if isinstance(m, PalettizedLinear)}
-    linear = spec.diffusers_targets()["linear"]
-    expected = {k[:-len(".weight")] for k in luts if k in linear}
-    assert expected and set(layers) == expected
-    assert len(expected) < len(luts)          # the palettized convolutions were decoded (mlxdiff's convs are dense)
+    layers = {path: m for path, m in model.named_modules() if isinstance(m, (PalettizedLinear, PalettizedConv2d))}
+    targets = spec.diffusers_targets()
+    expected = {k[:-len(".weight")] for k in luts if k in targets["linear"] | targets["convs"]}
+    assert expected and set(layers) == expected and len(expected) == len(luts)
+    assert {type(m) for m in layers.values()} == {PalettizedLinear, PalettizedConv2d}
     for path, m in layers.items():
         lut = luts[f"{path}.weight"]
-        out, cols = lut.shape
+        out, cols = lut.shape[0], int(np.prod(lut.shape[1:]))
         assert m.weight.dtype.size == 1 and m.weight.nbytes == out * row_bytes(cols, 6)
         assert m.lut.shape == (1, 64) and m.nbits == 6
     # resident: the palettized layers hold their indices and tables (plus their biases), not a decoded weight

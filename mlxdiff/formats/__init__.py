@@ -56,7 +56,7 @@ def check_weight_file(path, what="weights file") -> Path:
 
 
 def open_weights(path, compute_dtype=None, gguf_layout=None, names=None, standins=False, targets=None,
-                 linear=frozenset()) -> dict:
+                 linear=frozenset(), convs=frozenset()) -> dict:
     """{name: mx.array} from a safetensors file (mx.array | Float8Weight for float8 ones, formats/fp8.py), or
     {name: mx.array | QuantizedTensor | RawBlocks} from a GGUF file (in `gguf_layout`, formats/gguf.py); lazy where
     the format allows (safetensors are mapped, not read). Every header is checked first.
@@ -66,7 +66,7 @@ def open_weights(path, compute_dtype=None, gguf_layout=None, names=None, standin
     model whose blocks are streamed (loading/streaming.py) to be built around.
 
     A Core ML package: {diffusers name: mx.array | PalettizedWeight} of `targets` ({diffusers name: PyTorch shape},
-    required), the palettized weights of the names in `linear` kept palettized (coreml.open_diffusers); read whole
+    required), the palettized weights of the names in `linear` and `convs` kept palettized (coreml.open_diffusers); read whole
     (no stand-ins: its blocks are not streamed)."""
     if is_coreml(path):
         from . import coreml
@@ -77,7 +77,7 @@ def open_weights(path, compute_dtype=None, gguf_layout=None, names=None, standin
             raise MlxdiffError(f"{path}: a Core ML package is loaded whole, not streamed block by block; free "
                                "memory or give the UNet as a safetensors file")
         wanted = targets if names is None else {k: v for k, v in targets.items() if k in names}
-        return coreml.open_diffusers(path, wanted, linear)
+        return coreml.open_diffusers(path, wanted, linear, convs)
     if is_gguf(path):
         from .gguf import load_gguf, standins as gguf_standins
         return (gguf_standins if standins else load_gguf)(path, compute_dtype, gguf_layout, names=names)
@@ -99,18 +99,19 @@ def tensor_ranges(path) -> dict:
     return safetensors.tensor_ranges(path)
 
 
-def loaded_nbytes(path, compute_dtype=None, gguf_layout=None, names=None, targets=None, linear=frozenset()) -> int:
+def loaded_nbytes(path, compute_dtype=None, gguf_layout=None, names=None, targets=None, linear=frozenset(),
+                  convs=frozenset()) -> int:
     """Bytes a weight file's tensors take once opened: a GGUF file's in its layout, a float8 safetensors file's in
     fp8.py's form, another safetensors file's as stored. `names`: only these tensors (a float8 file's in
     proportion to their stored bytes). A Core ML package's, mapped onto `targets` as open_weights maps it: its
-    palettized Linear weights as kept, the others decoded (coreml.loaded_nbytes)."""
+    palettized Linear and Conv2d weights as kept, the others decoded (coreml.loaded_nbytes)."""
     if is_coreml(path):
         from . import coreml
         if targets is None:
             raise MlxdiffError(f"{path}: a Core ML package's weights are named after the traced module; give the "
                                "package as a UNet (transformer=) of a pipeline folder")
         return coreml.loaded_nbytes(path, targets if names is None else
-                                    {k: v for k, v in targets.items() if k in names}, linear)
+                                    {k: v for k, v in targets.items() if k in names}, linear, convs)
     if is_gguf(path):
         from .gguf import loaded_nbytes as gguf_loaded_nbytes
         return gguf_loaded_nbytes(path, compute_dtype, gguf_layout, names=names)

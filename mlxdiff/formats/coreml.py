@@ -752,18 +752,29 @@ def _find_prefix(by_base: dict, targets: dict) -> str:
     return max(votes, key=votes.get) if votes else ""
 
 
-def open_diffusers(path, targets: dict, linear=frozenset(), prefix=None) -> dict:
+def _kept(name, value, linear, convs):
+    """`value` (a LutWeight) as formats/palettized's form where it stays palettized: a Linear's 2-D weight, or a
+    convolution's kernel with its indices in mlxdiff's [out, kh, kw, in] order (loading/quantize.PalettizedConv2d;
+    the model's sanitize leaves that layout as it is); None where it is decoded."""
+    if name in linear and len(value.shape) == 2:
+        return value.palettized()
+    if name in convs and len(value.shape) == 4:
+        return value.palettized(conv_nhwc=True)
+    return None
+
+
+def open_diffusers(path, targets: dict, linear=frozenset(), convs=frozenset(), prefix=None) -> dict:
     """{state-dict name: mx.array | formats/palettized.PalettizedWeight} of `targets` ({name: torch shape}) from an
     .mlpackage converted from those diffusers modules (read_diffusers): a palettized weight of a name in `linear` (a
-    Linear layer's weight) stays palettized where its tables fit formats/palettized's form (LutWeight.palettized);
-    every other weight (convolutions, norms, biases, tables that do not fit) is decoded exactly, in the package's
-    dtype (float16 as ct.convert stores it)."""
+    Linear layer's weight) or `convs` (a Conv2d's) stays palettized where its tables fit formats/palettized's form
+    (LutWeight.palettized); every other weight (norms, biases, tables that do not fit) is decoded exactly, in the
+    package's dtype (float16 as ct.convert stores it)."""
     import mlx.core as mx
     found = read_diffusers(path, targets, prefix)
     out = {}
     for name, value in found.items():
         if isinstance(value, LutWeight):
-            kept = value.palettized() if name in linear and len(value.shape) == 2 else None
+            kept = _kept(name, value, linear, convs)
             out[name] = kept if kept is not None else mx.array(value.dense())
         else:
             out[name] = mx.array(value)
@@ -786,17 +797,18 @@ def nbytes(path) -> dict:
     return out
 
 
-def loaded_nbytes(path, targets: dict, linear=frozenset(), prefix=None) -> int:
-    """Bytes open_diffusers' weights take (nothing decoded): a palettized Linear weight whose tables fit
+def loaded_nbytes(path, targets: dict, linear=frozenset(), convs=frozenset(), prefix=None) -> int:
+    """Bytes open_diffusers' weights take (nothing decoded): a palettized Linear or Conv2d weight whose tables fit
     formats/palettized's form its rows of packed indices and its tables, any other weight decoded in its dtype."""
     from .palettized import row_bytes
     total = 0
     for name, v in read_diffusers(path, targets, prefix).items():
         if not isinstance(v, LutWeight):
             total += int(v.nbytes)
-        elif name in linear and len(v.shape) == 2 and v.lut.shape[-1] == 1 and v.scale is None \
+        elif ((name in linear and len(v.shape) == 2) or (name in convs and len(v.shape) == 4)) \
+                and v.lut.shape[-1] == 1 and v.scale is None \
                 and all(g == 1 for g in v.lut.shape[1:-2]):             # LutWeight.row_tables' test, unread
-            total += v.shape[0] * row_bytes(v.shape[1], v.nbits) + int(v.lut.nbytes)
+            total += v.shape[0] * row_bytes(math.prod(v.shape[1:]), v.nbits) + int(v.lut.nbytes)
         else:
             total += math.prod(v.shape) * v.lut.dtype.itemsize
     return total

@@ -55,7 +55,7 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     """
     import mlx.core as mx
     from ..formats.quantized import flatten_quantized, quantized_predicate
-    from .quantize import prepare_quantized, quantize_model, quantized_paths
+    from .quantize import prepare_quantized, quantize_model, quantized_paths, use_palettized_convs
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
     given = {id(v): k for k, v in weights.items()}   # a refusal names a tensor as given, where sanitize only renamed it
@@ -72,6 +72,7 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
         nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
         use_raw_layers(model, gguf_layers, model.compute_dtype)
         use_palettized_layers(model, gguf_layers, model.compute_dtype)
+        use_palettized_convs(model, gguf_layers)
         use_fp8_layers(model, gguf_layers, weights, model.compute_dtype)
     load_into(model, weights, source)
     stored = keep_activations_in(model, model.compute_dtype)

@@ -106,7 +106,7 @@ class ComponentSpec:
         return weights
 
     def diffusers_targets(self) -> dict:
-        """{"targets": {diffusers name: PyTorch shape}, "linear": the Linear layers' weight names} of this
+        """{"targets": {diffusers name: PyTorch shape}, "linear" / "convs": the Linear / Conv2d layers' weight names} of this
         component's model (built lazily from the config: nothing is computed), for a Core ML package's names to be
         mapped onto (formats/coreml.open_diffusers). A UNet's: sanitize's only change is a conv weight's OIHW ->
         OHWI, undone here."""
@@ -116,7 +116,8 @@ class ComponentSpec:
         targets = {k: ((v.shape[0], v.shape[3], v.shape[1], v.shape[2]) if v.ndim == 4 and k.endswith(".weight")
                        else tuple(v.shape)) for k, v in tree_flatten(model.parameters())}
         linear = {f"{path}.weight" for path, m in model.named_modules() if type(m) is nn.Linear}
-        return {"targets": targets, "linear": frozenset(linear)}
+        convs = {f"{path}.weight" for path, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+        return {"targets": targets, "linear": frozenset(linear), "convs": frozenset(convs)}
 
     def nbytes(self) -> int:
         """Bytes, as stored, of the tensors this component reads (headers only; nothing is read)."""

@@ -429,8 +429,10 @@ class Model(nn.Module):
         return path not in ("conv_in", "conv_out")
 
     def sanitize(self, weights: dict) -> dict:
-        """diffusers names and PyTorch layouts -> this module: every 4-D (conv) weight OIHW -> OHWI."""
-        return {k: (v.transpose(0, 2, 3, 1) if k.endswith(".weight") and len(v.shape) == 4 else v)
+        """diffusers names and PyTorch layouts -> this module: every 4-D (conv) weight OIHW -> OHWI (a palettized
+        kernel of a Core ML package comes in OHWI already: formats/coreml.open_diffusers)."""
+        return {k: (v.transpose(0, 2, 3, 1) if k.endswith(".weight") and len(v.shape) == 4
+                    and isinstance(v, mx.array) else v)
                 for k, v in weights.items()}
 
 
