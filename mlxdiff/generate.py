@@ -221,6 +221,8 @@ def generate(args, written) -> int:
             start = time.perf_counter()
             result = pipe.generate(prompt, seed=seed, callback=callback, progress_bar=False, **options)
             if not writes:
+                if args.report_memory:      # every rank's own table: a rank holds its share (issue 27)
+                    print(f"rank {group.rank()}:\n{result.memory_report()}", flush=True)
                 continue
             save_png(result.image, output, {"prompt": prompt, **base, "width": result.image.width,
                                             "height": result.image.height, "seed": seed})

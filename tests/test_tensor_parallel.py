@@ -146,13 +146,15 @@ def test_two_ranks_equal_the_single_process_each_holding_half(runs, name):
 
 
 def test_cli_tensor_split(runs, tmp_path):
-    """`--split tensor` under mlx.launch: each rank says what it holds, rank 0 writes the image, within 1 level of
-    the single process's (made by the API with the same settings), rank 1 writes nothing."""
+    """`--split tensor` under mlx.launch: each rank says what it holds and, with --report-memory, prints its own
+    memory table; rank 0 writes the image, within 1 level of the single process's (made by the API with the same
+    settings), rank 1 writes nothing."""
     out, folders = runs
     p = launch("-m", "mlxdiff.generate", "--model", str(folders["sd3"]), "--width", "32", "--height", "48", *CHEAP,
-               "--seed", "7", "--split", "tensor", "--output", str(tmp_path / "tp.png"))
+               "--seed", "7", "--split", "tensor", "--report-memory", "--output", str(tmp_path / "tp.png"))
     said = p.stdout + p.stderr
     assert "rank 1: computed its share of the transformer; rank 0 wrote the images" in said, said[-3000:]
+    assert said.count("process memory:") == 2 and "rank 1:\nphase" in said, said[-3000:]   # both ranks' tables
     assert "rank 0 of 2: 1/2 of the transformer's heads and feed-forward widths, every image" in said
     assert [f.name for f in tmp_path.glob("*.png")] == ["tp.png"]
     ranks = np.array(PIL.Image.open(tmp_path / "tp.png")).astype(int)
