@@ -208,7 +208,9 @@ def generate(args, written) -> int:
               + (f"images {images_here} of {count}" if shared is None else
                  f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"
                  if guidance_group is not None else
-                 f"1/{group.size()} of the transformer's heads and feed-forward widths, every image"))
+                 f"1/{group.size()} of the transformer's heads and feed-forward widths"
+                 + ("" if not split_encoders(pipe) else f" (and of {', '.join(split_encoders(pipe))})")
+                 + ", every image"))
     calls = pipe.steps_run(steps, strength if images else None,
                            **({"scheduler": args.scheduler} if args.scheduler else {}))
     bar = job_bar(len(mine) * calls, not args.no_progress)
@@ -249,6 +251,13 @@ def generate(args, written) -> int:
                 f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")
     print(f"mlxdiff: total {time.perf_counter() - t0:.1f} s; {what}")
     return 0
+
+
+def split_encoders(pipe) -> list:
+    """The text encoders a tensor-parallel pipeline splits over its ranks too (loading/tensor_parallel.shardable)."""
+    from .loading.tensor_parallel import TensorParallelSpec
+    return [name for name, spec in pipe.components.items()
+            if name.startswith("text_encoder") and isinstance(spec, TensorParallelSpec)]
 
 
 def main(argv=None) -> int:

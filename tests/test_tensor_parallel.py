@@ -43,18 +43,24 @@ def case(name, folder, load_extra, **run):
     r = pipe.generate(progress_bar=False, **run)
     np.save(f"{{out}}/{{name}}-latents-{{n}}-{{rank}}.npy", r.latents)
     r.image.save(f"{{out}}/{{name}}-image-{{n}}-{{rank}}.png")
-    spec = pipe.components["transformer"]
-    before = rchar()
-    model = spec.build(pipe.dtype)
-    materialize(model)
-    read = rchar() - before
-    params = tree_flatten(model.parameters())
-    # what stays whole on each rank: the arrays shaped as in the unsharded model (built lazily; nothing read)
-    full = dict(tree_flatten(ComponentSpec.build(spec, pipe.dtype, check=False).parameters()))
-    whole = sum(v.nbytes for k, v in params if full[k.replace(".layer.", ".")].shape == v.shape)
-    json.dump({{"total": sum(v.nbytes for _, v in params), "whole": whole, "read": read,
-               "stored": spec.nbytes(), "estimate": spec.loaded_nbytes(compute_dtype=pipe.dtype)}},
-              open(f"{{out}}/{{name}}-bytes-{{n}}-{{rank}}.json", "w"))
+    held = {{}}
+    for part in ("transformer", "text_encoder"):
+        spec = pipe.components[part]
+        if "text_encoder_out_layers" in run and part == "text_encoder":     # the taps the run built it with
+            spec = spec.with_config(taps=list(run["text_encoder_out_layers"]))
+        before = rchar()
+        model = spec.build(pipe.dtype)
+        materialize(model)
+        read = rchar() - before
+        params = tree_flatten(model.parameters())
+        # what stays whole on each rank: the arrays shaped as in the unsharded model (built lazily; nothing read)
+        full = dict(tree_flatten(ComponentSpec.build(spec, pipe.dtype, check=False).parameters()))
+        whole = sum(v.nbytes for k, v in params if full[k.replace(".layer.", ".")].shape == v.shape)
+        held[part] = {{"total": sum(v.nbytes for _, v in params), "whole": whole, "read": read,
+                      "stored": spec.nbytes(), "estimate": spec.loaded_nbytes(compute_dtype=pipe.dtype),
+                      "split": type(spec).__name__ == "TensorParallelSpec"}}
+        del model
+    json.dump(held, open(f"{{out}}/{{name}}-bytes-{{n}}-{{rank}}.json", "w"))
 
 
 flux = dict(prompt="a fox in the snow", width={W}, height={H}, steps=3, seed=4, text_encoder_out_layers={taps!r})
@@ -128,21 +134,26 @@ def outputs(out, name, n, rank):
 @pytest.mark.parametrize("name", CASES)
 def test_two_ranks_equal_the_single_process_each_holding_half(runs, name):
     """Latents within 1e-5 and the image within 1 level of the single process's, on both ranks; each rank holds
-    exactly half of every array it splits, the rest (embedders, position table, output layers, q/k norms, output
+    exactly half of every array it splits (the transformer's, and FLUX.2's text encoder's), the rest (embedders, position table, output layers, q/k norms, output
     biases) whole: 0.53 of the whole tiny FLUX.2 (0.58 with 4-bit blocks, 0.62 for the tiny SD3.5 whose position
     table is a tenth of it; a real model's whole part is about 1%), and the memory budget counts that share. Each
     rank still reads the whole file: mx.load's lazy arrays are read whole, then sliced."""
     out, _ = runs
-    latents, image, whole = outputs(out, name, 1, 0)
+    latents, image, whole_held = outputs(out, name, 1, 0)
     for rank in (0, 1):
-        rank_latents, rank_image, share = outputs(out, name, 2, rank)
+        rank_latents, rank_image, held = outputs(out, name, 2, rank)
         assert np.abs(rank_latents - latents).max() <= 1e-5
         assert np.abs(rank_image - image).max() <= 1
-        assert (share["total"] - share["whole"]) * 2 == whole["total"] - share["whole"]   # split: exactly half
+        # FLUX.2's Qwen3 / Mistral text encoder splits too (models/text_llm.py); SD3.5's CLIP and T5 stay whole
+        parts = ("transformer", "text_encoder") if name.startswith("flux2") else ("transformer",)
+        assert [p for p in held if held[p]["split"]] == list(parts)
+        for part in parts:
+            share, whole = held[part], whole_held[part]
+            assert (share["total"] - share["whole"]) * 2 == whole["total"] - share["whole"]   # split: exactly half
+            assert share["read"] >= whole["stored"]   # MLX reads whole tensors to slice them (mx.load's arrays)
+            assert share["estimate"] == share["total"]
         if name == "flux2":   # blocks are most of it (tiny SD3.5: its whole 20 x 20 position table is not)
-            assert share["total"] <= 0.54 * whole["total"]
-        assert share["read"] >= whole["stored"]   # MLX reads whole tensors to slice them (mx.load's arrays)
-        assert share["estimate"] == share["total"]
+            assert held["transformer"]["total"] <= 0.54 * whole_held["transformer"]["total"]
 
 
 def test_cli_tensor_split(runs, tmp_path):

@@ -17,6 +17,19 @@ def tensor_parallel(spec, group) -> "TensorParallelSpec":
     return TensorParallelSpec(**fields, group=group)
 
 
+def shardable(spec, group) -> bool:
+    """Whether a component other than the transformer splits over `group` too: its architecture can shard (a text
+    encoder of models/text_llm.py) and its config divides, its file is not GGUF (raw blocks are not split) and it
+    has no LoRA. Otherwise every rank holds it whole (generate's rank line says which components are split)."""
+    if not hasattr(spec.arch, "check_shardable") or any(is_gguf(f) for f in spec.files) or spec.loras:
+        return False
+    try:
+        spec.arch.check_shardable(spec.args, group.size())
+    except MlxdiffError:
+        return False
+    return True
+
+
 @dataclass
 class TensorParallelSpec(ComponentSpec):
     """A component whose model is sharded over `group` between its lazy build and its materialization: build() makes
@@ -31,8 +44,8 @@ class TensorParallelSpec(ComponentSpec):
         n = self.group.size()
         if standins:
             raise MlxdiffError(f"{self.name}: its 1/{n} share does not fit this rank's memory budget, and a "
-                               "tensor-parallel transformer cannot stream its blocks; raise --memory-limit or "
-                               "start more ranks")
+                               f"tensor-parallel {self.name} cannot stream its blocks; raise --memory-limit, start "
+                               "more ranks, or quantize it once (python -m mlxdiff.convert)")
         if self.loras:
             raise MlxdiffError(f"{self.name}: LoRAs are not added to a tensor-parallel transformer yet; use "
                                "--split guidance or --split images with --lora")

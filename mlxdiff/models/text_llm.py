@@ -269,6 +269,17 @@ def block_with_blind_rows(layer, h, mask, blind):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def check_shardable(args: ModelArgs, n: int) -> None:
+    """Whether Model.shard can split this encoder over n ranks (query and key/value heads, the MLP width), else one
+    line; checked before anything is read."""
+    from .sharding import check_divides
+    text = language_model_config(args)
+    heads = text["num_attention_heads"]
+    check_divides("text encoder: num_attention_heads", heads, n, " heads")
+    check_divides("text encoder: num_key_value_heads", text.get("num_key_value_heads") or heads, n, " heads")
+    check_divides("text encoder: intermediate_size", text["intermediate_size"], n)
+
+
 class Model(nn.Module):
     """embed_tokens + layers[:max(taps)] (+ the final norm when a tap is the last layer) of the mlx-lm model.
 
@@ -290,6 +301,26 @@ class Model(nn.Module):
         self.layers = language_model.layers
         if args.tapped_final_norm:
             self.norm = language_model.norm
+
+    def shard(self, group):
+        """Tensor-parallel over `group`, mlx-lm's scheme for these models (mlx_lm.models.llama / qwen3 Model.shard):
+        q/k/v and the MLP's gate/up split by output rows, o_proj and down_proj by input columns with one all_sum
+        each, the heads divided; through models/sharding.shard_layer, which refuses in one line what cannot be
+        split (GGUF raw blocks, float8). The embedding and norms stay whole on every rank."""
+        from .sharding import shard_layer
+        n = group.size()
+        check_shardable(self.args, n)
+        for i, layer in enumerate(self.layers):
+            attn, mlp, where = layer.self_attn, layer.mlp, f"text encoder layers.{i}"
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(attn, name, shard_layer(getattr(attn, name), "all-to-sharded", group,
+                                                f"{where}.self_attn.{name}"))
+            attn.o_proj = shard_layer(attn.o_proj, "sharded-to-all", group, f"{where}.self_attn.o_proj")
+            attn.n_heads //= n
+            attn.n_kv_heads //= n
+            for name in ("gate_proj", "up_proj"):
+                setattr(mlp, name, shard_layer(getattr(mlp, name), "all-to-sharded", group, f"{where}.mlp.{name}"))
+            mlp.down_proj = shard_layer(mlp.down_proj, "sharded-to-all", group, f"{where}.mlp.down_proj")
 
     def sanitize(self, weights: dict) -> dict:
         """transformers / mlx-lm / llama.cpp names -> ours, keeping only what the taps need (the rest is never read).

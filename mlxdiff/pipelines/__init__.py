@@ -59,10 +59,13 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
             spec.matmul = matmul
     family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline, "sd": StableDiffusionPipeline}[found.family]
     from ..distributed import check_guidance_group, check_split, check_tensor_group
-    from ..loading.tensor_parallel import tensor_parallel
+    from ..loading.tensor_parallel import shardable, tensor_parallel
     if group is not None and check_split(split, group) == "tensor":
         check_tensor_group(group, found.family)
         found.components["transformer"] = tensor_parallel(found.components["transformer"], group)
+        for name, spec in found.components.items():     # text encoders that split too (models/text_llm.py)
+            if name.startswith("text_encoder") and spec is not None and shardable(spec, group):
+                found.components[name] = tensor_parallel(spec, group)
         group = None     # the pipeline itself runs as one process would; only its transformer's blocks are shared
     elif group is None and split is not None:
         check_split(split, group)
