@@ -48,6 +48,17 @@ def _levels(ours_image, ref) -> float:
     return float(np.abs(ours - (ref * 255).round()).max())
 
 
+def _image_levels(folder, package, pipe, seed, steps) -> float:
+    """mlxdiff with the package as its UNet against `pipe` (diffusers on the package's decompressed weights), from
+    the same noise: the largest difference in levels."""
+    noise = np.random.default_rng(seed).standard_normal((1, 4, H // 4, W // 4)).astype(np.float32)
+    ref = pipe(prompt=PROMPT, height=H, width=W, num_inference_steps=steps, guidance_scale=5.0,
+               latents=torch.from_numpy(noise), output_type="np").images[0]
+    ours = mlxdiff.load(str(folder), transformer=str(package)).generate(
+        PROMPT, width=W, height=H, steps=steps, guidance=5.0, latents=noise, progress_bar=False)
+    return _levels(ours.image, ref)
+
+
 def _convert(module, example, names):
     traced = torch.jit.trace(module.eval(), example, check_trace=False)
     return ct.convert(traced, inputs=[ct.TensorType(name=n, shape=e.shape) for n, e in zip(names, example)],
@@ -162,23 +173,13 @@ def test_apple_layout_maps_onto_diffusers_names(tmp_path_factory):
     assert fused and all("norm" not in op.inputs["gamma"][0] for op in fused)   # names the dataflow must undo
     as_conv = [v for k, v in luts.items() if len(v.shape) == 2]
     assert len(as_conv) > 20 and all(v.palettized() is not None for v in as_conv)
-    noise = np.random.default_rng(2).standard_normal((1, 4, H // 4, W // 4)).astype(np.float32)
-    ref = pipe(prompt=PROMPT, height=H, width=W, num_inference_steps=3, guidance_scale=5.0,
-               latents=torch.from_numpy(noise), output_type="np").images[0]
-    ours = mlxdiff.load(str(folder), transformer=str(package)).generate(
-        PROMPT, width=W, height=H, steps=3, guidance=5.0, latents=noise, progress_bar=False)
-    assert _levels(ours.image, ref) <= 2
+    assert _image_levels(folder, package, pipe, seed=2, steps=3) <= 2
 
 
 def test_pipeline_image_matches_diffusers_on_decompressed(sd15_coreml):
     folder, package, pipe, luts = sd15_coreml
     assert sum(v.nbits == 6 for v in luts.values()) > 30
-    noise = np.random.default_rng(1).standard_normal((1, 4, H // 4, W // 4)).astype(np.float32)
-    ref = pipe(prompt=PROMPT, height=H, width=W, num_inference_steps=4, guidance_scale=5.0,
-               latents=torch.from_numpy(noise), output_type="np").images[0]
-    ours = mlxdiff.load(str(folder), transformer=str(package)).generate(
-        PROMPT, width=W, height=H, steps=4, guidance=5.0, latents=noise, progress_bar=False)
-    assert _levels(ours.image, ref) <= 2
+    assert _image_levels(folder, package, pipe, seed=1, steps=4) <= 2
 
 
 def test_palettized_layers_stay_palettized(sd15_coreml):
