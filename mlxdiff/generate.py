@@ -205,12 +205,13 @@ def generate(args, written) -> int:
     writes = shared is None or group.rank() == 0      # guidance- or tensor-parallel: rank 0 writes
     if group is not None:
         images_here = ", ".join(str(k + 1) for k in mine) or "none"
+        encoders = split_encoders(pipe)
         print(f"mlxdiff: rank {group.rank()} of {group.size()}: "
               + (f"images {images_here} of {count}" if shared is None else
                  f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"
                  if guidance_group is not None else
                  f"1/{group.size()} of the transformer's heads and feed-forward widths"
-                 + ("" if not split_encoders(pipe) else f" (and of {', '.join(split_encoders(pipe))})")
+                 + (f" (and of {', '.join(encoders)})" if encoders else "")
                  + ", every image"))
     calls = pipe.steps_run(steps, strength if images else None,
                            **({"scheduler": args.scheduler} if args.scheduler else {}))

@@ -312,13 +312,17 @@ class LutWeight:
             out = _shift_scale(out, self.scale, self.offset)
         return out
 
+    @property
+    def has_row_tables(self) -> bool:
+        """Whether the tables are per group of rows (axis 0) and scalar and nothing scales the result:
+        formats/palettized's form (nothing read)."""
+        return self.lut.shape[-1] == 1 and self.scale is None and all(g == 1 for g in self.lut.shape[1:-2])
+
     def row_tables(self):
-        """(indices [shape], lut [groups, 2**nbits]) when the tables are per group of rows (axis 0) and scalar and
-        nothing scales the result: formats/palettized's form; else None."""
-        groups = self.lut.shape[:-2]
-        if self.lut.shape[-1] != 1 or self.scale is not None or any(g != 1 for g in groups[1:]):
+        """(indices [shape], lut [groups, 2**nbits]) in formats/palettized's form (has_row_tables); else None."""
+        if not self.has_row_tables:
             return None
-        return self.indices(), self.lut.reshape(groups[0], -1)
+        return self.indices(), self.lut.reshape(self.lut.shape[0], -1)
 
     def palettized(self, conv_nhwc: bool = False):
         """formats/palettized.PalettizedWeight of this weight (a conv's indices moved to mlxdiff's [out, kh, kw, in]
@@ -805,9 +809,7 @@ def loaded_nbytes(path, targets: dict, linear=frozenset(), convs=frozenset(), pr
     for name, v in read_diffusers(path, targets, prefix).items():
         if not isinstance(v, LutWeight):
             total += int(v.nbytes)
-        elif ((name in linear and len(v.shape) == 2) or (name in convs and len(v.shape) == 4)) \
-                and v.lut.shape[-1] == 1 and v.scale is None \
-                and all(g == 1 for g in v.lut.shape[1:-2]):             # LutWeight.row_tables' test, unread
+        elif ((name in linear and len(v.shape) == 2) or (name in convs and len(v.shape) == 4)) and v.has_row_tables:
             total += v.shape[0] * row_bytes(math.prod(v.shape[1:]), v.nbits) + int(v.lut.nbytes)
         else:
             total += math.prod(v.shape) * v.lut.dtype.itemsize

@@ -181,11 +181,17 @@ def _decode_kernel():
                                source=_DECODE_SOURCE)
 
 
+@functools.lru_cache(maxsize=1024)
+def _dims_array(*dims):
+    """The kernel's dims input, made once per layer shape (not a new device array per call)."""
+    return mx.array(dims, mx.int32)
+
+
 def _decode_on_cuda(packed, lut, scale, cols, group_size, first_row):
     nbits = lut.shape[1].bit_length() - 1
     per, nbytes = UNITS[nbits]
     rows = packed.shape[0]
-    dims = mx.array([rows, cols, packed.shape[1], group_size, first_row], mx.int32)
+    dims = _dims_array(rows, cols, packed.shape[1], group_size, first_row)
     return _decode_kernel()(
         inputs=[packed, lut, lut if scale is None else scale.astype(lut.dtype), dims],
         template=[("T", lut.dtype), ("NBITS", nbits), ("PER", per), ("NBYTES", nbytes),

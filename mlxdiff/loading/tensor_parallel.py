@@ -21,13 +21,8 @@ def shardable(spec, group) -> bool:
     """Whether a component other than the transformer splits over `group` too: its architecture can shard (a text
     encoder of models/text_llm.py) and its config divides, its file is not GGUF (raw blocks are not split) and it
     has no LoRA. Otherwise every rank holds it whole (generate's rank line says which components are split)."""
-    if not hasattr(spec.arch, "check_shardable") or any(is_gguf(f) for f in spec.files) or spec.loras:
-        return False
-    try:
-        spec.arch.check_shardable(spec.args, group.size())
-    except MlxdiffError:
-        return False
-    return True
+    return (hasattr(spec.arch, "shards_evenly") and not any(is_gguf(f) for f in spec.files) and not spec.loras
+            and spec.arch.shards_evenly(spec.args, group.size()))
 
 
 @dataclass

@@ -269,15 +269,26 @@ def block_with_blind_rows(layer, h, mask, blind):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
+def _split_counts(args: ModelArgs) -> dict:
+    """What Model.shard splits over the ranks: {config name: (count, unit)}."""
+    text = language_model_config(args)
+    heads = text["num_attention_heads"]
+    return {"num_attention_heads": (heads, " heads"),
+            "num_key_value_heads": (text.get("num_key_value_heads") or heads, " heads"),
+            "intermediate_size": (text["intermediate_size"], "")}
+
+
+def shards_evenly(args: ModelArgs, n: int) -> bool:
+    """Whether Model.shard can split this encoder over n ranks (loading/tensor_parallel.shardable)."""
+    return all(count % n == 0 for count, _ in _split_counts(args).values())
+
+
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this encoder over n ranks (query and key/value heads, the MLP width), else one
     line; checked before anything is read."""
     from .sharding import check_divides
-    text = language_model_config(args)
-    heads = text["num_attention_heads"]
-    check_divides("text encoder: num_attention_heads", heads, n, " heads")
-    check_divides("text encoder: num_key_value_heads", text.get("num_key_value_heads") or heads, n, " heads")
-    check_divides("text encoder: intermediate_size", text["intermediate_size"], n)
+    for name, (count, unit) in _split_counts(args).items():
+        check_divides(f"text encoder: {name}", count, n, unit)
 
 
 class Model(nn.Module):
