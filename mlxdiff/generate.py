@@ -70,6 +70,10 @@ def parse_args(argv=None):
                    help="under mlx.launch: the images over the ranks (default), each image's two guidance "
                         "forwards over two ranks, or the transformer's blocks sharded over the ranks (FLUX.2, "
                         "SD3.5; each rank holds about 1/N of them); rank 0 writes")
+    p.add_argument("--cache", default=None, metavar="first-block[:T]",
+                   help="skip a step's transformer blocks after the first when its output changed less than T since "
+                        "the last full step (diffusers' First Block Cache; T default 0.05, 0.1-0.2 skip more at a "
+                        "visible cost); SD3.5 and FLUX.2")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
     p.add_argument("--image", action="append", default=None, metavar="FILE",
@@ -147,6 +151,8 @@ def generate(args, written) -> int:
     loras = parse_loras(args.lora)
     image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
     check_number("memory_limit", args.memory_limit)
+    from .pipelines.step_cache import parse as parse_step_cache
+    parse_step_cache(args.cache)
 
     from .distributed import check_same_job, job_group, share
     model = args.model
@@ -176,6 +182,9 @@ def generate(args, written) -> int:
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if layers is not None:
         options["skip_guidance_layers"] = layers
+    if args.cache is not None:
+        pipe.new_step_cache(args.cache)      # this family takes it: checked before anything is read
+        options["cache"] = args.cache
     for name in ("scheduler", "clip_skip"):       # family options: given only when set (others refuse them)
         value = getattr(args, name)
         if value is not None:
@@ -194,6 +203,7 @@ def generate(args, written) -> int:
             "vae": args.vae or "", "tokenizer": args.tokenizer or "",
             "steps": steps, "guidance": guidance, "dtype": str(pipe.dtype).replace("mlx.core.", ""),
             **({"scheduler": args.scheduler} if args.scheduler else {}),
+            **({"cache": args.cache} if args.cache else {}),
             "generator": "mlxdiff"}
     if images:
         base.update(image=" ".join(image_names), **({} if strength is None else {"strength": strength}))

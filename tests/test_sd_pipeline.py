@@ -295,3 +295,11 @@ def test_single_file_pipeline_matches_diffusers(name, tmp_path):
     ours = mlxdiff.load(str(path)).generate("a red fox", width=w, height=h, steps=4, guidance=4.0, latents=noise,
                                             progress_bar=False)
     assert _levels(ours.image, ref) <= 2
+
+
+def test_step_cache_is_refused_for_the_unet(sd15):
+    folder, _ = sd15
+    with pytest.raises(MlxdiffError, match="no transformer block sequence to skip") as e:
+        mlxdiff.load(str(folder)).generate("a cat", width=32, height=32, steps=2, cache="first-block",
+                                           progress_bar=False)
+    assert "\n" not in str(e.value)

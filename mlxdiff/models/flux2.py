@@ -398,7 +398,9 @@ class Model(nn.Module):
         return cached[1]
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None,
-                 after_block=None):
+                 after_block=None, step_cache=None):
+        """after_block(*outputs): called after each block (the caller's memory policy). step_cache: a
+        pipelines/step_cache.BlockResiduals that may skip the blocks after the first (it decides)."""
         dtype = self.compute_dtype
         n_img, n_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
         cos, sin = self.rope(img_ids, txt_ids)
@@ -414,15 +416,23 @@ class Model(nn.Module):
 
         x = self.x_embedder(hidden_states.astype(dtype))
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
-        for block in self.transformer_blocks:
+        for i, block in enumerate(self.transformer_blocks):
+            x_in = x
             context, x = compiled_block(block, x, context, mod_img, mod_txt, cos, sin)
             if after_block:
                 after_block(context, x)
+            if i == 0 and step_cache is not None:
+                reused = step_cache.reuse(x - x_in)     # only the image stream reaches the output
+                if reused is not None:
+                    return self.proj_out(self.norm_out(x + reused, temb))
+                x_head = x
         h = mx.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
             h = compiled_block(block, h, mod_single, cos, sin)
             if after_block:
                 after_block(h)
+        if step_cache is not None:
+            step_cache.remember(h[:, n_txt:] - x_head)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
 
     def shard(self, group):

@@ -306,7 +306,10 @@ class Model(nn.Module):
         self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * args.out_channels)
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=None,
-                 after_block=None):
+                 after_block=None, step_cache=None):
+        """skip_layers: blocks left out (skip-layer guidance). after_block(*outputs): called after each block (the
+        caller's memory policy). step_cache: a pipelines/step_cache.BlockResiduals that may skip the blocks after the
+        first (it decides)."""
         dtype, p = self.compute_dtype, self.args.patch_size
         b, _, height, width = hidden_states.shape
         if height % p or width % p:
@@ -317,10 +320,20 @@ class Model(nn.Module):
         context = self.context_embedder(encoder_hidden_states.astype(dtype))
         skip = set(skip_layers or ())
         for i, block in enumerate(self.transformer_blocks):
+            x_in = x
             if i not in skip:  # a skipped block changes neither stream
                 context, x = compiled_block(block, x, context, temb)
                 if after_block:
                     after_block(context, x)
+            if i == 0 and step_cache is not None:
+                reused = step_cache.reuse(x - x_in)     # the last block returns no text stream: image only
+                if reused is not None:
+                    x = x + reused
+                    break
+                x_head = x
+        else:
+            if step_cache is not None:
+                step_cache.remember(x - x_head)
         x = self.proj_out(self.norm_out(x, temb))
         h, w = height // p, width // p
         x = x.reshape(b, h, w, p, p, -1).transpose(0, 5, 1, 3, 2, 4)  # einsum nhwpqc -> nchpwq

@@ -24,6 +24,7 @@ from ..policy import RunPolicy, current, installed
 from .images import to_pil
 from .report import Result, finish, new_run
 from .residency import Residency
+from .step_cache import parse as parse_step_cache
 
 
 def progress(iterable, total, desc, enabled=True):
@@ -115,7 +116,13 @@ class Run:
     sigmas: object = None
     timesteps: object = None
     result: Result = None
+    step_cache: object = None     # pipelines/step_cache.FirstBlockCache when generate(cache=...) asks for one
     state: dict = field(default_factory=dict)    # the family's own, between its hooks
+
+    def block_cache(self, name: str):
+        """What the family passes to its transformer as step_cache= for one kind of forward ("cond", "uncond"):
+        that context's state, or None without a cache."""
+        return None if self.step_cache is None else self.step_cache.context(name)
 
     @property
     def img2img(self) -> bool:
@@ -131,6 +138,7 @@ class Pipeline:
     patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
     OPTIONS = {}                        # generate() keywords of this family only -> their defaults
     IMG2IMG_STRENGTH = None             # the strength when an init image is given without one (None: references)
+    STEP_CACHE = True                   # whether generate(cache=...) can skip its denoiser's blocks
 
     PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
 
@@ -270,13 +278,15 @@ class Pipeline:
     # -- the template ------------------------------------------------------------------------------------------
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
                  guidance=None, seed=0, latents=None, image=None, strength=None, callback=None, progress_bar=True,
-                 **options) -> Result:
+                 cache=None, **options) -> Result:
         """One image (or a batch of prompts): the steps in order; see the family's docstring for its keywords.
         `latents`: the initial noise in diffusers' layout; `image`: a PIL image or file (or a list): the init image
-        of image-to-image with `strength`, FLUX.2's reference images without."""
-        # 1. check: the images and the family's own keywords, before anything is loaded
+        of image-to-image with `strength`, FLUX.2's reference images without. `cache`: "first-block[:threshold]"
+        skips a step's blocks after the first where their result barely changes (pipelines/step_cache.py)."""
+        # 1. check: the images, the family's own keywords and the step cache, before anything is loaded
         names, images = check_images(image, strength, self.family)
         run = Run(prompt, negative_prompt, seed, names, images, strength, self.family_options(options), width, height)
+        run.step_cache = self.new_step_cache(cache)
         if images and strength is None:
             run.strength = self.IMG2IMG_STRENGTH
         self.check_inputs(run)
@@ -308,12 +318,24 @@ class Pipeline:
                 x = denoise(lambda i, x: self.velocity(run, denoiser, run.start + i, x),
                             lambda i, x, prediction: self.step(run, run.start + i, x, prediction), x,
                             run.timesteps[run.start:], callback, progress_bar)
+            if run.step_cache is not None:
+                run.result.notes.append(run.step_cache.note())
+                run.result.cached_steps = run.step_cache.reused_steps()
             # 8. decode
             x = self.unpack(run, x)
             with phase("decode"), self.use(self.components["vae"], run.result) as vae:
                 decoded = decode(vae, x, self.dtype)
         # 9. finish
         return finish(run.result, decoded, x)
+
+    def new_step_cache(self, cache):
+        """generate(cache=...) checked: a fresh pipelines/step_cache.FirstBlockCache, or None; one line where the
+        spec is wrong or this family's denoiser has no block sequence to skip."""
+        step_cache = parse_step_cache(cache)
+        if step_cache is not None and not self.STEP_CACHE:
+            raise MlxdiffError(f"cache={cache!r}: {type(self).__name__}'s UNet has no transformer block sequence to "
+                               "skip (first-block caching covers SD3.5 and FLUX.2); leave the cache out")
+        return step_cache
 
     def family_options(self, options: dict) -> dict:
         """The family's own keywords taken out of `options` (what is left is refused by request), defaults filled."""

@@ -147,6 +147,11 @@ class Flux2Pipeline(Pipeline):
                 f": {tokens.shape[1]} tokens beside {h * w} image and {run.state['txt_ids'].shape[1]} text tokens, "
                 f"encoded in {seconds:.2f} s ({seconds / len(refs):.2f} s each)")
 
+    def check_run(self, run):
+        if run.step_cache is not None and self.components["transformer"].args.num_layers == 0:
+            raise MlxdiffError("cache: a first-block cache decides after the first double-stream block, and this "
+                               "transformer has none; leave the cache out")
+
     def velocity(self, run, transformer, i, x):
         # diffusers rounds t to the latents' dtype before dividing by 1000 (bf16 runs: about 25% of the timesteps
         # move one bf16 step); do the same so bf16 runs match it
@@ -156,13 +161,15 @@ class Flux2Pipeline(Pipeline):
         tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
         def cond():
             return transformer(tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"],
-                               guidance=st["guidance"], after_block=evaluate_each_block)[:, :n_img]
+                               guidance=st["guidance"], after_block=evaluate_each_block,
+                               step_cache=run.block_cache("cond"))[:, :n_img]
         if not run.cfg:
             return cond()
 
         def uncond():
             return transformer(tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"],
-                               guidance=None, after_block=evaluate_each_block)[:, :n_img]
+                               guidance=None, after_block=evaluate_each_block,
+                               step_cache=run.block_cache("uncond"))[:, :n_img]
         v_neg, v = guidance_pair(self.group, uncond, cond)
         return v_neg + run.guidance * (v - v_neg)
 

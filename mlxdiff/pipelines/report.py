@@ -31,6 +31,8 @@ class Result:
     reused: list = field(default_factory=list)    # what came from an earlier call: components kept loaded
                                                   # (keep=), "conditioning" (the prompt cache)
     notes: list = field(default_factory=list)     # choices the memory budget made (e.g. a GGUF layout)
+    cached_steps: dict = field(default_factory=dict)  # generate(cache=...): {context: forwards that skipped the
+                                                      # blocks after the first} (pipelines/step_cache.py)
     phase: str | None = field(default=None, repr=False)       # the phase running now (PhaseLog)
     floors: dict = field(default_factory=dict, repr=False)    # phase -> the largest weights it loaded
 

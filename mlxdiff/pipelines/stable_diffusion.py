@@ -61,6 +61,7 @@ class StableDiffusionPipeline(Pipeline):
     SDXL: `original_size`, `crops_coords_top_left`, `target_size` and their `negative_` forms, as diffusers'."""
     family = "sd"
     DENOISER = "unet"
+    STEP_CACHE = False
     OPTIONS = {"scheduler": None, "clip_skip": None, "image_noise": None,
                **{name: None for name in SIZE_OPTIONS}}
 

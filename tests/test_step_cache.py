@@ -1,0 +1,156 @@
+"""Step caching (`--cache first-block[:T]`, pipelines/step_cache.py) against diffusers' First Block Cache hook: for
+the same threshold and injected noise, the same forwards skip their remaining blocks and the image is within 2 levels.
+
+diffusers 0.42's hook fails on both transformers (FLUX.2's tail block returns the joined [text; image] stream:
+huggingface/diffusers#14280; SD3.5's last block returns no text stream). The reference here is that hook with only
+its tail arithmetic mended, as the open fix (#14359) does: the tail residual is taken per stream. Every decision
+(the head residual's relative change against the threshold) is diffusers' own code."""
+
+import numpy as np
+import pytest
+import torch
+
+import mlxdiff
+from mlxdiff.errors import MlxdiffError
+from mlxdiff.pipelines.step_cache import FirstBlockCache, parse
+from twins import H, SEQ, TAPS, W, build_pipeline
+
+STEPS = 10
+
+
+class _Recorder:
+    """diffusers' FBC applied to a transformer, with the tail mended and each decision recorded per context."""
+
+    def __init__(self, monkeypatch, transformer, threshold):
+        from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+        from diffusers.hooks import first_block_cache as fbc
+        from diffusers.hooks.hooks import HookRegistry
+
+        self.skipped = {}
+        recorder = self
+
+        class MendedTail(fbc.FBCBlockHook):
+            def new_forward(self, module, *args, **kwargs):
+                state = self.state_manager.get_state()
+                if not state.should_compute:
+                    return super().new_forward(module, *args, **kwargs)
+                output = self.fn_ref.original_forward(*args, **kwargs)
+                head_img, head_txt = state.head_block_output
+                if isinstance(output, torch.Tensor):          # FLUX.2's single block: the joined [text; image]
+                    n_txt = head_txt.shape[1]
+                    res = (output[:, n_txt:] - head_img, output[:, :n_txt] - head_txt)
+                else:                                         # SD3.5's last block: (None, image)
+                    res = (output[self._metadata.return_hidden_states_index] - head_img, torch.zeros_like(head_txt))
+                state.tail_block_residuals = res
+                return output
+
+        def apply_block_hook(block, state_manager, is_tail=False):
+            hook = (MendedTail if is_tail else fbc.FBCBlockHook)(state_manager, is_tail)
+            HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, fbc._FBC_BLOCK_HOOK)
+
+        decide = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
+
+        def recorded(hook, residual):
+            compute = decide(hook, residual)
+            recorder.skipped.setdefault(hook.state_manager.context.name, []).append(not compute)
+            return compute
+
+        monkeypatch.setattr(fbc, "_apply_fbc_block_hook", apply_block_hook)
+        monkeypatch.setattr(fbc.FBCHeadBlockHook, "_should_compute_remaining_blocks", recorded)
+        apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
+        self.transformer = transformer
+
+    def steps(self) -> dict:
+        return {name: [i for i, s in enumerate(flags) if s] for name, flags in self.skipped.items()}
+
+
+def _with_context(transformer, name="cond"):
+    """diffusers' SD3 and FLUX.2-dev pipelines set no cache context (klein's set "cond"/"uncond" themselves)."""
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+    _set_cache_context(transformer, CacheContext(name))
+
+
+def _image(result):
+    return np.asarray(result.image).astype(np.float32) / 255.0
+
+
+def _check(ours, ref_image, recorder):
+    assert ours.cached_steps == recorder.steps()
+    skipped = sum(len(v) for v in ours.cached_steps.values())
+    forwards = sum(len(v) for v in recorder.skipped.values())
+    assert 0 < skipped < forwards - len(recorder.skipped), (ours.cached_steps, forwards)   # some of each
+    assert np.abs(_image(ours) - (ref_image * 255).round() / 255.0).max() <= 2 / 255
+    assert "first-block cache" in " ".join(ours.notes)
+
+
+# thresholds among the tiny random models' relative changes (0.5-2, far above a trained model's), so that some
+# forwards skip and some run
+@pytest.mark.parametrize("kind, guidance, threshold", [("klein_base", 3.5, 1.0), ("dev", 3.5, 0.8)])
+def test_flux2_skips_what_diffusers_skips(kind, guidance, threshold, tmp_path, monkeypatch):
+    _, folder, pipe = build_pipeline(kind, tmp_path)
+    noise = np.random.default_rng(2).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
+    recorder = _Recorder(monkeypatch, pipe.transformer, threshold)
+    _with_context(pipe.transformer)
+    ref = pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
+               latents=torch.from_numpy(noise), max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
+               output_type="np").images[0]
+    ours = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=STEPS,
+                                              guidance=guidance, latents=noise, max_sequence_length=SEQ,
+                                              text_encoder_out_layers=TAPS, progress_bar=False,
+                                              cache=f"first-block:{threshold}")
+    _check(ours, ref, recorder)
+
+
+def test_sd3_skips_what_diffusers_skips(sd3_tiny, monkeypatch):
+    folder, pipe = sd3_tiny
+    H3, W3, threshold = 40, 24, 0.9
+    noise = np.random.default_rng(1).standard_normal((1, 16, H3 // 2, W3 // 2)).astype(np.float32)
+    recorder = _Recorder(monkeypatch, pipe.transformer, threshold)
+    _with_context(pipe.transformer)
+    try:
+        ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
+                   guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]
+    finally:
+        from diffusers.hooks.hooks import HookRegistry
+        for block in pipe.transformer.transformer_blocks:   # the session's shared pipeline goes back uncached
+            registry = HookRegistry.check_if_exists_or_initialize(block)
+            for name in list(registry.hooks):
+                registry.remove_hook(name)
+    ours = mlxdiff.load(str(folder)).generate("a cat", negative_prompt="blurry", width=W3, height=H3, steps=STEPS,
+                                              guidance=4.0, latents=noise, progress_bar=False,
+                                              cache=f"first-block:{threshold}")
+    _check(ours, ref, recorder)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("second-block", "unknown kind 'second-block'"), ("first-block:", None), ("first-block:abc", "a number > 0"),
+    ("first-block:0", "a number > 0"), ("first-block:-1", "a number > 0"), ("first-block:inf", "a number > 0"),
+    (3, "give first-block")])
+def test_bad_cache_specs_are_one_line(spec, match):
+    if match is None:
+        assert parse(spec).threshold == 0.05      # "first-block:" is the default threshold
+        return
+    with pytest.raises(MlxdiffError, match=match) as e:
+        parse(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_parse_gives_a_fresh_cache():
+    assert parse(None) is None
+    given = FirstBlockCache(0.3)
+    given.context("cond").reused.append(True)
+    fresh = parse(given)
+    assert fresh is not given and fresh.threshold == 0.3 and not fresh.contexts
+    assert parse("first-block").threshold == 0.05 and parse(" first-block:0.2").threshold == 0.2
+
+
+def test_cli_cache_bad_and_good(tmp_path):
+    from adversarial import run_cases
+    from test_bad_input_round2 import assert_refused, gen
+    bad, good = run_cases([gen(tmp_path / "bad.png", "--cache", "first-block:fast"),
+                           gen(tmp_path / "good.png", "--cache", "first-block:0.3", "--steps", "3")], tmp_path)
+    assert_refused(bad, "first-block:fast", "a number > 0")
+    assert not (tmp_path / "bad.png").exists()
+    assert good.rc == 0, good.describe()
+    assert "first-block cache (threshold 0.3): remaining blocks skipped in" in good.stdout
+    assert (tmp_path / "good.png").exists()
