@@ -321,6 +321,7 @@ class Pipeline:
             if run.step_cache is not None:
                 run.result.notes.append(run.step_cache.note())
                 run.result.cached_steps = run.step_cache.reused_steps()
+                run.result.cache_changes = {k: c.changes for k, c in run.step_cache.contexts.items()}
             # 8. decode
             x = self.unpack(run, x)
             with phase("decode"), self.use(self.components["vae"], run.result) as vae:

@@ -33,6 +33,8 @@ class Result:
     notes: list = field(default_factory=list)     # choices the memory budget made (e.g. a GGUF layout)
     cached_steps: dict = field(default_factory=dict)  # generate(cache=...): {context: forwards that skipped the
                                                       # blocks after the first} (pipelines/step_cache.py)
+    cache_changes: dict = field(default_factory=dict)  # and {context: the first block's relative change at each
+                                                       # forward after the first}, what the threshold was held to
     phase: str | None = field(default=None, repr=False)       # the phase running now (PhaseLog)
     floors: dict = field(default_factory=dict, repr=False)    # phase -> the largest weights it loaded
 

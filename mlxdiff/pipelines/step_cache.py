@@ -39,6 +39,7 @@ class BlockResiduals:
         self.head_residual = None
         self.tail_residual = None
         self.reused = []          # per forward: True where the remaining blocks were skipped
+        self.changes = []         # per forward after the first: the relative change the threshold was held to
 
     def reuse(self, head_residual):
         """After the first block (head_residual: its image-stream output minus input): the remaining blocks'
@@ -46,6 +47,7 @@ class BlockResiduals:
         previous = self.head_residual
         if previous is not None and self.tail_residual is not None:
             change = (mx.mean(mx.abs(head_residual - previous)) / mx.mean(mx.abs(previous))).item()
+            self.changes.append(change)
             if not change > self.threshold:       # diffusers' test, NaN included
                 self.reused.append(True)
                 return self.tail_residual
@@ -76,8 +78,11 @@ class FirstBlockCache:
     def note(self) -> str:
         """Result.notes' line: how many forwards of each context reused the kept residual."""
         parts = [f"{sum(c.reused)} of {len(c.reused)} {name} forwards" for name, c in self.contexts.items()]
+        changes = sorted(x for c in self.contexts.values() for x in c.changes)
+        spread = (f"; the first block's change ran {changes[0]:.3g} to {changes[-1]:.3g}, median "
+                  f"{changes[len(changes) // 2]:.3g}" if changes else "")
         return (f"first-block cache (threshold {self.threshold:g}): remaining blocks skipped in "
-                + (", ".join(parts) or "no forward"))
+                + (", ".join(parts) or "no forward") + spread)
 
 
 def parse(spec) -> FirstBlockCache | None:
