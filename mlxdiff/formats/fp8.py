@@ -237,6 +237,11 @@ class Fp8Linear(DecodingLinear):
     def decode(self, weight_rows, rows):
         return decode(weight_rows, self["weight_scale"][rows])
 
+    def column_unit(self) -> tuple:
+        """(values, bytes) per column unit: one code per value, the scale per row (models/sharding.py splits
+        columns anywhere)."""
+        return 1, 1
+
 
 class Fp8Embedding(DecodingEmbedding):
     """An embedding whose table stays float8 e4m3fn (`weight` uint8 [vocab, dims], `weight_scale` float32 [vocab]):

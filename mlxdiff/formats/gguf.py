@@ -667,6 +667,11 @@ class RawLinear(DecodingLinear):
     def decode(self, weight_rows, rows):
         return decode_rows(weight_rows, self.type_name)
 
+    def column_unit(self) -> tuple:
+        """(values, bytes) of one block along a row: where a tensor-parallel split may cut its columns
+        (models/sharding.py)."""
+        return BLOCKS[self.type_name]
+
 
 class RawEmbedding(DecodingEmbedding):
     """An embedding whose table is kept as the file's GGUF blocks (`weight` uint8 [vocab, bytes per row]): only the

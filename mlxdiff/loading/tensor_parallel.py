@@ -19,8 +19,9 @@ def tensor_parallel(spec, group) -> "TensorParallelSpec":
 
 def shardable(spec, group) -> bool:
     """Whether a component other than the transformer splits over `group` too: its architecture can shard (a text
-    encoder of models/text_llm.py) and its config divides, its file is not GGUF (raw blocks are not split) and it
-    has no LoRA. Otherwise every rank holds it whole (generate's rank line says which components are split)."""
+    encoder of models/text_llm.py) and its config divides, its file is not GGUF (a GGUF encoder's split is not
+    tested yet: it stays whole) and it has no LoRA. Otherwise every rank holds it whole (generate's rank line says
+    which components are split)."""
     return (hasattr(spec.arch, "shards_evenly") and not any(is_gguf(f) for f in spec.files) and not spec.loras
             and spec.arch.shards_evenly(spec.args, group.size()))
 

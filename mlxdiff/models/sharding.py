@@ -18,16 +18,15 @@ def shard_layer(layer, sharding: str, group, where: str, boundaries=()):
     rows split: q, k, v, a feed-forward's input) or "sharded-to-all" (input columns split, then one all_sum: the
     attention and feed-forward outputs). `boundaries`: offsets (in output rows, or input columns) of the parts a
     fused layer is made of ([gate; value], [q; k; v; gate; up], [attention | mlp]): each part is split over the
-    ranks on its own. Layers whose stored blocks cannot be split so (a GGUF file's raw blocks, float8 codes with
-    row scales, palettized tables, a LoRA around a layer) are refused in one line naming the layer."""
+    ranks on its own. A GGUF file's raw blocks and float8 codes keep their form, split on their blocks
+    (_shard_decoding). Layers whose stored form cannot be split so (palettized tables, a LoRA around a layer) are
+    refused in one line naming the layer."""
     n = group.size()
     kind = type(layer).__name__
+    if hasattr(layer, "column_unit"):     # a GGUF file's raw blocks, float8 codes: split on block boundaries
+        return _shard_decoding(layer, sharding, group, where, boundaries)
     if type(layer) is not nn.Linear and not isinstance(layer, nn.QuantizedLinear):
-        advice = {"RawLinear": "holds a GGUF file's raw blocks, which are not split; load it in the affine layout "
-                               "(MLXDIFF_GGUF_LAYOUT=affine) or use --split guidance",
-                  "Fp8Linear": "holds float8 codes, which are not split yet; quantize it (--quantize) or use "
-                               "--split guidance",
-                  "PalettizedLinear": "is palettized, which is not split yet; use --split guidance"}
+        advice = {"PalettizedLinear": "is palettized, which is not split yet; use --split guidance"}
         raise _refuse(where, advice.get(kind, f"is a {kind}, which cannot be split; use --split guidance"))
     rows = sharding == "all-to-sharded"
     quantized = isinstance(layer, nn.QuantizedLinear)
@@ -55,6 +54,60 @@ def shard_layer(layer, sharding: str, group, where: str, boundaries=()):
             if any(int(s * w) * width != b * w for s, b in zip(segments, boundaries)):
                 raise _refuse(where, "has parts that its packed columns cannot be split at; use --split guidance")
     return nn.layers.distributed.shard_linear(layer, sharding, segments=segments, group=group)
+
+
+def _rank_parts(edges, n, rank) -> list:
+    """(start, stop) of this rank's share of each part between consecutive edges."""
+    return [(a + (b - a) // n * rank, a + (b - a) // n * (rank + 1)) for a, b in zip(edges, edges[1:])]
+
+
+def _shard_decoding(layer, sharding, group, where, boundaries):
+    """A layer that keeps its file's compact form (formats/quantized.DecodingLinear with `column_unit()`: GGUF raw
+    blocks, float8 codes with row scales) split as mlx.nn's sharded layers split theirs, its form kept: output rows
+    (every array has them first), or input columns cut on the form's block boundaries (`column_unit()`: values and
+    bytes per block), whose partial products are summed over the ranks before the bias (SummedLinear)."""
+    import copy
+    n, rank = group.size(), group.rank()
+    rows = sharding == "all-to-sharded"
+    values, nbytes = layer.column_unit()
+    width = layer.weight.shape[0] if rows else layer.in_dims
+    edges = [0, *boundaries, width]
+    parts = [b - a for a, b in zip(edges, edges[1:])]
+    unit = n if rows else values * n
+    if any(p % unit for p in parts):
+        what = "output rows" if rows else "input columns"
+        need = f"{n} ranks" + (f" x its block of {values} values" if unit != n else "")
+        raise _refuse(where, f"has {what} in parts of {parts}, which {need} do not divide; start a number of ranks "
+                             "that does, or use --split guidance")
+    share = copy.copy(layer)
+    if rows:
+        for name, value in layer.items():
+            if isinstance(value, mx.array):
+                share[name] = mx.concatenate([value[a:b] for a, b in _rank_parts(edges, n, rank)])
+        return share
+    weight = layer["weight"]
+    share["weight"] = mx.concatenate([weight[:, a // values * nbytes:b // values * nbytes]
+                                      for a, b in _rank_parts(edges, n, rank)], axis=1)
+    share.in_dims = layer.in_dims // n
+    bias = layer["bias"] if "bias" in layer else None
+    if bias is not None:
+        del share["bias"]
+    return SummedLinear(share, bias, group)
+
+
+class SummedLinear(nn.Module):
+    """A layer split by input columns whose partial products are summed over the ranks, then the bias added once
+    (as mlx.nn's ShardedToAllLinear), for layers that keep a compact form (_shard_decoding)."""
+
+    def __init__(self, layer, bias, group):
+        super().__init__()
+        self.layer, self.group = layer, group
+        if bias is not None:
+            self.bias = bias
+
+    def __call__(self, x):
+        y = mx.distributed.all_sum(self.layer(x), group=self.group)
+        return y + self["bias"] if "bias" in self else y
 
 
 class GatheredLinear(nn.Module):

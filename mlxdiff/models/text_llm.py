@@ -317,7 +317,7 @@ class Model(nn.Module):
         """Tensor-parallel over `group`, mlx-lm's scheme for these models (mlx_lm.models.llama / qwen3 Model.shard):
         q/k/v and the MLP's gate/up split by output rows, o_proj and down_proj by input columns with one all_sum
         each, the heads divided; through models/sharding.shard_layer, which refuses in one line what cannot be
-        split (GGUF raw blocks, float8). The embedding and norms stay whole on every rank."""
+        split (palettized weights). The embedding and norms stay whole on every rank."""
         from .sharding import shard_layer
         n = group.size()
         check_shardable(self.args, n)
