@@ -29,8 +29,10 @@ runpy.run_module("mlxdiff.generate", run_name="__main__", alter_sys=True)
 """
 
 
-def launch(*argv, timeout=300):
-    cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--", sys.executable, *argv]
+def launch(*argv, timeout=300, port=32323):
+    """`mlx.launch --backend ring -n 2` of python *argv; `port`: the ring's first port (mlx.launch's default here;
+    each test file that launches uses its own, so that pytest-xdist's workers may run two files at once)."""
+    cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--", sys.executable, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

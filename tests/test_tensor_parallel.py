@@ -20,7 +20,13 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from test_distributed import CHEAP, ROOT, launch, launcher  # noqa: F401  (the fixture)
+from test_distributed import CHEAP, ROOT, launcher  # noqa: F401  (the fixture)
+from test_distributed import launch as launch_ranks
+
+
+def launch(*argv, **kw):
+    """test_distributed's launch on ports of this file's own (pytest-xdist may run both files at once)."""
+    return launch_ranks(*argv, port=33323, **kw)
 
 RUN = """import json, sys
 import numpy as np
@@ -38,14 +44,22 @@ def rchar():
     return int(next(l.split()[1] for l in open("/proc/self/io") if l.startswith("rchar")))
 
 
+def unwrapped(path):
+    # a SummedLinear holds its split layer as .layer (models/sharding.py): the unsharded model's name
+    head, _, leaf = path.rpartition(".")
+    return head[:-len(".layer")] + "." + leaf if head.endswith(".layer") else path
+
+
 def case(name, folder, load_extra, **run):
     pipe = load(folder, group=group if n > 1 else None, split="tensor" if n > 1 else None, **load_extra)
     r = pipe.generate(progress_bar=False, **run)
     np.save(f"{{out}}/{{name}}-latents-{{n}}-{{rank}}.npy", r.latents)
     r.image.save(f"{{out}}/{{name}}-image-{{n}}-{{rank}}.png")
     held = {{}}
-    for part in ("transformer", "text_encoder"):
-        spec = pipe.components[part]
+    for part in ("transformer", "text_encoder", "text_encoder_3"):
+        spec = pipe.components.get(part)
+        if spec is None:
+            continue
         if "text_encoder_out_layers" in run and part == "text_encoder":     # the taps the run built it with
             spec = spec.with_config(taps=list(run["text_encoder_out_layers"]))
         before = rchar()
@@ -55,7 +69,7 @@ def case(name, folder, load_extra, **run):
         params = tree_flatten(model.parameters())
         # what stays whole on each rank: the arrays shaped as in the unsharded model (built lazily; nothing read)
         full = dict(tree_flatten(ComponentSpec.build(spec, pipe.dtype, check=False).parameters()))
-        whole = sum(v.nbytes for k, v in params if full[k.replace(".layer.", ".")].shape == v.shape)
+        whole = sum(v.nbytes for k, v in params if full[unwrapped(k)].shape == v.shape)
         held[part] = {{"total": sum(v.nbytes for _, v in params), "whole": whole, "read": read,
                       "stored": spec.nbytes(), "estimate": spec.loaded_nbytes(compute_dtype=pipe.dtype),
                       "split": type(spec).__name__ == "TensorParallelSpec"}}
@@ -168,8 +182,9 @@ def test_two_ranks_equal_the_single_process_each_holding_half(runs, name):
         rank_latents, rank_image, held = outputs(out, name, 2, rank)
         assert np.abs(rank_latents - latents).max() <= 1e-5
         assert np.abs(rank_image - image).max() <= 1
-        # FLUX.2's Qwen3 / Mistral text encoder splits too (models/text_llm.py); SD3.5's CLIP and T5 stay whole
-        parts = ("transformer", "text_encoder") if name.startswith("flux2") else ("transformer",)
+        # FLUX.2's Qwen3 / Mistral text encoder splits too (models/text_llm.py), and SD3.5's T5 (models/t5.py);
+        # SD3.5's CLIPs stay whole
+        parts = ("transformer", "text_encoder") if name.startswith("flux2") else ("transformer", "text_encoder_3")
         assert [p for p in held if held[p]["split"]] == list(parts)
         for part in parts:
             share, whole = held[part], whole_held[part]
@@ -194,7 +209,8 @@ def test_cli_tensor_split(runs, tmp_path):
     said = p.stdout + p.stderr
     assert "rank 1: computed its share of the transformer; rank 0 wrote the images" in said, said[-3000:]
     assert said.count("process memory:") == 2 and "rank 1:\nphase" in said, said[-3000:]   # both ranks' tables
-    assert "rank 0 of 2: 1/2 of the transformer's heads and feed-forward widths, every image" in said
+    assert ("rank 0 of 2: 1/2 of the transformer's heads and feed-forward widths (and of text_encoder_3), every image"
+            in said)
     assert [f.name for f in tmp_path.glob("*.png")] == ["tp.png"]
     ranks = np.array(PIL.Image.open(tmp_path / "tp.png")).astype(int)
     assert np.abs(ranks - np.array(PIL.Image.open(out / "cli-single.png")).astype(int)).max() <= 1

@@ -254,6 +254,23 @@ class T5Stack(nn.Module):
         self.final_layer_norm = T5LayerNorm(args.d_model, args.layer_norm_epsilon)
 
 
+def _split_counts(args: ModelArgs) -> dict:
+    """What Model.shard splits over the ranks: {config name: (count, unit)}."""
+    return {"num_heads": (args.num_heads, " heads"), "d_ff": (args.d_ff, "")}
+
+
+def shards_evenly(args: ModelArgs, n: int) -> bool:
+    """Whether Model.shard can split this encoder over n ranks (loading/tensor_parallel.shardable)."""
+    return all(count % n == 0 for count, _ in _split_counts(args).values())
+
+
+def check_shardable(args: ModelArgs, n: int) -> None:
+    """Whether Model.shard can split this encoder over n ranks, else one line; checked before anything is read."""
+    from .sharding import check_divides
+    for name, (count, unit) in _split_counts(args).items():
+        check_divides(f"T5 text encoder: {name}", count, n, unit)
+
+
 class Model(nn.Module):
     """T5EncoderModel. `model(input_ids)` -> last_hidden_state (B, T, d_model), after the final RMSNorm."""
 
@@ -278,6 +295,34 @@ class Model(nn.Module):
 
     def resident_blocks(self) -> tuple:
         return ("encoder.block.0",)     # its relative attention bias is read before the blocks run
+
+    def shard(self, group):
+        """Tensor-parallel over `group`, the scheme of models/text_llm.py's shard: in every block q/k/v and the
+        feed-forward input(s) split by output rows, o and wo by input columns with one all_sum each, the heads
+        divided, and the relative attention bias table keeps this rank's heads' columns. The embedding and norms
+        stay whole on every rank."""
+        from .sharding import shard_layer
+        n, rank = group.size(), group.rank()
+        check_shardable(self.args, n)
+        for i, block in enumerate(self.encoder.block):
+            attn, ff, where = block.layer[0].SelfAttention, block.layer[1].DenseReluDense, f"T5 encoder.block.{i}"
+            for name in ("q", "k", "v"):
+                setattr(attn, name, shard_layer(getattr(attn, name), "all-to-sharded", group,
+                                                f"{where}.layer.0.SelfAttention.{name}"))
+            attn.o = shard_layer(attn.o, "sharded-to-all", group, f"{where}.layer.0.SelfAttention.o")
+            if "relative_attention_bias" in attn:
+                table = attn.relative_attention_bias
+                if type(table) is not nn.Embedding:
+                    raise MlxdiffError(f"tensor-parallel split: {where}'s relative attention bias is a "
+                                       f"{type(table).__name__}, which is not split; use --split guidance")
+                heads = attn.num_heads // n
+                table.weight = table.weight[:, rank * heads:(rank + 1) * heads]
+            attn.num_heads //= n
+            for name in ("wi_0", "wi_1", "wi"):
+                if name in ff:
+                    setattr(ff, name, shard_layer(getattr(ff, name), "all-to-sharded", group,
+                                                  f"{where}.layer.1.DenseReluDense.{name}"))
+            ff.wo = shard_layer(ff.wo, "sharded-to-all", group, f"{where}.layer.1.DenseReluDense.wo")
 
     def sanitize(self, weights: dict) -> dict:
         weights = remap(weights, ORIGINAL_KEYMAP)
