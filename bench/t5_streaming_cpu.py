@@ -73,6 +73,7 @@ def write(folder):
 
 
 def run(folder, out, memory_limit):
+    import mlxdiff  # noqa: F401  (first: OpenBLAS takes over mlx-cpu's matmuls, mlxdiff/backend.py)
     import mlx.core as mx
     from mlxdiff.loading.component import load_component
     from mlxdiff.loading.sources import folder_component

@@ -18,7 +18,8 @@ How, for every family and file form alike:
 
 The plan is chosen from the budget and each group's exact loaded size (from the headers): the resident weights,
 the streamed blocks in flight (IN_FLIGHT_BLOCKS) and the rest of the component fit the budget less a reserve for the
-activations and the caches (half of it, at most RESERVE_BYTES). A budget below that for no resident block at all is
+activations and the caches (half of it, at most RESERVE_BYTES; for a model that says its activations' size,
+Model.activation_bytes, that plus an allowance). A budget below that for no resident block at all is
 refused, naming the smallest limit that works. Weights that would have to be quantized again at every use (a
 float checkpoint with quantize=) are refused with the command that converts them once.
 """
@@ -46,6 +47,9 @@ BLOCK_NAME = re.compile(r"(?:^|\.)[A-Za-z_]\w*\.(\d+)\.")
 # RESERVE_BYTES (FLUX.2-dev at 1024x1024 on the H200: 1.84 GiB of activations, a cache capped at 1 GiB and a 0.51 GiB
 # context: bench/RESULTS.md, "The footprint the user sees")
 RESERVE_SHARE, RESERVE_BYTES = 0.5, 3 << 30
+# a model that says how large its activations get (Model.activation_bytes: a text encoder's at its longest prompt)
+# keeps that plus this for MLX's cache and a layer's transient float copy (the CPU's matmul of bf16 weights)
+KNOWN_ACTIVATIONS_ALLOWANCE = 384 << 20
 IN_FLIGHT_BLOCKS = 2      # streamed blocks alive at once: the one computing and the next one read
 READ_CHUNK = 16 << 20     # bytes per read of the read-ahead thread
 
@@ -195,9 +199,15 @@ def plan(spec, model, compute_dtype, budget, native=False):
     largest = max(g.nbytes for g in blocks)
     floor = rest_nbytes + sum(g.nbytes for g in blocks if g.block in first) + IN_FLIGHT_BLOCKS * largest
     reserve = min(RESERVE_SHARE * budget, RESERVE_BYTES)
+    known = getattr(model, "activation_bytes", None)
+    if known is not None:
+        reserve = min(reserve, known(compute_dtype) + KNOWN_ACTIVATIONS_ALLOWANCE)
     room = budget - reserve - floor
     if room < 0:
-        smallest = 2 * floor if floor <= RESERVE_BYTES else floor + RESERVE_BYTES
+        if known is not None:
+            smallest = floor + known(compute_dtype) + KNOWN_ACTIVATIONS_ALLOWANCE
+        else:
+            smallest = 2 * floor if floor <= RESERVE_BYTES else floor + RESERVE_BYTES
         raise MlxdiffError(f"{spec.name}: a memory limit of {fmt_gb(budget)} cannot hold even its streamed form "
                            f"({fmt_gb(floor)} of weights at once: the non-repeated weights and "
                            f"{IN_FLIGHT_BLOCKS} blocks of {fmt_gb(largest)} in flight, plus room for the "

@@ -10,7 +10,8 @@ Adding a family, the checklist:
 1. `ModelArgs`: a config_checks.CheckedArgs dataclass (`from_dict(config, where)` checks types, LIMITS, RULES).
 2. `Model(args)`: an mlx.nn.Module that keeps `args`, with `sanitize(weights)`; `quant_predicate(path, module)`
    when some layers must stay in full precision; `eager_is_faster()` if its eager blocks beat compiled ones;
-   `resident_blocks()` if it reads a block outside that block's call (streaming must keep it resident).
+   `resident_blocks()` if it reads a block outside that block's call (streaming must keep it resident);
+   `activation_bytes(dtype)` if its activations are known small (a streamed plan keeps only that free).
 3. Register the class name in loading/spec.py ARCHITECTURES (and the pipeline's components in sources.COMPONENTS).
 4. Then the hooks of the capabilities it has: a denoiser read from one original file (`OriginalFile`) and its
    LoRAs (`OriginalRules`, plus lora.MODEL_NAMES), an encoder whose config a single file's shapes give
@@ -80,6 +81,17 @@ class ResidentBlocks(Protocol):
 
 
 @runtime_checkable
+class KnownActivations(Protocol):
+    """Optional on `Model`."""
+
+    def activation_bytes(self, compute_dtype) -> int:
+        """loading/streaming.plan: the most its forward holds in activations at its largest input (a text encoder at
+        its longest prompt), so that a streamed plan keeps that much free instead of half the budget. Absent: half
+        the budget (at most streaming.RESERVE_BYTES)."""
+        ...
+
+
+@runtime_checkable
 class Architecture(Protocol):
     """Required of every module in loading/spec.py ARCHITECTURES."""
 
@@ -87,7 +99,7 @@ class Architecture(Protocol):
     """The typed config: `ModelArgs.from_dict(config, where)` (ArchitectureArgs)."""
     Model: type[ArchitectureModel]
     """`Model(ModelArgs)`: the mlx.nn.Module loading/build.build makes and loads (ArchitectureModel; optionally
-    QuantRule, EagerPreference, ResidentBlocks)."""
+    QuantRule, EagerPreference, ResidentBlocks, KnownActivations)."""
 
 
 @runtime_checkable
@@ -163,7 +175,7 @@ class PartialReader(Protocol):
 # it has every member of the capability (tests/test_architecture_protocol.py)
 CAPABILITIES = {OriginalFile: "is_original", OriginalRules: "_ORIGINAL_RULES", ConfigFromWeights: "config_from_weights",
                 PartialReader: "reads_stored"}
-MODEL_HOOKS = (QuantRule, EagerPreference, ResidentBlocks)     # optional methods of `Model`
+MODEL_HOOKS = (QuantRule, EagerPreference, ResidentBlocks, KnownActivations)     # optional methods of `Model`
 
 
 def protocol_members(protocol) -> tuple:

@@ -92,6 +92,8 @@ class ModelArgs(CheckedArgs):
             self.is_gated_act = parts[0] == "gated"
 
 
+MAX_TOKENS = 512      # the longest prompt SD3.5 gives it (diffusers' max_sequence_length is at most 512)
+
 # Keys a T5 file may carry that the encoder does not use. transformers' T5EncoderModel ignores `decoder.*`
 # (_keys_to_ignore_on_load_unexpected); lm_head belongs to the full seq2seq model.
 ORIGINAL_KEYMAP = [
@@ -295,6 +297,15 @@ class Model(nn.Module):
 
     def resident_blocks(self) -> tuple:
         return ("encoder.block.0",)     # its relative attention bias is read before the blocks run
+
+    def activation_bytes(self, compute_dtype) -> int:
+        """The most its forward holds in activations, at MAX_TOKENS: the stream, q/k/v/attention output, the scores
+        and the bias, the feed-forward's two inputs and their product, in the compute dtype (float32 from the
+        feed-forward output on under float16)."""
+        a, n = self.args, MAX_TOKENS
+        inner = a.num_heads * a.d_kv
+        values = n * a.d_model * 2 + 4 * n * inner + 2 * a.num_heads * n * n + 3 * n * a.d_ff
+        return values * max(compute_dtype.size, 4 if compute_dtype == mx.float16 else 0)
 
     def shard(self, group):
         """Tensor-parallel over `group`, the scheme of models/text_llm.py's shard: in every block q/k/v and the
