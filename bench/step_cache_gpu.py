@@ -51,8 +51,8 @@ def noise_of(folder, size):
 
 
 def run_mlxdiff(args):
+    import mlxdiff      # first: on the CPU, OpenBLAS takes over mlx-cpu's matmuls (mlxdiff/backend.py)
     import mlx.core as mx
-    import mlxdiff
     guidance, noise = guidance_of(args.folder), noise_of(args.folder, args.size)
     pipe = mlxdiff.load(args.folder, dtype="bfloat16", keep="all")
     pipe.generate(PROMPT, width=args.size, height=args.size, steps=2, guidance=guidance, seed=0, progress_bar=False)
