@@ -131,6 +131,18 @@ def gather_last(x, group):
     return mx.moveaxis(both.reshape(n, *x.shape), 0, -2).reshape(*x.shape[:-1], n * x.shape[-1])
 
 
+def divides_all(counts: dict, n: int) -> bool:
+    """Whether n ranks split every count of {name: (count, unit)} evenly (an encoder's shards_evenly)."""
+    return all(count % n == 0 for count, _ in counts.values())
+
+
+def check_counts(what: str, counts: dict, n: int) -> None:
+    """check_divides for every count of {name: (count, unit)}, named "<what>: <name>" (an encoder's
+    check_shardable)."""
+    for name, (count, unit) in counts.items():
+        check_divides(f"{what}: {name}", count, n, unit)
+
+
 def check_divides(what: str, count: int, n: int, unit: str = "") -> None:
     """A count (heads, a hidden width) the N ranks must split evenly, else one line."""
     if count % n:

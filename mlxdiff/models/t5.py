@@ -263,14 +263,14 @@ def _split_counts(args: ModelArgs) -> dict:
 
 def shards_evenly(args: ModelArgs, n: int) -> bool:
     """Whether Model.shard can split this encoder over n ranks (loading/tensor_parallel.shardable)."""
-    return all(count % n == 0 for count, _ in _split_counts(args).values())
+    from .sharding import divides_all
+    return divides_all(_split_counts(args), n)
 
 
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this encoder over n ranks, else one line; checked before anything is read."""
-    from .sharding import check_divides
-    for name, (count, unit) in _split_counts(args).items():
-        check_divides(f"T5 text encoder: {name}", count, n, unit)
+    from .sharding import check_counts
+    check_counts("T5 text encoder", _split_counts(args), n)
 
 
 class Model(nn.Module):
