@@ -116,8 +116,9 @@ def _cache_cap(policy: RunPolicy):
 
 
 def cuda_kernels() -> bool:
-    """Whether mlxdiff's own CUDA kernels run (models/fused.norm_rope, formats/quantized's palettized decode): the
-    CUDA default device, and fusion and the kernels on in the installed policy (with none installed, on)."""
+    """Whether mlxdiff's own CUDA kernels run (models/fused.norm_rope and norm_modulate, formats/quantized's affine
+    dequantize and palettized decode): the CUDA default device, and fusion and the kernels on in the installed
+    policy (with none installed, on)."""
     policy = current()
     if (policy is not None and not (policy.fuse and policy.cuda_kernels)) or mx.default_device() != mx.gpu:
         return False

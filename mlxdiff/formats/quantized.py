@@ -56,7 +56,7 @@ class QuantizedTensor:
         return self.weight.nbytes + self.scales.nbytes + self.biases.nbytes
 
     def dequantize(self, dtype=None) -> mx.array:
-        w = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        w = affine_dequantize(self.weight, self.scales, self.biases, self.group_size, self.bits)
         return w.astype(dtype) if dtype is not None else w
 
     def arrays(self, prefix) -> dict:
@@ -198,6 +198,78 @@ def _decode_on_cuda(packed, lut, scale, cols, group_size, first_row):
                   ("ONE_TABLE", lut.shape[0] == 1), ("HAS_SCALE", scale is not None)],
         grid=(rows * -(-cols // per), 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, cols)],
         output_dtypes=[lut.dtype])[0]
+
+
+# -- affine dequantize on CUDA ----------------------------------------------------------------------------------------
+#
+# Why: MLX 0.32.4's CUDA dequantize runs one thread per byte (two 4-bit values, a 4-byte store each) and moves about
+# 1.1 TB/s on the H200; FLUX.2-dev's dequantize-then-matmul strategy pays it on every layer of every step. Here one
+# thread takes a whole packed unit (8 values of 4 or 5 bits, 16 of 2, 4 of 6 or 8) and writes them with 16-byte
+# stores: about twice as fast (bench/RESULTS.md, "Speed, second round"). Each value is computed as MLX's kernel
+# computes it, `scale * T(q) + bias` in the scales' type T, so the output is the same bit for bit (checked on the
+# GPU for every bit width, dtype and group size: bench/step_kernels_gpu.py exact).
+
+AFFINE_UNITS = {2: (16, 4), 3: (8, 3), 4: (8, 4), 5: (8, 5), 6: (4, 3), 8: (4, 4)}   # bits: (values, bytes) per unit
+
+_AFFINE_SOURCE = """
+    // dims: rows, columns (values per row), bytes per packed row, group size (runtime: one kernel per form)
+    const long rows = dims[0], cols = dims[1], row_bytes = dims[2], group_size = dims[3];
+    const long units_per_row = cols / PER;
+    const long unit = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (unit >= rows * units_per_row) return;
+    const long row = unit / units_per_row;
+    const long first_col = (unit % units_per_row) * PER;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(packed) + row * row_bytes + (unit % units_per_row) * NBYTES;
+    uint64_t word = 0;
+    if (NBYTES == 4) {
+        word = *reinterpret_cast<const uint32_t*>(src);
+    } else {
+        for (int j = 0; j < NBYTES; j++) word |= static_cast<uint64_t>(src[j]) << (8 * j);
+    }
+    const long g = row * (cols / group_size) + first_col / group_size;
+    const T s = scales[g];
+    const T b = biases[g];
+    constexpr int CHUNK = 16 / sizeof(T);          // values per 16-byte store
+    constexpr int STORES = (PER * sizeof(T)) / 16;
+    T* dst = out + row * cols + first_col;
+    if (STORES > 0) {
+        for (int c = 0; c < STORES; c++) {
+            uint4 packed_out;
+            T* v = reinterpret_cast<T*>(&packed_out);
+            for (int j = 0; j < CHUNK; j++) {
+                const int i = c * CHUNK + j;
+                v[j] = s * static_cast<T>(static_cast<uint32_t>((word >> (i * BITS)) & ((1u << BITS) - 1u))) + b;
+            }
+            *reinterpret_cast<uint4*>(dst + c * CHUNK) = packed_out;
+        }
+    } else {
+        for (int i = 0; i < PER; i++)
+            dst[i] = s * static_cast<T>(static_cast<uint32_t>((word >> (i * BITS)) & ((1u << BITS) - 1u))) + b;
+    }
+"""
+
+
+@functools.cache
+def _affine_kernel():
+    return mx.fast.cuda_kernel(name="mlxdiff_affine_dequantize",
+                               input_names=["packed", "scales", "biases", "dims"], output_names=["out"],
+                               source=_AFFINE_SOURCE)
+
+
+def affine_dequantize(weight, scales, biases, group_size: int, bits: int) -> mx.array:
+    """mx.dequantize(weight, scales, biases, group_size, bits) of a 2-D affine weight. On CUDA one kernel (above)
+    does it, equal bit for bit; MLX's own op is the reference path and every other backend's."""
+    per, nbytes = AFFINE_UNITS.get(bits, (0, 0))
+    if not (per and cuda_kernels() and weight.ndim == 2 and biases is not None and weight.shape[0]
+            and scales.dtype in (mx.bfloat16, mx.float16, mx.float32) and group_size % per == 0):
+        return mx.dequantize(weight, scales, biases, group_size=group_size, bits=bits)
+    rows = weight.shape[0]
+    cols = weight.shape[1] * 32 // bits
+    return _affine_kernel()(
+        inputs=[weight, scales, biases.astype(scales.dtype), _dims_array(rows, cols, weight.shape[1] * 4, group_size)],
+        template=[("T", scales.dtype), ("BITS", bits), ("PER", per), ("NBYTES", nbytes)],
+        grid=(rows * (cols // per), 1, 1), threadgroup=(256, 1, 1), output_shapes=[(rows, cols)],
+        output_dtypes=[scales.dtype])[0]
 
 
 @dataclass

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 
 from ..errors import MlxdiffError
-from ..formats.quantized import DecodingLinear
+from ..formats.quantized import DecodingLinear, affine_dequantize
 
 STRATEGIES = ("qmm", "dequantize")
 
@@ -51,6 +51,8 @@ class DequantizedLinear(DecodingLinear):
 
     def decode(self, weight_rows, rows):
         biases = self.get("biases")
+        if self.mode == "affine" and biases is not None:
+            return affine_dequantize(weight_rows, self["scales"][rows], biases[rows], self.group_size, self.bits)
         return mx.dequantize(weight_rows, self["scales"][rows], None if biases is None else biases[rows],
                              group_size=self.group_size, bits=self.bits, mode=self.mode)
 

@@ -25,8 +25,8 @@ from ..formats.quantized import linear_rows
 from ..pacing import pace
 from ..policy import current
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .fused import (attention as fused_attention, compiled_block, cuda_kernels, fused, gated_residual, norm_rope,
-                    scale_shift)
+from .fused import (attention as fused_attention, compiled_block, cuda_kernels, fused, gated_residual, norm_modulate,
+                    norm_rope)
 
 
 @dataclass
@@ -167,7 +167,7 @@ def layer_norm(x, eps):
 
 
 def modulate(x, mod: ModulationOut, eps):
-    return scale_shift(layer_norm(x, eps), mod.scale, mod.shift)
+    return norm_modulate(x, mod.scale, mod.shift, eps)
 
 
 @fused

@@ -165,13 +165,19 @@ _NORM_ROPE_SOURCE = """
     }
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
     const float inv = rsqrtf(ss / HD + eps[0]);
-    const float* c = cos + s * HD + lane * PER;
-    const float* sn = sin + s * HD + lane * PER;
+    const float* c = ROPE ? cos + s * HD + lane * PER : nullptr;     // without RoPE, cos and sin are placeholders
+    const float* sn = ROPE ? sin + s * HD + lane * PER : nullptr;
     T* dst = out + ((b * NH + h) * S + s) * HD + lane * PER;
     for (int i = 0; i < PER; i += 2) {
         // as mx.fast.rms_norm: normalised value rounded to T, then times the weight in T
-        float n0 = static_cast<float>(w[lane * PER + i] * static_cast<T>(v[i] * inv));
-        float n1 = static_cast<float>(w[lane * PER + i + 1] * static_cast<T>(v[i + 1] * inv));
+        const T m0 = w[lane * PER + i] * static_cast<T>(v[i] * inv);
+        const T m1 = w[lane * PER + i + 1] * static_cast<T>(v[i + 1] * inv);
+        if (!ROPE) {
+            dst[i] = m0;
+            dst[i + 1] = m1;
+            continue;
+        }
+        const float n0 = static_cast<float>(m0), n1 = static_cast<float>(m1);
         dst[i] = static_cast<T>(n0 * c[i] + (-n1) * sn[i]);
         dst[i + 1] = static_cast<T>(n1 * c[i + 1] + n0 * sn[i + 1]);
     }
@@ -193,7 +199,7 @@ def _eps_array(eps):
 def norm_rope(parts, cos, sin, rope):
     """parts: [(x (B, S_i, H, hd), RMSNorm), ...], joined along the tokens in this order -> each part RMS-normed by
     its own norm, RoPE'd with cos/sin (S, hd) float32 of the joined sequence -> (B, H, S, hd). `rope(x, cos, sin)` is
-    the model's MLX-ops rotation, for the reference path."""
+    the model's MLX-ops rotation, for the reference path; rope None: no rotation (SD3's joint attention)."""
     x0, norm0 = parts[0]
     b, _, h, hd = x0.shape
     same = all(x.shape[0] == b and x.shape[2:] == x0.shape[2:] and x.dtype == x0.dtype and n.eps == norm0.eps
@@ -202,13 +208,95 @@ def norm_rope(parts, cos, sin, rope):
             or not cuda_kernels():
         normed = [n(x) for x, n in parts]
         joined = normed[0] if len(normed) == 1 else mx.concatenate(normed, axis=1)
-        return rope(joined.transpose(0, 2, 1, 3), cos, sin)
+        joined = joined.transpose(0, 2, 1, 3)
+        return joined if rope is None else rope(joined, cos, sin)
     (xt, nt), (xi, ni) = parts if len(parts) == 2 else ((x0, norm0), (x0, norm0))
     st = xt.shape[1] if len(parts) == 2 else 0
     si = xi.shape[1]
     rows = b * (st + si) * h
+    eps = _eps_array(norm0.eps)
     return _norm_rope_kernel()(
-        inputs=[xt, xi, nt.weight.astype(x0.dtype), ni.weight.astype(x0.dtype), cos, sin, _eps_array(norm0.eps)],
-        template=[("T", x0.dtype), ("HD", hd), ("NH", h), ("ST", st), ("SI", si), ("NB", b)],
+        inputs=[xt, xi, nt.weight.astype(x0.dtype), ni.weight.astype(x0.dtype),
+                eps if rope is None else cos, eps if rope is None else sin, eps],
+        template=[("T", x0.dtype), ("HD", hd), ("NH", h), ("ST", st), ("SI", si), ("NB", b),
+                  ("ROPE", rope is not None)],
         grid=(rows * 32, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(b, h, st + si, hd)],
         output_dtypes=[x0.dtype])[0]
+
+
+# -- LayerNorm + adaLN modulation in one pass (CUDA) -----------------------------------------------------------------
+#
+# Why: every modulated block norms its stream (mx.fast.layer_norm, no affine) and then modulates it
+# (x * (1 + scale) + shift), two passes over the tokens; on the H200 the pair costs 2.5-3.3x this one pass
+# (bench/RESULTS.md, "Speed, second round"). One block of threads per token row: mean and variance in float32 (two
+# passes over registers), the normalised value rounded to T as mx.fast.layer_norm rounds it, then the modulation in
+# T op by op as the fused MLX ops do it. In bfloat16 / float16 the two paths differ in 2e-6 / 2e-5 of the values, by
+# at most 1.3 ulps (a float32 sum's order moving a rounding); float32 differed more (up to 289 ulps of the terms in
+# 16% of the values, the variance's arithmetic) and keeps the MLX ops. Other backends and a policy without fusion
+# or CUDA kernels take the MLX ops.
+
+_NORM_MODULATE_SOURCE = """
+    constexpr int PER = D / THREADS;
+    const long row = blockIdx.x;
+    const int t = threadIdx.x;
+    const long b = row / S;
+    const T* src = x + row * D;
+    float v[PER];
+    float sum = 0.f;
+    for (int i = 0; i < PER; i++) {
+        v[i] = static_cast<float>(src[t + i * THREADS]);
+        sum += v[i];
+    }
+    __shared__ float partial[THREADS / 32];
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+    if (t % 32 == 0) partial[t / 32] = sum;
+    __syncthreads();
+    float total = 0.f;
+    for (int i = 0; i < THREADS / 32; i++) total += partial[i];
+    const float mean = total / D;
+    __syncthreads();
+    float sq = 0.f;
+    for (int i = 0; i < PER; i++) {
+        const float d = v[i] - mean;
+        sq += d * d;
+    }
+    for (int o = 16; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffff, sq, o);
+    if (t % 32 == 0) partial[t / 32] = sq;
+    __syncthreads();
+    float var = 0.f;
+    for (int i = 0; i < THREADS / 32; i++) var += partial[i];
+    const float inv = rsqrtf(var / D + eps[0]);
+    const T* sc = scale + b * D;
+    const T* sh = shift + b * D;
+    T* dst = out + row * D;
+    const T one = static_cast<T>(1.0f);
+    for (int i = 0; i < PER; i++) {
+        const int c = t + i * THREADS;
+        const T n = static_cast<T>((v[i] - mean) * inv);
+        dst[c] = n * (one + sc[c]) + sh[c];
+    }
+"""
+
+
+@functools.cache
+def _norm_modulate_kernel():
+    return mx.fast.cuda_kernel(name="mlxdiff_norm_modulate", input_names=["x", "scale", "shift", "eps"],
+                               output_names=["out"], source=_NORM_MODULATE_SOURCE)
+
+
+NORM_THREADS = 256
+
+
+def norm_modulate(x, scale, shift, eps):
+    """scale_shift(LayerNorm(x) without affine, scale, shift): x (B, S, D); scale, shift (B, 1, D), adaLN's
+    modulation of each batch row. On CUDA one kernel (above); the MLX ops are the reference path."""
+    b, d = x.shape[0], x.shape[-1]
+    if (x.ndim != 3 or d % NORM_THREADS or d // NORM_THREADS > 32 or not x.size or scale.size != b * d
+            or shift.size != b * d or not x.dtype == scale.dtype == shift.dtype
+            or x.dtype not in (mx.bfloat16, mx.float16) or not cuda_kernels()):
+        return scale_shift(mx.fast.layer_norm(x, None, None, eps), scale, shift)
+    return _norm_modulate_kernel()(
+        inputs=[x, scale.reshape(b, d), shift.reshape(b, d), _eps_array(eps)],
+        template=[("T", x.dtype), ("D", d), ("S", x.shape[1]), ("THREADS", NORM_THREADS)],
+        grid=(x.shape[0] * x.shape[1] * NORM_THREADS, 1, 1), threadgroup=(NORM_THREADS, 1, 1),
+        output_shapes=[x.shape], output_dtypes=[x.dtype])[0]

@@ -18,7 +18,7 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
-from .fused import attention, compiled_block, gated_residual, scale_shift
+from .fused import attention, compiled_block, gated_residual, norm_modulate, norm_rope
 
 
 @dataclass
@@ -74,13 +74,9 @@ class ModelArgs(CheckedArgs):
             self.out_channels = self.in_channels
         self.dual_attention_layers = tuple(self.dual_attention_layers or ())
 
-def layer_norm(x, eps=1e-6):
-    """LayerNorm without affine parameters, as every norm in this model."""
-    return mx.fast.layer_norm(x, None, None, eps)
-
-
 def modulate(x, scale, shift):
-    return scale_shift(x, scale[:, None], shift[:, None])
+    """LayerNorm(x) (no affine) * (1 + scale) + shift, scale and shift (B, D): one CUDA kernel where it applies."""
+    return norm_modulate(x, scale[:, None], shift[:, None], 1e-6)
 
 
 class Modulation(NamedTuple):
@@ -91,10 +87,11 @@ class Modulation(NamedTuple):
 
 
 class ZeroOut(NamedTuple):
-    """AdaLayerNormZero's output: the modulated and the plain normalised input, and the modulations of attention,
-    feed-forward and (MMDiT-X) the second attention."""
+    """AdaLayerNormZero's output: the modulated input, the input itself (MMDiT-X norms it again for the second
+    attention: one pass, cheaper than keeping the normed copy), and the modulations of attention, feed-forward and
+    (MMDiT-X) the second attention."""
     x_mod: mx.array
-    x_norm: mx.array
+    x: mx.array
     msa: Modulation
     mlp: Modulation
     msa2: Modulation | None
@@ -112,9 +109,8 @@ class AdaLayerNormZero(nn.Module):
         out = self.linear(nn.silu(temb))
         chunks = mx.split(out, out.shape[-1] // x.shape[-1], axis=-1)
         mods = [Modulation(*chunks[i:i + 3]) for i in range(0, len(chunks), 3)]
-        x_norm = layer_norm(x)
         msa = mods[0]
-        return ZeroOut(modulate(x_norm, msa.scale, msa.shift), x_norm, msa, mods[1], mods[2] if len(mods) > 2 else None)
+        return ZeroOut(modulate(x, msa.scale, msa.shift), x, msa, mods[1], mods[2] if len(mods) > 2 else None)
 
 
 class AdaLayerNormContinuous(nn.Module):
@@ -126,7 +122,7 @@ class AdaLayerNormContinuous(nn.Module):
 
     def __call__(self, x, cond):
         scale, shift = mx.split(self.linear(nn.silu(cond)), 2, axis=-1)
-        return modulate(layer_norm(x), scale, shift)
+        return modulate(x, scale, shift)
 
 
 class FeedForward(nn.Module):
@@ -178,22 +174,26 @@ class Attention(nn.Module):
 
     def _heads(self, x):
         b, n, _ = x.shape
-        return x.reshape(b, n, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+        return x.reshape(b, n, self.heads, self.head_dim)
 
-    def _qkv(self, x, to_q, to_k, to_v, norm_q, norm_k):
-        q, k, v = self._heads(to_q(x)), self._heads(to_k(x)), self._heads(to_v(x))
-        if norm_q is not None:
-            q, k = norm_q(q), norm_k(k)
-        return q, k, v
+    @staticmethod
+    def _joined(parts):
+        """[(x (B, S_i, H, hd), norm or None), ...] -> each part normed, joined along the tokens, (B, H, S, hd); the
+        qk norms in one CUDA kernel where it applies (fused.norm_rope without RoPE)."""
+        if parts[0][1] is not None:
+            return norm_rope(parts, None, None, None)
+        xs = [x for x, _ in parts]
+        return (xs[0] if len(xs) == 1 else mx.concatenate(xs, axis=1)).transpose(0, 2, 1, 3)
 
     def __call__(self, x, context=None):
-        q, k, v = self._qkv(x, self.to_q, self.to_k, self.to_v, self.norm_q, self.norm_k)
+        q, k, v = self._heads(self.to_q(x)), self._heads(self.to_k(x)), self._heads(self.to_v(x))
+        qs, ks, vs = [(q, self.norm_q)], [(k, self.norm_k)], [(v, None)]
         n = x.shape[1]
         if context is not None:
-            cq, ck, cv = self._qkv(context, self.add_q_proj, self.add_k_proj, self.add_v_proj,
-                                   self.norm_added_q, self.norm_added_k)
-            q, k, v = (mx.concatenate(pair, axis=2) for pair in ((q, cq), (k, ck), (v, cv)))
-        out = attention(q, k, v, self.head_dim ** -0.5)
+            qs.append((self._heads(self.add_q_proj(context)), self.norm_added_q))
+            ks.append((self._heads(self.add_k_proj(context)), self.norm_added_k))
+            vs.append((self._heads(self.add_v_proj(context)), None))
+        out = attention(self._joined(qs), self._joined(ks), self._joined(vs), self.head_dim ** -0.5)
         b, _, s, _ = out.shape
         out = out.transpose(0, 2, 1, 3).reshape(b, s, -1)
         x_out = self.to_out[0](out[:, :n])
@@ -233,15 +233,15 @@ class JointTransformerBlock(nn.Module):
         x = pace(gated_residual(x, img.msa.gate[:, None], attn_out))
         if self.use_dual_attention:
             x = pace(gated_residual(x, img.msa2.gate[:, None],
-                                    self.attn2(modulate(img.x_norm, img.msa2.scale, img.msa2.shift))))
+                                    self.attn2(modulate(img.x, img.msa2.scale, img.msa2.shift))))
         x = pace(gated_residual(x, img.mlp.gate[:, None],
-                                self.ff(modulate(layer_norm(x), img.mlp.scale, img.mlp.shift))))
+                                self.ff(modulate(x, img.mlp.scale, img.mlp.shift))))
 
         if self.context_pre_only:
             return None, x
         context = gated_residual(context, txt.msa.gate[:, None], context_attn_out)
         context = pace(gated_residual(context, txt.mlp.gate[:, None],
-                                      self.ff_context(modulate(layer_norm(context), txt.mlp.scale, txt.mlp.shift))))
+                                      self.ff_context(modulate(context, txt.mlp.scale, txt.mlp.shift))))
         return context, x
 
 
