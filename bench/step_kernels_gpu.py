@@ -114,6 +114,16 @@ def exact() -> int:
             n = mx.fast.layer_norm(x, None, None, 1e-6).astype(mx.float32)
             terms = mx.abs(n * (1 + sc.astype(mx.float32))) + mx.abs(sh.astype(mx.float32))
             bad += compare(f"norm_modulate {b_}x{s_}x{d}", got[True], got[False], dtype, terms)
+            if dtype != mx.float32:     # a float32 stream (float16-mixed) modulated into the 16-bit dtype
+                x32 = x.astype(mx.float32) * 40
+                got = {}
+                for on in (True, False):
+                    with kernels(on):
+                        got[on] = fused.norm_modulate(x32, sc, sh, 1e-6)
+                        mx.eval(got[on])
+                n = mx.fast.layer_norm(x32, None, None, 1e-6)
+                terms = mx.abs(n * (1 + sc.astype(mx.float32))) + mx.abs(sh.astype(mx.float32))
+                bad += compare(f"norm_modulate, float32 stream {b_}x{s_}x{d}", got[True], got[False], dtype, terms)
         for heads, hd in ((24, 64), (8, 128)):
             qi, qc = rand((2, 300, heads, hd), dtype, 2.0, seed=4), rand((2, 77, heads, hd), dtype, 2.0, seed=5)
             ni, nc = nn.RMSNorm(hd, eps=1e-6), nn.RMSNorm(hd, eps=1e-6)

@@ -66,6 +66,9 @@ def _warn_slow_blas():
 
 DTYPES = {"float32": mx.float32, "fp32": mx.float32, "float16": mx.float16, "fp16": mx.float16,
           "bfloat16": mx.bfloat16, "bf16": mx.bfloat16}
+# float16 weights and arithmetic with the transformers' residual streams kept in float32: FLUX.2's streams reach
+# ~1e5, past float16's 65504 (pure float16 clips them, as diffusers does); for machines without bf16 arithmetic
+MIXED = {"float16-mixed": mx.float16, "fp16-mixed": mx.float16}
 
 
 def compute_dtype(requested=None) -> mx.Dtype:
@@ -79,10 +82,17 @@ def compute_dtype(requested=None) -> mx.Dtype:
     if isinstance(requested, mx.Dtype):
         return requested
     from .errors import MlxdiffError
-    try:
-        return DTYPES[str(requested).lower()]
-    except KeyError:
-        raise MlxdiffError(f"unknown dtype {requested!r}; use one of float32, float16, bfloat16") from None
+    name = str(requested).lower()
+    if name in DTYPES or name in MIXED:
+        return DTYPES.get(name) or MIXED[name]
+    raise MlxdiffError(f"unknown dtype {requested!r}; use one of float32, float16, bfloat16, float16-mixed")
+
+
+def stream_dtype(requested=None):
+    """The dtype of a transformer's residual streams when it differs from the compute dtype: float32 for
+    "float16-mixed" (attention, feed-forward and the weights in float16; the streams, and the gated residual sums into
+    them, in float32), else None (the streams are in the compute dtype)."""
+    return mx.float32 if isinstance(requested, str) and requested.lower() in MIXED else None
 
 
 def default_matmul_strategy() -> str:

@@ -75,7 +75,9 @@ def parse_args(argv=None):
                         "the last full step (diffusers' First Block Cache; T default 0.05, 0.1-0.2 skip more at a "
                         "visible cost); SD3.5 and FLUX.2")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
-    p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16, float16")
+    p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16 (GPU default), "
+                   "float16, float16-mixed (float16 with the transformer's residual streams in float32: for Macs "
+                   "without bf16 arithmetic, M1/M2)")
     p.add_argument("--image", action="append", default=None, metavar="FILE",
                    help="FLUX.2: a reference image for editing (repeat for several, up to 10); with --strength the "
                         "init image of image-to-image. SD3.5: the init image of image-to-image (strength 0.6 unless "
@@ -201,7 +203,7 @@ def generate(args, written) -> int:
     base = {"negative_prompt": args.negative_prompt or "", "model": str(model or ""),
             "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),
             "vae": args.vae or "", "tokenizer": args.tokenizer or "",
-            "steps": steps, "guidance": guidance, "dtype": str(pipe.dtype).replace("mlx.core.", ""),
+            "steps": steps, "guidance": guidance, "dtype": pipe.dtype_name,
             **({"scheduler": args.scheduler} if args.scheduler else {}),
             **({"cache": args.cache} if args.cache else {}),
             "generator": "mlxdiff"}

@@ -167,6 +167,7 @@ def layer_norm(x, eps):
 
 
 def modulate(x, mod: ModulationOut, eps):
+    """norm(x) * (1 + scale) + shift, in the modulation's dtype (the compute dtype; x may be a wider stream)."""
     return norm_modulate(x, mod.scale, mod.shift, eps)
 
 
@@ -398,10 +399,13 @@ class Model(nn.Module):
         return cached[1]
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None,
-                 after_block=None, step_cache=None):
+                 after_block=None, step_cache=None, stream_dtype=None):
         """after_block(*outputs): called after each block (the caller's memory policy). step_cache: a
-        pipelines/step_cache.BlockResiduals that may skip the blocks after the first (it decides)."""
+        pipelines/step_cache.BlockResiduals that may skip the blocks after the first (it decides). stream_dtype:
+        the residual streams' dtype when wider than the compute dtype (backend.stream_dtype): each block's
+        attention and feed-forward still run in the compute dtype, their gated sums land in the streams."""
         dtype = self.compute_dtype
+        stream = stream_dtype or dtype
         n_img, n_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
         cos, sin = self.rope(img_ids, txt_ids)
         if cos.shape[0] != n_txt + n_img:
@@ -414,8 +418,8 @@ class Model(nn.Module):
         mod_txt = self.double_stream_modulation_txt(temb)
         (mod_single,) = self.single_stream_modulation(temb)
 
-        x = self.x_embedder(hidden_states.astype(dtype))
-        context = self.context_embedder(encoder_hidden_states.astype(dtype))
+        x = self.x_embedder(hidden_states.astype(dtype)).astype(stream)
+        context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
         for i, block in enumerate(self.transformer_blocks):
             x_in = x
             context, x = compiled_block(block, x, context, mod_img, mod_txt, cos, sin)

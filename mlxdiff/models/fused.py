@@ -105,8 +105,9 @@ def fused(fn):
 
 @fused
 def gated_residual(x, gate, y):
-    """x + gate * y (the residual of every modulated block)."""
-    return x + gate * y
+    """x + gate * y (the residual of every modulated block), the product in x's dtype (a float32 stream under
+    float16 compute: the product is where float16 would overflow)."""
+    return x + gate.astype(x.dtype) * y
 
 
 @fused
@@ -240,7 +241,7 @@ _NORM_MODULATE_SOURCE = """
     const long row = blockIdx.x;
     const int t = threadIdx.x;
     const long b = row / S;
-    const T* src = x + row * D;
+    const auto* src = x + row * D;       // T, or float32 (a wider stream: WIDE)
     float v[PER];
     float sum = 0.f;
     for (int i = 0; i < PER; i++) {
@@ -272,8 +273,12 @@ _NORM_MODULATE_SOURCE = """
     const T one = static_cast<T>(1.0f);
     for (int i = 0; i < PER; i++) {
         const int c = t + i * THREADS;
-        const T n = static_cast<T>((v[i] - mean) * inv);
-        dst[c] = n * (one + sc[c]) + sh[c];
+        if (WIDE) {      // as the MLX ops: the norm and the modulation in float32, (1 + scale) in T, one rounding
+            dst[c] = static_cast<T>((v[i] - mean) * inv * static_cast<float>(one + sc[c]) + static_cast<float>(sh[c]));
+        } else {
+            const T n = static_cast<T>((v[i] - mean) * inv);
+            dst[c] = n * (one + sc[c]) + sh[c];
+        }
     }
 """
 
@@ -288,15 +293,18 @@ NORM_THREADS = 256
 
 
 def norm_modulate(x, scale, shift, eps):
-    """scale_shift(LayerNorm(x) without affine, scale, shift): x (B, S, D); scale, shift (B, 1, D), adaLN's
-    modulation of each batch row. On CUDA one kernel (above); the MLX ops are the reference path."""
+    """scale_shift(LayerNorm(x) without affine, scale, shift) in the modulation's dtype: x (B, S, D), the stream
+    (the modulation's dtype, or float32 when the stream is kept wider); scale, shift (B, 1, D), adaLN's modulation
+    of each batch row. On CUDA one kernel (above); the MLX ops are the reference path."""
     b, d = x.shape[0], x.shape[-1]
+    dtype = scale.dtype
+    wide = x.dtype == mx.float32 and dtype != mx.float32
     if (x.ndim != 3 or d % NORM_THREADS or d // NORM_THREADS > 32 or not x.size or scale.size != b * d
-            or shift.size != b * d or not x.dtype == scale.dtype == shift.dtype
-            or x.dtype not in (mx.bfloat16, mx.float16) or not cuda_kernels()):
-        return scale_shift(mx.fast.layer_norm(x, None, None, eps), scale, shift)
+            or shift.size != b * d or shift.dtype != dtype or not (x.dtype == dtype or wide)
+            or dtype not in (mx.bfloat16, mx.float16) or not cuda_kernels()):
+        return scale_shift(mx.fast.layer_norm(x, None, None, eps), scale, shift).astype(dtype)
     return _norm_modulate_kernel()(
         inputs=[x, scale.reshape(b, d), shift.reshape(b, d), _eps_array(eps)],
-        template=[("T", x.dtype), ("D", d), ("S", x.shape[1]), ("THREADS", NORM_THREADS)],
+        template=[("T", dtype), ("D", d), ("S", x.shape[1]), ("THREADS", NORM_THREADS), ("WIDE", wide)],
         grid=(x.shape[0] * x.shape[1] * NORM_THREADS, 1, 1), threadgroup=(NORM_THREADS, 1, 1),
-        output_shapes=[x.shape], output_dtypes=[x.dtype])[0]
+        output_shapes=[x.shape], output_dtypes=[dtype])[0]

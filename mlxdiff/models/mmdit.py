@@ -306,18 +306,20 @@ class Model(nn.Module):
         self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * args.out_channels)
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=None,
-                 after_block=None, step_cache=None):
+                 after_block=None, step_cache=None, stream_dtype=None):
         """skip_layers: blocks left out (skip-layer guidance). after_block(*outputs): called after each block (the
         caller's memory policy). step_cache: a pipelines/step_cache.BlockResiduals that may skip the blocks after the
-        first (it decides)."""
+        first (it decides). stream_dtype: the residual streams' dtype when wider than the compute dtype
+        (backend.stream_dtype); attention and feed-forward still run in the compute dtype."""
         dtype, p = self.compute_dtype, self.args.patch_size
+        stream = stream_dtype or dtype
         b, _, height, width = hidden_states.shape
         if height % p or width % p:
             raise MlxdiffError(f"latent size {height}x{width} is not a multiple of the patch size {p}")
-        x = self.pos_embed(hidden_states.astype(dtype).transpose(0, 2, 3, 1))
+        x = self.pos_embed(hidden_states.astype(dtype).transpose(0, 2, 3, 1)).astype(stream)
         temb = self.time_text_embed(mx.array(timestep).astype(mx.float32).reshape(-1),
                                     pooled_projections.astype(dtype))
-        context = self.context_embedder(encoder_hidden_states.astype(dtype))
+        context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
         skip = set(skip_layers or ())
         for i, block in enumerate(self.transformer_blocks):
             x_in = x

@@ -139,6 +139,7 @@ class Pipeline:
     OPTIONS = {}                        # generate() keywords of this family only -> their defaults
     IMG2IMG_STRENGTH = None             # the strength when an init image is given without one (None: references)
     STEP_CACHE = True                   # whether generate(cache=...) can skip its denoiser's blocks
+    STREAM_DTYPE = True                 # whether its denoiser can keep its streams wider ("float16-mixed")
 
     PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
 
@@ -149,6 +150,10 @@ class Pipeline:
         self.scheduler_config = sources.scheduler_config
         self.options = sources.options
         self.dtype = backend.compute_dtype(dtype)
+        self.stream_dtype = backend.stream_dtype(dtype)     # None, or float32 under "float16-mixed"
+        if self.stream_dtype is not None and not self.STREAM_DTYPE:
+            raise MlxdiffError(f"dtype {dtype!r} keeps a transformer's residual streams in float32; this pipeline "
+                               f"({self.pipeline_class}) has no such streams: use --dtype float16")
         self.policy = policy or RunPolicy()     # how runs spend memory and time (mlxdiff/policy.py)
         self.residency = Residency(keep)
         self.group = group       # guidance-parallel over two ranks (mlxdiff/distributed.py), or None
@@ -156,6 +161,12 @@ class Pipeline:
         self._sizes = {}         # spec key -> loaded bytes (for keep="auto")
         self._encoding = None    # the Result of the run whose encode phase is running
         backend.warn_if_slow_blas()
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as a user names it: "float16-mixed" when the streams are kept in float32."""
+        name = str(self.dtype).replace("mlx.core.", "")
+        return f"{name}-mixed" if self.stream_dtype is not None else name
 
     def use(self, spec, result=None):
         """A component for one phase, through the residency policy (see Residency). `result`: the run's Result

@@ -162,14 +162,14 @@ class Flux2Pipeline(Pipeline):
         def cond():
             return transformer(tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"],
                                guidance=st["guidance"], after_block=evaluate_each_block,
-                               step_cache=run.block_cache("cond"))[:, :n_img]
+                               step_cache=run.block_cache("cond"), stream_dtype=self.stream_dtype)[:, :n_img]
         if not run.cfg:
             return cond()
 
         def uncond():
             return transformer(tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"],
                                guidance=None, after_block=evaluate_each_block,
-                               step_cache=run.block_cache("uncond"))[:, :n_img]
+                               step_cache=run.block_cache("uncond"), stream_dtype=self.stream_dtype)[:, :n_img]
         v_neg, v = guidance_pair(self.group, uncond, cond)
         return v_neg + run.guidance * (v - v_neg)
 

@@ -166,21 +166,23 @@ class SD3Pipeline(Pipeline):
         cache = run.block_cache("cond")
         if not run.cfg:
             return transformer(x.astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block,
-                               step_cache=cache)
+                               step_cache=cache, stream_dtype=self.stream_dtype)
         if self.group is None:    # one batch of two: [uncond; cond]
             v = transformer(mx.concatenate([x, x]).astype(self.dtype), embeds, pooled, t,
-                            after_block=evaluate_each_block, step_cache=cache)
+                            after_block=evaluate_each_block, step_cache=cache,
+                            stream_dtype=self.stream_dtype)
             v_uncond, v_cond = v[:batch], v[batch:]
         else:                     # guidance-parallel: each rank its half
             def half(k):
                 return lambda: transformer(x.astype(self.dtype), embeds[k * batch:(k + 1) * batch],
                                            pooled[k * batch:(k + 1) * batch], t[:batch],
-                                           after_block=evaluate_each_block)
+                                           after_block=evaluate_each_block, stream_dtype=self.stream_dtype)
             v_uncond, v_cond = guidance_pair(self.group, half(0), half(1))
         v = v_uncond + run.guidance * (v_cond - v_uncond)
         layers = o["skip_guidance_layers"]
         if layers and run.steps * o["skip_layer_guidance_start"] < i < run.steps * o["skip_layer_guidance_stop"]:
             v_skip = transformer(x.astype(self.dtype), cond.prompt_embeds, cond.pooled_prompt_embeds, t[:batch],
-                                 skip_layers=list(layers), after_block=evaluate_each_block)
+                                 skip_layers=list(layers), after_block=evaluate_each_block,
+                                 stream_dtype=self.stream_dtype)
             v = v + (v_cond - v_skip) * o["skip_layer_guidance_scale"]
         return v

@@ -62,6 +62,7 @@ class StableDiffusionPipeline(Pipeline):
     family = "sd"
     DENOISER = "unet"
     STEP_CACHE = False
+    STREAM_DTYPE = False      # a UNet has no residual stream to widen: float16 as it is
     OPTIONS = {"scheduler": None, "clip_skip": None, "image_noise": None,
                **{name: None for name in SIZE_OPTIONS}}
 
