@@ -12,7 +12,9 @@ use), 1024x1024, the same prompt and injected noise:
   so that a threshold T_mid at its median makes about half of the forwards skip on random weights (whose changes
   are far larger than a trained model's: no real skip rate is claimed from them);
 - `first-block:T_mid`: time per image, forwards skipped, the image's largest difference from the uncached one;
-- `first-block:1e9`: every forward after the first skipped: the cost of a skipped forward (first block + output).
+- `first-block:1e9`: every forward after the first skipped: the cost of a skipped forward (first block + output);
+- `taylorseer`, `taylorseer:3:1`, `taylorseer:5:2` (--taylorseer): forwards predicted, time per image, the image's
+  mean and largest difference from the uncached one.
 diffusers side: diffusers' hook with the tail mended as tests/test_step_cache.py does (diffusers#14359), same
 folder and noise, at T_mid: which forwards it skips (compare: against ours, bf16 both).
 Each side prints one RESULT json line. Used for bench/RESULTS.md, "Step caching".
@@ -78,6 +80,12 @@ def run_mlxdiff(args):
         rows[name] = {"cache": cache, "image_s": seconds, "denoise_s": result.timings["denoise"],
                       "skipped": result.cached_steps, "note": result.notes[-1],
                       "image_max_levels": int(np.abs(np.asarray(result.image).astype(np.int16) - base_img).max())}
+    for cache in args.taylorseer:     # forwards predicted on a fixed schedule (no threshold to calibrate)
+        result, seconds = image(cache)
+        diff = np.abs(np.asarray(result.image).astype(np.int16) - base_img)
+        rows[cache] = {"cache": cache, "image_s": seconds, "denoise_s": result.timings["denoise"],
+                       "skipped": result.cached_steps, "note": result.notes[-1],
+                       "image_max_levels": int(diff.max()), "image_mean_levels": round(float(diff.mean()), 3)}
     out = {"side": "mlxdiff", "folder": str(args.folder), "steps": args.steps, "guidance": guidance,
            "t_mid": float(f"{t_mid:.6g}"), "changes": changes, "rows": rows}
     print("RESULT" + json.dumps(out))
@@ -133,6 +141,8 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--size", type=int, default=SIZE)
     p.add_argument("--device", default="cuda", help="diffusers' device (cpu: a check of this script)")
+    p.add_argument("--taylorseer", nargs="*", default=["taylorseer", "taylorseer:3:1", "taylorseer:5:2"],
+                   help="mlxdiff side: TaylorSeer specs run after the first-block rows")
     args = p.parse_args()
     if args.side == "compare":
         return compare(*args.paths)

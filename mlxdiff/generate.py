@@ -70,10 +70,12 @@ def parse_args(argv=None):
                    help="under mlx.launch: the images over the ranks (default), each image's two guidance "
                         "forwards over two ranks, or the transformer's blocks sharded over the ranks (FLUX.2, "
                         "SD3.5; each rank holds about 1/N of them); rank 0 writes")
-    p.add_argument("--cache", default=None, metavar="first-block[:T]",
-                   help="skip a step's transformer blocks after the first when its output changed less than T since "
-                        "the last full step (diffusers' First Block Cache; T default 0.05, 0.1-0.2 skip more at a "
-                        "visible cost); SD3.5 and FLUX.2")
+    p.add_argument("--cache", default=None, metavar="first-block[:T] | taylorseer[:N[:K]]",
+                   help="first-block: skip a step's transformer blocks after the first when its output changed less "
+                        "than T since the last full step (diffusers' First Block Cache; T default 0.05, 0.1-0.2 skip "
+                        "more at a visible cost). taylorseer: after 3 full forwards run one in N (default 5) and "
+                        "predict the others from a Taylor series of order K (default 1) of the output (diffusers' "
+                        "TaylorSeer, lite). SD3.5 and FLUX.2")
     p.add_argument("--report-memory", action="store_true", help="print the per-phase memory table")
     p.add_argument("--dtype", default=None, help="compute dtype: float32 (CPU default), bfloat16 (GPU default), "
                    "float16, float16-mixed (float16 with the transformer's residual streams in float32: for Macs "

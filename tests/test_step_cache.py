@@ -1,5 +1,7 @@
-"""Step caching (`--cache first-block[:T]`, pipelines/step_cache.py) against diffusers' First Block Cache hook: for
-the same threshold and injected noise, the same forwards skip their remaining blocks and the image is within 2 levels.
+"""Step caching (pipelines/step_cache.py) against diffusers' hooks, same injected noise, images within 2 levels:
+`--cache first-block[:T]` against its First Block Cache hook (for the same threshold the same forwards skip their
+remaining blocks), `--cache taylorseer[:N[:K]]` against its TaylorSeer hook in lite mode (the same forwards
+predicted; factors in float32 on both sides).
 
 diffusers 0.42's hook fails on both transformers (FLUX.2's tail block returns the joined [text; image] stream:
 huggingface/diffusers#14280; SD3.5's last block returns no text stream). The reference here is that hook with only
@@ -122,10 +124,93 @@ def test_sd3_skips_what_diffusers_skips(sd3_tiny, monkeypatch):
     _check(ours, ref, recorder)
 
 
+class _TaylorRecorder:
+    """diffusers' TaylorSeer cache, lite mode (every block skipped, proj_out predicted), each forward's decision
+    recorded per context (proj_out's hook: one decision per forward)."""
+
+    def __init__(self, monkeypatch, transformer, interval, order):
+        from diffusers.hooks.taylorseer_cache import (TaylorSeerCacheConfig, TaylorSeerCacheHook, TaylorSeerState,
+                                                      apply_taylorseer_cache)
+        self.predicted = {}
+        recorder, measure = self, TaylorSeerCacheHook._measure_should_compute
+        update, predict = TaylorSeerState.update, TaylorSeerState.predict
+
+        # diffusers 0.42.1's skipped-block state reads .dtype of every output, and SD3.5's last block returns
+        # (None, image): mended here by keeping where the Nones were and giving them back in the prediction
+        def update_without_nones(state, outputs):
+            state.nones = tuple(o is None for o in outputs)
+            update(state, tuple(o for o in outputs if o is not None))
+
+        def predict_with_nones(state):
+            out = iter(predict(state))
+            return [None if none else next(out) for none in getattr(state, "nones", ())] or list(out)
+        monkeypatch.setattr(TaylorSeerState, "update", update_without_nones)
+        monkeypatch.setattr(TaylorSeerState, "predict", predict_with_nones)
+
+        def recorded(hook):
+            compute, state = measure(hook)
+            if not state.is_inactive:
+                recorder.predicted.setdefault(hook.state_manager.context.name, []).append(not compute)
+            return compute, state
+        monkeypatch.setattr(TaylorSeerCacheHook, "_measure_should_compute", recorded)
+        apply_taylorseer_cache(transformer, TaylorSeerCacheConfig(cache_interval=interval, max_order=order,
+                                                                  use_lite_mode=True,
+                                                                  taylor_factors_dtype=torch.float32))
+
+    def steps(self) -> dict:
+        return {name: [i for i, p in enumerate(flags) if p] for name, flags in self.predicted.items()}
+
+
+def _check_taylor(ours, ref_image, recorder, interval):
+    assert ours.cached_steps == recorder.steps()
+    for name, flags in recorder.predicted.items():      # diffusers' schedule: 3 run, then one in `interval`
+        assert [i for i, p in enumerate(flags) if not p] == [i for i in range(len(flags))
+                                                             if i < 3 or (i - 4) % interval == 0]
+    assert np.abs(_image(ours) - (ref_image * 255).round() / 255.0).max() <= 2 / 255
+    assert "taylorseer cache" in " ".join(ours.notes)
+
+
+@pytest.mark.parametrize("kind, guidance, interval, order", [("klein_base", 3.5, 5, 1), ("dev", 3.5, 3, 2)])
+def test_flux2_predicts_what_diffusers_taylorseer_predicts(kind, guidance, interval, order, tmp_path, monkeypatch):
+    _, folder, pipe = build_pipeline(kind, tmp_path)
+    noise = np.random.default_rng(3).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
+    recorder = _TaylorRecorder(monkeypatch, pipe.transformer, interval, order)
+    _with_context(pipe.transformer)
+    ref = pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
+               latents=torch.from_numpy(noise), max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
+               output_type="np").images[0]
+    ours = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=STEPS,
+                                              guidance=guidance, latents=noise, max_sequence_length=SEQ,
+                                              text_encoder_out_layers=TAPS, progress_bar=False,
+                                              cache=f"taylorseer:{interval}:{order}")
+    _check_taylor(ours, ref, recorder, interval)
+
+
+def test_sd3_predicts_what_diffusers_taylorseer_predicts(sd3_tiny, monkeypatch):
+    from diffusers.hooks.hooks import HookRegistry
+    folder, pipe = sd3_tiny
+    H3, W3 = 40, 24
+    noise = np.random.default_rng(4).standard_normal((1, 16, H3 // 2, W3 // 2)).astype(np.float32)
+    recorder = _TaylorRecorder(monkeypatch, pipe.transformer, 5, 1)
+    _with_context(pipe.transformer)
+    try:
+        ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
+                   guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]
+    finally:
+        for _, module in pipe.transformer.named_modules():   # the session's shared pipeline goes back uncached
+            registry = getattr(module, "_diffusers_hook", None)
+            for name in list(registry.hooks) if registry is not None else ():
+                registry.remove_hook(name)
+    ours = mlxdiff.load(str(folder)).generate("a cat", negative_prompt="blurry", width=W3, height=H3, steps=STEPS,
+                                              guidance=4.0, latents=noise, progress_bar=False, cache="taylorseer")
+    _check_taylor(ours, ref, recorder, 5)
+
+
 @pytest.mark.parametrize("spec, match", [
     ("second-block", "unknown kind 'second-block'"), ("first-block:", None), ("first-block:abc", "a number > 0"),
     ("first-block:0", "a number > 0"), ("first-block:-1", "a number > 0"), ("first-block:inf", "a number > 0"),
-    (3, "give first-block")])
+    (3, "give first-block"), ("taylorseer:0", "from 1 to 1000"), ("taylorseer:x", "'x' is not a whole number"),
+    ("taylorseer:5:9", "from 0 to 4"), ("taylorseer:5:-1", "from 0 to 4"), ("taylorseer:2.5", "not a whole")])
 def test_bad_cache_specs_are_one_line(spec, match):
     if match is None:
         assert parse(spec).threshold == 0.05      # "first-block:" is the default threshold
@@ -142,6 +227,11 @@ def test_parse_gives_a_fresh_cache():
     fresh = parse(given)
     assert fresh is not given and fresh.threshold == 0.3 and not fresh.contexts
     assert parse("first-block").threshold == 0.05 and parse(" first-block:0.2").threshold == 0.2
+    ts = parse("taylorseer")
+    assert (ts.interval, ts.order) == (5, 1) and (parse("taylorseer:3:2").interval, parse("taylorseer:3:2").order) == (3, 2)
+    ts.forward("cond", lambda cache: 1.0)
+    again = parse(ts)
+    assert again is not ts and not again.contexts and (again.interval, again.order) == (5, 1)
 
 
 def test_cli_cache_bad_and_good(tmp_path):

@@ -116,13 +116,14 @@ class Run:
     sigmas: object = None
     timesteps: object = None
     result: Result = None
-    step_cache: object = None     # pipelines/step_cache.FirstBlockCache when generate(cache=...) asks for one
+    step_cache: object = None     # pipelines/step_cache's FirstBlockCache or TaylorSeerCache (generate(cache=...))
     state: dict = field(default_factory=dict)    # the family's own, between its hooks
 
-    def block_cache(self, name: str):
-        """What the family passes to its transformer as step_cache= for one kind of forward ("cond", "uncond"):
-        that context's state, or None without a cache."""
-        return None if self.step_cache is None else self.step_cache.context(name)
+    def forward(self, name: str, call):
+        """One transformer forward of one kind ("cond", "uncond"): call(step_cache) runs it, passing step_cache= to
+        the model (a first-block cache's state for that kind, else None); with a step cache it decides whether the
+        forward runs (pipelines/step_cache.py)."""
+        return call(None) if self.step_cache is None else self.step_cache.forward(name, call)
 
     @property
     def img2img(self) -> bool:
@@ -293,7 +294,8 @@ class Pipeline:
         """One image (or a batch of prompts): the steps in order; see the family's docstring for its keywords.
         `latents`: the initial noise in diffusers' layout; `image`: a PIL image or file (or a list): the init image
         of image-to-image with `strength`, FLUX.2's reference images without. `cache`: "first-block[:threshold]"
-        skips a step's blocks after the first where their result barely changes (pipelines/step_cache.py)."""
+        skips a step's blocks after the first where their result barely changes, "taylorseer[:interval[:order]]"
+        predicts whole forwards between the ones it runs (pipelines/step_cache.py)."""
         # 1. check: the images, the family's own keywords and the step cache, before anything is loaded
         names, images = check_images(image, strength, self.family)
         run = Run(prompt, negative_prompt, seed, names, images, strength, self.family_options(options), width, height)
@@ -341,12 +343,12 @@ class Pipeline:
         return finish(run.result, decoded, x)
 
     def new_step_cache(self, cache):
-        """generate(cache=...) checked: a fresh pipelines/step_cache.FirstBlockCache, or None; one line where the
+        """generate(cache=...) checked: a fresh pipelines/step_cache cache, or None; one line where the
         spec is wrong or this family's denoiser has no block sequence to skip."""
         step_cache = parse_step_cache(cache)
         if step_cache is not None and not self.STEP_CACHE:
             raise MlxdiffError(f"cache={cache!r}: {type(self).__name__}'s UNet has no transformer block sequence to "
-                               "skip (first-block caching covers SD3.5 and FLUX.2); leave the cache out")
+                               "skip (step caching covers SD3.5 and FLUX.2); leave the cache out")
         return step_cache
 
     def family_options(self, options: dict) -> dict:

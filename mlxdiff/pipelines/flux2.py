@@ -160,16 +160,16 @@ class Flux2Pipeline(Pipeline):
         refs, n_img, st = run.state["ref_tokens"], x.shape[1], run.state
         tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
         def cond():
-            return transformer(tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"],
-                               guidance=st["guidance"], after_block=evaluate_each_block,
-                               step_cache=run.block_cache("cond"), stream_dtype=self.stream_dtype)[:, :n_img]
+            return run.forward("cond", lambda cache: transformer(
+                tokens, run.conditioning.prompt_embeds, t, st["img_ids"], st["txt_ids"], guidance=st["guidance"],
+                after_block=evaluate_each_block, step_cache=cache, stream_dtype=self.stream_dtype))[:, :n_img]
         if not run.cfg:
             return cond()
 
         def uncond():
-            return transformer(tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"],
-                               guidance=None, after_block=evaluate_each_block,
-                               step_cache=run.block_cache("uncond"), stream_dtype=self.stream_dtype)[:, :n_img]
+            return run.forward("uncond", lambda cache: transformer(
+                tokens, run.conditioning.negative_prompt_embeds, t, st["img_ids"], st["txt_ids"], guidance=None,
+                after_block=evaluate_each_block, step_cache=cache, stream_dtype=self.stream_dtype))[:, :n_img]
         v_neg, v = guidance_pair(self.group, uncond, cond)
         return v_neg + run.guidance * (v - v_neg)
 

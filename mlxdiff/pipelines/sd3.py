@@ -126,7 +126,7 @@ class SD3Pipeline(Pipeline):
             "skip_guidance_layers", run.options["skip_guidance_layers"], self.components["transformer"].args.num_layers)
         self.check_image_noise(run)
         if run.step_cache is not None and run.cfg and self.group is not None:
-            raise MlxdiffError("cache: a first-block cache decides once per step for both halves of a CFG batch, which "
+            raise MlxdiffError("cache: a step cache decides once per step for both halves of a CFG batch, which "
                                "guidance-parallel ranks compute apart; leave out --cache or --split guidance")
 
     def encode(self, run):
@@ -162,15 +162,15 @@ class SD3Pipeline(Pipeline):
         batch, cond, o = run.batch, run.conditioning, run.options
         t = mx.full((2 * batch if run.cfg else batch,), run.timesteps[i], dtype=mx.float32)
         embeds, pooled = run.state["embeds"], run.state["pooled"]
-        # one cache context: a CFG batch decides once, as diffusers' hook on its batched forward does
-        cache = run.block_cache("cond")
+        # one cache context: a CFG batch decides once, as diffusers' hooks on its batched forward do
         if not run.cfg:
-            return transformer(x.astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block,
-                               step_cache=cache, stream_dtype=self.stream_dtype)
+            return run.forward("cond", lambda cache: transformer(
+                x.astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block, step_cache=cache,
+                stream_dtype=self.stream_dtype))
         if self.group is None:    # one batch of two: [uncond; cond]
-            v = transformer(mx.concatenate([x, x]).astype(self.dtype), embeds, pooled, t,
-                            after_block=evaluate_each_block, step_cache=cache,
-                            stream_dtype=self.stream_dtype)
+            v = run.forward("cond", lambda cache: transformer(
+                mx.concatenate([x, x]).astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block,
+                step_cache=cache, stream_dtype=self.stream_dtype))
             v_uncond, v_cond = v[:batch], v[batch:]
         else:                     # guidance-parallel: each rank its half
             def half(k):
