@@ -68,7 +68,10 @@ class _Recorder:
 
 def _with_context(transformer, name="cond"):
     """diffusers' SD3 and FLUX.2-dev pipelines set no cache context (klein's set "cond"/"uncond" themselves)."""
-    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+    from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
+    # the registry caches its children's registries at the first context set: a hook applied after an earlier
+    # test's (the session's shared SD3 pipeline) would not get the context
+    HookRegistry.check_if_exists_or_initialize(transformer)._child_registries_cache = None
     _set_cache_context(transformer, CacheContext(name))
 
 
@@ -89,18 +92,25 @@ def _check(ours, ref_image, recorder):
 # forwards skip and some run
 @pytest.mark.parametrize("kind, guidance, threshold", [("klein_base", 3.5, 1.0), ("dev", 3.5, 0.8)])
 def test_flux2_skips_what_diffusers_skips(kind, guidance, threshold, tmp_path, monkeypatch):
+    ours, ref, recorder = _flux2_both(kind, guidance, tmp_path, 2, f"first-block:{threshold}",
+                                      lambda transformer: _Recorder(monkeypatch, transformer, threshold))
+    _check(ours, ref, recorder)
+
+
+def _flux2_both(kind, guidance, tmp_path, seed, cache, recorder_for):
+    """(our Result with `cache`, diffusers' image with the recorder's hook, the recorder) on one tiny FLUX.2
+    pipeline and injected noise."""
     _, folder, pipe = build_pipeline(kind, tmp_path)
-    noise = np.random.default_rng(2).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
-    recorder = _Recorder(monkeypatch, pipe.transformer, threshold)
+    noise = np.random.default_rng(seed).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
+    recorder = recorder_for(pipe.transformer)
     _with_context(pipe.transformer)
     ref = pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
                latents=torch.from_numpy(noise), max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
                output_type="np").images[0]
     ours = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=STEPS,
                                               guidance=guidance, latents=noise, max_sequence_length=SEQ,
-                                              text_encoder_out_layers=TAPS, progress_bar=False,
-                                              cache=f"first-block:{threshold}")
-    _check(ours, ref, recorder)
+                                              text_encoder_out_layers=TAPS, progress_bar=False, cache=cache)
+    return ours, ref, recorder
 
 
 def test_sd3_skips_what_diffusers_skips(sd3_tiny, monkeypatch):
@@ -172,17 +182,8 @@ def _check_taylor(ours, ref_image, recorder, interval):
 
 @pytest.mark.parametrize("kind, guidance, interval, order", [("klein_base", 3.5, 5, 1), ("dev", 3.5, 3, 2)])
 def test_flux2_predicts_what_diffusers_taylorseer_predicts(kind, guidance, interval, order, tmp_path, monkeypatch):
-    _, folder, pipe = build_pipeline(kind, tmp_path)
-    noise = np.random.default_rng(3).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
-    recorder = _TaylorRecorder(monkeypatch, pipe.transformer, interval, order)
-    _with_context(pipe.transformer)
-    ref = pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
-               latents=torch.from_numpy(noise), max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
-               output_type="np").images[0]
-    ours = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=STEPS,
-                                              guidance=guidance, latents=noise, max_sequence_length=SEQ,
-                                              text_encoder_out_layers=TAPS, progress_bar=False,
-                                              cache=f"taylorseer:{interval}:{order}")
+    ours, ref, recorder = _flux2_both(kind, guidance, tmp_path, 3, f"taylorseer:{interval}:{order}",
+                                      lambda transformer: _TaylorRecorder(monkeypatch, transformer, interval, order))
     _check_taylor(ours, ref, recorder, interval)
 
 
