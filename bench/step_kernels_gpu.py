@@ -5,6 +5,7 @@
     python bench/step_kernels_gpu.py forward MODEL [--old]       # one transformer forward (median of 5 after 2)
     python bench/step_kernels_gpu.py floor MODEL                 # its matmuls and attentions alone, summed
     python bench/step_kernels_gpu.py diffusers MODEL             # the torch forward, same shapes
+    python bench/step_kernels_gpu.py rest                        # klein-4B's other ops, one by one
 
 MODEL: klein-4b, sd3.5-medium (CFG: batch 2) or dev-q4 (FLUX.2-dev with every quantizable layer affine 4-bit g32
 and the double blocks' q/k/v 5-bit g32, the forms Q4_K and Q5_K repack into on CUDA, built in memory: no 20 GB
@@ -180,6 +181,66 @@ def ops():
         with kernels(on):
             row["kernel" if on else "mlx"] = batched(lambda: fused.norm_rope([(qi, ni), (qc, nc)], None, None, None))
     result(part="ops", op="SD3.5 joint qk norm + transpose + join (one of q, k), CFG", **row)
+
+
+# -- rest: klein-4B's ops outside the matmuls and attentions, one by one ----------------------------------------
+
+def rest():
+    """Each op of a klein-4B forward (1024x1024) that is not a matmul or an attention, at its shapes, 20 calls
+    queued per evaluation, times its count per forward: where `floor`'s "rest" goes."""
+    from mlxdiff.models import flux2
+    D, H, HD, M, IMG, TXT = 3072, 24, 128, 9216, 4096, TXT_FLUX
+    S = IMG + TXT
+    norm = nn.RMSNorm(HD, eps=1e-6)
+    norm.weight = mx.ones((HD,), mx.bfloat16)
+    cos = mx.random.uniform(shape=(S, HD)).astype(mx.float32)
+    sin = mx.random.uniform(shape=(S, HD)).astype(mx.float32)
+    rows = []
+
+    def row(name, count, fn):
+        ms = batched(fn)
+        rows.append({"op": name, "count": count, "ms": ms, "ms_per_forward": round(count * ms, 3)})
+
+    for s_, count, where in ((S, 20, "single"), (IMG, 10, "double image"), (TXT, 10, "double text")):
+        x = rand((1, s_, D))
+        sc, sh, gate = (rand((1, 1, D), scale=0.5, seed=i) for i in range(3))
+        y = rand((1, s_, D), seed=4)
+        mx.eval(x, sc, sh, gate, y)
+        row(f"LayerNorm + modulation (kernel), {where} stream", count, lambda: fused.norm_modulate(x, sc, sh, 1e-6))
+        row(f"gated residual x + gate * y, {where} stream", count, lambda: fused.gated_residual(x, gate, y))
+    qkv = rand((1, S, 3 * D))
+    q_view = qkv[..., :D].reshape(1, S, H, HD)
+    q_cont = mx.contiguous(q_view)
+    v_view = qkv[..., 2 * D:].reshape(1, S, H, HD)
+    mx.eval(qkv, q_cont)
+    row("qk norm + RoPE kernel, one of q / k (contiguous input)", 50,
+        lambda: fused.norm_rope([(q_cont, norm)], cos, sin, flux2.apply_rope))
+    row("the single block's q / k view made contiguous for the kernel", 40, lambda: mx.contiguous(q_view))
+    row("the single block's v view to attention's layout", 20, lambda: mx.contiguous(v_view.transpose(0, 2, 1, 3)))
+    vi, vt = rand((1, IMG, H, HD)), rand((1, TXT, H, HD), seed=1)
+    mx.eval(vi, vt)
+    row("the double block's [text; image] v joined", 5,
+        lambda: mx.concatenate([vt, vi], axis=1).transpose(0, 2, 1, 3))
+    o = rand((1, H, S, HD))
+    mx.eval(o)
+    row("attention output to (S, H*hd)", 25, lambda: o.transpose(0, 2, 1, 3).reshape(1, S, -1))
+    for s_, count, where in ((S, 20, "single"), (IMG, 5, "double image"), (TXT, 5, "double text")):
+        g = rand((1, s_, 2 * M))
+        mx.eval(g)
+        row(f"SwiGLU, {where}", count, lambda: flux2.swiglu(g))
+    a, m = rand((1, S, D)), rand((1, S, M), seed=1)
+    mx.eval(a, m)
+    row("the single block's [attention; MLP] concatenation", 20, lambda: mx.concatenate([a, m], axis=-1))
+    c, xi = rand((1, TXT, D)), rand((1, IMG, D), seed=1)
+    mx.eval(c, xi)
+    row("[text; image] joined before the single blocks", 1, lambda: mx.concatenate([c, xi], axis=1))
+    temb = rand((1, D))
+    mods = {n: rand((k * D, D), scale=0.02, seed=k) for n, k in (("double img", 6), ("double txt", 6), ("single", 3))}
+    mx.eval(temb, *mods.values())
+    for n, w in mods.items():
+        row(f"modulation linear, {n} (M=1)", 1, lambda: nn.silu(temb) @ w.T)
+    total = round(sum(r["ms_per_forward"] for r in rows), 3)
+    result(part="rest", model="klein-4b", rows=rows, total_ms=total)
 
 
 # -- forward --------------------------------------------------------------------------------------------------------
@@ -396,7 +457,7 @@ def diffusers_forward(name):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
-    p.add_argument("part", choices=("exact", "ops", "forward", "floor", "diffusers"))
+    p.add_argument("part", choices=("exact", "ops", "forward", "floor", "diffusers", "rest"))
     p.add_argument("model", nargs="?", default="klein-4b", choices=("klein-4b", "sd3.5-medium", "dev-q4"))
     p.add_argument("--old", action="store_true")
     a = p.parse_args()
@@ -408,5 +469,7 @@ if __name__ == "__main__":
         forward(a.model, a.old)
     elif a.part == "floor":
         floor(a.model)
+    elif a.part == "rest":
+        rest()
     else:
         diffusers_forward(a.model)
