@@ -33,7 +33,7 @@ import mlx.nn as nn  # noqa: E402
 
 from mlxdiff.formats import quantized as Q  # noqa: E402
 from mlxdiff.models import fused  # noqa: E402
-from mlxdiff.policy import RunPolicy, cuda_kernels, installed  # noqa: E402
+from mlxdiff.policy import RunPolicy, installed  # noqa: E402
 
 SIZE = 1024
 TXT_FLUX, TXT_SD3 = 512, 333          # FLUX.2's text tokens; SD3.5's CLIP 77 + T5 256
@@ -151,7 +151,6 @@ def ops():
         w = mx.dequantize(qw, s, b, group_size=32, bits=bits)
         mx.eval(qw, s, b, x, w)
         row = {"matmul_bf16": batched(lambda: x @ w.T, calls=8)}
-        del w
         for on in (True, False):
             with kernels(on):
                 tag = "kernel" if on else "mlx"

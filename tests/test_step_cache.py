@@ -188,7 +188,6 @@ def test_flux2_predicts_what_diffusers_taylorseer_predicts(kind, guidance, inter
 
 
 def test_sd3_predicts_what_diffusers_taylorseer_predicts(sd3_tiny, monkeypatch):
-    from diffusers.hooks.hooks import HookRegistry
     folder, pipe = sd3_tiny
     H3, W3 = 40, 24
     noise = np.random.default_rng(4).standard_normal((1, 16, H3 // 2, W3 // 2)).astype(np.float32)
