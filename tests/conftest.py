@@ -11,12 +11,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from helpers import randomize_  # noqa: E402
 
 
-def pytest_collection_modifyitems(items):
-    """Under pytest-xdist's `--dist loadgroup` (pyproject's addopts): each test file runs whole on one worker, so
-    that its module fixtures are built once (the files that start mlx.launch use ring ports of their own)."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
 ASSETS = Path(mlxdiff.__file__).parent / "assets" / "tokenizers"
 FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
 
