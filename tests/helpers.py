@@ -1,7 +1,9 @@
 """Shared test helpers: the error measure used by every parity test, seeded randomisation of torch models, and
 the round trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_model_fixture, load_ours)."""
 
+import gc
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -9,6 +11,33 @@ import pytest
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
+
+
+class Peak:
+    bytes = None
+
+
+@contextmanager
+def mlx_peak_above_live():
+    """MLX's peak memory during the block above what is live when it starts, in bytes (`.bytes` after the block).
+    Garbage from earlier tests is collected first and the collector held off inside: a cycle freed mid-block would
+    lower the active memory below the base and the peak with it (the likely cause of a CI run whose one-tile
+    decode read 1.3 MB under every local run, failing test_vae_tiling's bound)."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        peak = Peak()
+        yield peak
+        mx.synchronize()
+        peak.bytes = mx.get_peak_memory() - base
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def max_rel_err(ours, ref) -> float:

@@ -12,6 +12,8 @@ from mlxdiff.loading.build import build
 from mlxdiff.models import flux2
 from mlxdiff.policy import RunPolicy, installed
 
+from helpers import mlx_peak_above_live
+
 CONFIG = dict(patch_size=1, in_channels=32, num_layers=2, num_single_layers=2, attention_head_dim=64,
               num_attention_heads=4, joint_attention_dim=96, timestep_guidance_channels=64, mlp_ratio=3.0,
               axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False)
@@ -47,15 +49,11 @@ def _forward(weights):
         dtypes.extend(o.dtype for o in outputs if o is not None)
         mx.eval([o for o in outputs if o is not None])
 
-    mx.synchronize()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    with installed(RunPolicy()):    # as the denoise phase runs it on the CPU: paced, one piece in flight
+    with mlx_peak_above_live() as measured, installed(RunPolicy()):   # as the denoise phase runs it on the CPU
         out = model(x.astype(mx.bfloat16), ctx.astype(mx.bfloat16), mx.array([0.5]), img_ids, txt_ids,
                     after_block=after_block)
         mx.eval(out)
-    peak = mx.get_peak_memory() - base
+    peak = measured.bytes
     return out, dtypes, peak, model
 
 

@@ -16,6 +16,8 @@ from mlxdiff.models import flux2
 from mlxdiff.pipelines.base import evaluate_each_block
 from mlxdiff.policy import RunPolicy, installed
 
+from helpers import mlx_peak_above_live
+
 N_IMG, N_TXT = 1024, 256
 ARGS = dict(num_layers=2, num_single_layers=2, attention_head_dim=64, num_attention_heads=16,
             joint_attention_dim=512, axes_dims_rope=(16, 16, 16, 16), in_channels=64)
@@ -42,13 +44,11 @@ def test_mid_size_forward_peak_is_weights_plus_activations():
     dim = heads * args.attention_head_dim
     widest = 2 * int(dim * args.mlp_ratio)                 # the single block's SwiGLU input rows
     allowance = 2 * heads * s * s * 4 + 2 * s * widest * 4
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    with installed(RunPolicy()):    # as the denoise phase runs it on the CPU: paced, one piece in flight
+    with mlx_peak_above_live() as measured, installed(RunPolicy()):   # as the denoise phase runs it on the CPU
         y = model(img, txt, mx.array([0.5]), img_ids, txt_ids, guidance=mx.array([4.0]),
                   after_block=evaluate_each_block)
         mx.eval(y)
-    peak = mx.get_peak_memory() - base
+    peak = measured.bytes
     print(f"\nmid-size FLUX.2 forward: {peak / 2**20:.0f} MiB above the weights, allowance {allowance / 2**20:.0f} MiB")
     assert peak <= allowance, (peak, allowance)
 

@@ -13,6 +13,8 @@ from mlxdiff.models import vae, vae_flux2
 from mlxdiff.pipelines.base import decode_array
 from mlxdiff.policy import RunPolicy, installed
 
+from helpers import mlx_peak_above_live
+
 SIZE = 512
 
 
@@ -26,14 +28,10 @@ def test_decode_peak_is_activations_plus_one_band(arch):
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     z = mx.random.normal((1, model.args.latent_channels, SIZE // 8, SIZE // 8))
     mx.eval(z)
-    mx.synchronize()
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    with installed(decide(RunPolicy(), model)):   # what the decode phase decides on the CPU: paced, row bands
-        image = decode_array(model, z, mx.float32)
+    with mlx_peak_above_live() as measured, installed(decide(RunPolicy(), model)):   # as the decode phase decides
+        image = decode_array(model, z, mx.float32)                                    # on the CPU: paced, row bands
         mx.eval(image)
-    peak = mx.get_peak_memory() - base
+    peak = measured.bytes
     # the allowance: about four full-resolution activations of the widest full-resolution block (its input, a
     # normalised copy, a conv output, the residual: vae.Model.decode_bytes) plus one convolution band's buffer
     allowance = model.decode_bytes(z.shape, mx.float32) + CPU_CONV_BAND

@@ -8,7 +8,7 @@ import pytest
 import mlxdiff  # noqa: F401
 import mlx.core as mx
 
-from helpers import load_ours, max_rel_err, randomize_
+from helpers import load_ours, max_rel_err, mlx_peak_above_live, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import vae, vae_flux2
 
@@ -165,12 +165,10 @@ def test_tiling_arguments_are_checked(tmp_path):
 
 def decode_peak(model, z, **kw):
     """MLX peak memory above what is live before the call (weights and input), in bytes."""
-    mx.clear_cache()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
-    out = model.decode(z, **kw)
-    mx.eval(out)
-    return mx.get_peak_memory() - base, out
+    with mlx_peak_above_live() as peak:
+        out = model.decode(z, **kw)
+        mx.eval(out)
+    return peak.bytes, out
 
 
 def test_tiled_decode_memory_is_bounded_by_the_tile():
