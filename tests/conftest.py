@@ -1,11 +1,20 @@
 """Shared fixtures: tiny random diffusers pipelines saved with save_pretrained (the real Hugging Face layout)."""
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
-import mlxdiff  # noqa: F401  (OpenBLAS preload before anything imports mlx)
+# pytest-xdist's workers share the cores: each worker (and the commands it starts) gets its share of BLAS and OpenMP
+# threads, set before mlxdiff loads OpenBLAS and before torch starts, which read them once. Left at one thread per
+# core in every worker, OpenBLAS's threads contend: two workers drawing the embedded default at once took 10% longer.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(_var, str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
+import mlxdiff  # noqa: E402,F401  (OpenBLAS preload before anything imports mlx)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import randomize_  # noqa: E402
