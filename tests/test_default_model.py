@@ -86,8 +86,8 @@ def test_random_transformer_fails(tmp_path):
     torch.manual_seed(0)
     shutil.rmtree(folder / "transformer")
     Flux2Transformer2DModel(**config).to(torch.bfloat16).save_pretrained(str(folder / "transformer"))
-    # 8 steps: a random transformer's images are noise at any step count, and the check is on every prompt
-    rate, _ = pass_rate(generate(folder, [p for p, _, _ in PROMPTS], steps=8).images)
+    # 4 steps: a random transformer's images are noise at any step count, and the check is on every prompt
+    rate, _ = pass_rate(generate(folder, [p for p, _, _ in PROMPTS], steps=4).images)
     print(f"\nrandom transformer: semantic pass rate {rate:.1%}")
     assert rate <= 0.35
 

@@ -9,8 +9,10 @@ import torch
 import mlxdiff
 from tools.train_klein_shapes import train
 
-TOY = ["--device", "cpu", "--threads", "2", "--images", "96", "--vae-steps", "2", "--vae-batch", "4",
-       "--text-steps", "2", "--transformer-steps", "3", "--transformer-batch", "4", "--no-final-eval"]
+# one step of each stage: the script's bookkeeping and the saved layout are under test, not the training (the
+# transformer's steps run under bf16 autocast, 4 s each on this CPU)
+TOY = ["--device", "cpu", "--threads", "2", "--images", "96", "--vae-steps", "1", "--vae-batch", "4",
+       "--text-steps", "1", "--transformer-steps", "1", "--transformer-batch", "4", "--no-final-eval"]
 
 
 def test_toy_training_writes_a_loadable_pipeline(tmp_path):
@@ -19,7 +21,7 @@ def test_toy_training_writes_a_loadable_pipeline(tmp_path):
     index = json.loads((out / "model_index.json").read_text())
     assert index["_class_name"] == "Flux2KleinPipeline" and index["text_encoder_out_layers"] == list(train.TAPS)
     [run] = index["_training"]["runs"]
-    assert run["transformer_steps"] == 3 and run["images"] == 96 and not run["resumed"]
+    assert run["transformer_steps"] == 1 and run["images"] == 96 and not run["resumed"]
     for name in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler"):
         assert (out / name).is_dir(), name
 
