@@ -1,5 +1,6 @@
-"""Shared test helpers: the error measure used by every parity test, seeded randomisation of torch models, and
-the round trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_model_fixture, load_ours)."""
+"""Shared test helpers: the error measure used by every parity test, seeded randomisation of torch models, the round
+trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_model_fixture, load_ours), and the
+MLX peak of a block of work above what was live before it (mlx_peak_above_live)."""
 
 import gc
 import json
