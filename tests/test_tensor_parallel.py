@@ -30,6 +30,7 @@ def launch(*argv, **kw):
 
 RUN = """import json, sys
 import numpy as np
+import mlxdiff  # before mlx: OpenBLAS takes over mlx-cpu's BLAS (mlxdiff/backend.py)
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlxdiff.pipelines import load
