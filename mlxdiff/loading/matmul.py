@@ -51,10 +51,11 @@ class DequantizedLinear(DecodingLinear):
 
     def decode(self, weight_rows, rows):
         biases = self.get("biases")
-        if self.mode == "affine" and biases is not None:
-            return affine_dequantize(weight_rows, self["scales"][rows], biases[rows], self.group_size, self.bits)
-        return mx.dequantize(weight_rows, self["scales"][rows], None if biases is None else biases[rows],
-                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+        biases = None if biases is None else biases[rows]
+        if self.mode == "affine":      # affine_dequantize takes MLX's own op wherever its kernel does not run
+            return affine_dequantize(weight_rows, self["scales"][rows], biases, self.group_size, self.bits)
+        return mx.dequantize(weight_rows, self["scales"][rows], biases, group_size=self.group_size, bits=self.bits,
+                             mode=self.mode)
 
 
 def _arrays(layer):
