@@ -23,10 +23,17 @@ def mlx_peak_above_live():
     """MLX's peak memory during the block above what is live when it starts, in bytes (`.bytes` after the block).
     Garbage from earlier tests is collected first and the collector held off inside: a cycle freed mid-block would
     lower the active memory below the base and the peak with it (the likely cause of a CI run whose one-tile
-    decode read 1.3 MB under every local run, failing test_vae_tiling's bound)."""
+    decode read 1.3 MB under every local run, failing test_vae_tiling's bound).
+
+    The block also runs under a 1-byte MLX memory limit: over its limit, MLX's eval waits for the running tasks
+    after every op instead of letting the graph builder run up to ten ops ahead of the CPU worker with their
+    outputs allocated. That run-ahead depends on thread timing (a one-tile VAE decode read 16.4 to 18.2 MB
+    across runs here and in CI, 6.6 MB every time under the limit), so the peak measured is the graph's own.
+    Policies installed inside the block that set no limit of their own keep it."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
+    limit = mx.set_memory_limit(1)
     try:
         mx.synchronize()
         mx.clear_cache()
@@ -37,6 +44,7 @@ def mlx_peak_above_live():
         mx.synchronize()
         peak.bytes = mx.get_peak_memory() - base
     finally:
+        mx.set_memory_limit(limit)
         if was_enabled:
             gc.enable()
 

@@ -175,8 +175,9 @@ def test_tiled_decode_memory_is_bounded_by_the_tile():
     """SD3's layout at half its widths (3 levels of 64/128/256 channels, 16 latent channels, 32 groups): a 32x32
     latent (128x128 image) decoded whole and in 8x8 latent tiles (32x32 pixels, 5x5 tiles with the overlap).
 
-    Measured on mlx-cpu: untiled 310 MiB, tiled 19.9 MiB (15.6x less), one 8x8 tile decoded alone 19.2 MiB:
-    the tiled peak is one tile's activations plus image-sized buffers, independent of the image size."""
+    Measured on mlx-cpu, op after op (tests/helpers.mlx_peak_above_live): untiled 100.3 MiB, tiled 6.59 MiB (15.2x
+    less), one 8x8 tile decoded alone 6.31 MiB: the tiled peak is one tile's activations plus image-sized buffers,
+    independent of the image size."""
     mx.random.seed(0)
     levels = 3
     model = vae.Model(vae.ModelArgs(block_out_channels=(64, 128, 256), layers_per_block=1, latent_channels=16,
