@@ -116,3 +116,33 @@ def physical_memory(working_set=False) -> int:
     except Exception:  # device_info is backend specific
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+# mx.compile on the CPU builds each fused kernel with the system's C++ compiler into a cache folder under the temp
+# folder ($TMPDIR/mlx/<version>/cpu; mlx/backend/cpu/compiled.cpp). What the compiler's output says -> why it failed.
+_KERNEL_BUILD_FAILURES = (
+    ("No space left on device", "no space left on its device"),
+    ("File too large", "a file-size limit stopped the compiler's write"),
+    ("Read-only file system", "it is on a read-only file system"),
+    ("Permission denied", "permission denied"),
+    ("temp_directory_path", "the temp folder does not exist"),
+)
+
+
+def kernel_build_mistake(error: RuntimeError):
+    """The MlxdiffError (one line: what failed, what to do) for a RuntimeError of MLX's CPU kernel build that the
+    machine's set-up caused (a missing, unwritable or full temp folder; no C++ compiler), else None: any other
+    RuntimeError is not a user's mistake and stays as it is."""
+    from .errors import MlxdiffError
+    text = str(error)
+    if "temp_directory_path" not in text and "Failed to compile function" not in text:
+        return None
+    if "g++: not found" in text or "return code 127" in text:
+        return MlxdiffError("MLX's CPU backend builds its fused kernels with g++, which was not found: install it "
+                            "(apt-get install g++)")
+    folder = os.environ.get("TMPDIR") or "/tmp"
+    why = next((why for needle, why in _KERNEL_BUILD_FAILURES if needle in text), None)
+    if why is None:
+        return None      # the compiler failed on the kernel itself: MLX's bug, with its output
+    return MlxdiffError(f"MLX's CPU backend could not build a kernel in its cache under {folder}/mlx ({why}): point "
+                        "TMPDIR at a writable folder with free space")

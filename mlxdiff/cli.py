@@ -37,6 +37,13 @@ def run(work, interrupted="interrupted") -> int:
     except MlxdiffError as e:
         print("mlxdiff: error: " + " ".join(str(e).splitlines()), file=sys.stderr)   # one line, whatever it says
         return 2
+    except RuntimeError as e:   # MLX's CPU kernel build, outside a pipeline's phases (a pipeline's say the same)
+        from .backend import kernel_build_mistake
+        mistake = kernel_build_mistake(e)
+        if mistake is None:
+            raise
+        print(f"mlxdiff: error: {mistake}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         what = interrupted() if callable(interrupted) else interrupted
         if finished:   # the work had returned: what it wrote is whole

@@ -17,6 +17,7 @@ from mlxdiff import default_model  # noqa: E402
 
 MODEL = str(default_model.FOLDER)
 CHEAP = ["--model", MODEL, "--steps", "1", "--width", "16", "--height", "16", "--no-progress"]
+PNG_RUN = ["--model", MODEL, "--steps", "1", "--width", "64", "--height", "64", "--no-progress"]
 
 
 def gen(*argv):
@@ -96,10 +97,20 @@ CLI = {
     "output folder is a file": (gen("--output", "{tmp}/a-file/out.png"), "not a folder"),
     "output under /proc": (gen("--output", "/proc/mlxdiff-out.png"), "not writable"),
     "output folder missing": (gen("--output", "{tmp}/missing/out.png"), "does not exist"),
-    # disk full / file-size limit midway through the PNG (after a whole 1-step run): one line, no partial PNG
-    "png write fails midway": (via_main("mlxdiff.generate", [
-        "--model", MODEL, "--steps", "1", "--width", "64", "--height", "64", "--no-progress", "--output", "{out}"],
-        "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))"), "File too large"),
+    # disk full / file-size limit midway through the PNG (after a whole 1-step run): one line, no partial PNG. The
+    # same run goes first without the limit: mlx-cpu builds its fused kernels into files under the temp folder,
+    # which the limit would stop on a machine whose kernel cache is still empty (the case below)
+    "png write fails midway": (via_main("mlxdiff.generate", PNG_RUN + ["--output", "{out}"],
+        f"import importlib\nimportlib.import_module('mlxdiff.generate').main({PNG_RUN + ['--output', '{tmp}/warm-up.png']!r})"
+        "\nimport resource; resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))"), "File too large"),
+    # the temp folder where mlx-cpu builds its kernels: missing, or its writes failing (an empty kernel cache, so
+    # that the build runs)
+    "temp folder missing": (via_main("mlxdiff.generate", PNG_RUN + ["--output", "{out}"],
+                                     "import os; os.environ['TMPDIR'] = '/proc/mlxdiff-no-such-folder'"),
+                            "the temp folder does not exist"),
+    "kernel build write fails": (via_main("mlxdiff.generate", PNG_RUN + ["--output", "{out}"],
+        "import os, resource, tempfile; os.environ['TMPDIR'] = tempfile.mkdtemp(dir='{tmp}')"
+        "\nresource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))"), "file-size limit"),
     # convert: read-only / full destination, bad arguments
     "convert into /proc": ({"cli": "mlxdiff.convert", "argv": [MODEL, "/proc/mlxdiff-native"]}, "cannot write"),
     "convert into a file's folder": ({"cli": "mlxdiff.convert", "argv": [MODEL, "{tmp}/a-file/native"]},
@@ -136,6 +147,8 @@ APIS = {
     "latents of strings": (api("pipe.generate('a', latents=np.array([['x']]), **KW)"), "latents"),
     "generate([])": (api("pipe.generate([], **KW)"), "prompt=[]"),
     "generate(5)": (api("pipe.generate(5, **KW)"), "prompt=5"),
+    "temp folder missing": (api("import os; os.environ['TMPDIR'] = '/proc/mlxdiff-no-such-folder'\n"
+                                "pipe.generate('a', **KW)"), "the temp folder does not exist"),
     "prompt list of non-str": (api("pipe.generate(['a', None], **KW)"), "prompt=None"),
     "no prompt": (api("pipe.generate(**KW)"), "give a prompt"),
     "surrogate prompt": (api("pipe.generate('\\udcff', **KW)"), "UTF-8"),

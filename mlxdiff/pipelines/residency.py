@@ -78,6 +78,11 @@ class Residency:
             try:
                 with installed(phase_policy):
                     yield model
+            except RuntimeError as e:    # MLX's CPU kernel build failed on the machine's temp folder or compiler
+                mistake = backend.kernel_build_mistake(e)
+                if mistake is None:
+                    raise
+                raise mistake from None
             finally:
                 settle()
                 stream = getattr(model, "block_stream", None)   # loading/streaming.py: what this phase read
