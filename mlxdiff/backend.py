@@ -7,6 +7,7 @@ Debian's OpenBLAS only takes over when it is loaded into the global symbol names
 import ctypes
 import functools
 import os
+import re
 import sys
 import warnings
 
@@ -140,9 +141,9 @@ def kernel_build_mistake(error: RuntimeError):
     if "g++: not found" in text or "return code 127" in text:
         return MlxdiffError("MLX's CPU backend builds its fused kernels with g++, which was not found: install it "
                             "(apt-get install g++)")
-    folder = os.environ.get("TMPDIR") or "/tmp"
     why = next((why for needle, why in _KERNEL_BUILD_FAILURES if needle in text), None)
     if why is None:
         return None      # the compiler failed on the kernel itself: MLX's bug, with its output
-    return MlxdiffError(f"MLX's CPU backend could not build a kernel in its cache under {folder}/mlx ({why}): point "
-                        "TMPDIR at a writable folder with free space")
+    cache = re.search(r"(/[^\s\"']*/mlx)/[^\s\"']*/cpu/", text)     # the compiler's command names the folder
+    return MlxdiffError(f"MLX's CPU backend could not build a kernel in its cache {cache[1] if cache else '$TMPDIR/mlx'} "
+                        f"({why}): point TMPDIR at a writable folder with free space")
