@@ -7,7 +7,8 @@
 # then the images compared (compare_*.txt: within 1 level expected) and the RESULT lines as one table (table.md).
 # NVLink multicast stays off (NCCL_NVLS_ENABLE=0). PARTS picks what runs ("make dev sd dp" by default; each part
 # skips the models already written, so a job cut by the 10-minute call limit goes on where it stopped).
-# Run on the GPU machine after the device recipe's activate step; logs in $LOGS. A dry run of the script's logic on a
+# Run on the GPU machine after the device recipe's activate step (../shared/device/README.md, its wheels prepared with
+# `prepare-mlx-cuda.sh diffusers==0.42.1 gguf==0.19.0 mlx-lm==0.32.2`); logs in $LOGS. A dry run of the script's logic on a
 # CPU with small models: BACKEND=ring PARTS="dev sd dp" DEV=folder GGUF= SD=folder SIZE=64 STEPS_DP=2 (GGUF empty:
 # the folder's own transformer).
 set -u
