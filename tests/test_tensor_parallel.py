@@ -1,7 +1,8 @@
 """Tensor-parallel transformers over mx.distributed (mlxdiff/distributed.py, Model.shard of models/flux2.py and
 models/mmdit.py): `mlx.launch --backend ring -n 2` on localhost, this CPU, against the single process.
 
-- FLUX.2 klein (safetensors, quantized while loading, and a GGUF kept as raw blocks) and SD3.5 (MMDiT-X, dual attention): the latents of a
+- FLUX.2 klein (safetensors, quantized while loading, and a GGUF kept as raw blocks or, as on CUDA, as MLX affine
+  layers) and SD3.5 (MMDiT-X, dual attention): the latents of a
   2-rank run within 1e-5 of the single process's and its image within 1 level; each rank's transformer holds half
   of the blocks' parameter bytes (exactly) and about half of the whole transformer's;
 - the CLI's `--split tensor`: rank 0 writes the image, within 1 level of the single process's;
@@ -29,6 +30,7 @@ def launch(*argv, **kw):
     return launch_ranks(*argv, port=33323, **kw)
 
 RUN = """import json, sys
+from dataclasses import replace
 import numpy as np
 import mlxdiff  # before mlx: OpenBLAS takes over mlx-cpu's BLAS (mlxdiff/backend.py)
 import mlx.core as mx
@@ -51,8 +53,10 @@ def unwrapped(path):
     return head[:-len(".layer")] + "." + leaf if head.endswith(".layer") else path
 
 
-def case(name, folder, load_extra, **run):
+def case(name, folder, load_extra, gguf_layout=None, **run):
     pipe = load(folder, group=group if n > 1 else None, split="tensor" if n > 1 else None, **load_extra)
+    if gguf_layout:     # the GGUF as another backend keeps it (CUDA: affine), on this CPU
+        pipe.components["transformer"] = replace(pipe.components["transformer"], gguf_layout=gguf_layout)
     r = pipe.generate(progress_bar=False, **run)
     np.save(f"{{out}}/{{name}}-latents-{{n}}-{{rank}}.npy", r.latents)
     r.image.save(f"{{out}}/{{name}}-image-{{n}}-{{rank}}.png")
@@ -73,7 +77,8 @@ def case(name, folder, load_extra, **run):
         whole = sum(v.nbytes for k, v in params if full[unwrapped(k)].shape == v.shape)
         held[part] = {{"total": sum(v.nbytes for _, v in params), "whole": whole, "read": read,
                       "stored": spec.nbytes(), "estimate": spec.loaded_nbytes(compute_dtype=pipe.dtype),
-                      "split": type(spec).__name__ == "TensorParallelSpec"}}
+                      "split": type(spec).__name__ == "TensorParallelSpec",
+                      "layers": sorted({{type(m).__name__ for _, m in model.named_modules()}})}}
         del model
     json.dump(held, open(f"{{out}}/{{name}}-bytes-{{n}}-{{rank}}.json", "w"))
 
@@ -82,6 +87,7 @@ flux = dict(prompt="a fox in the snow", width={W}, height={H}, steps=3, seed=4, 
 case("flux2", {flux2!r}, {{}}, **flux)
 case("flux2_q4", {flux2!r}, dict(quantize={{"transformer": {{"bits": 4, "group_size": 32}}}}, matmul="qmm"), **flux)
 case("flux2_gguf", {flux2_gguf!r}, dict(transformer={gguf!r}), **flux)
+case("flux2_gguf_affine", {flux2_gguf!r}, dict(transformer={gguf!r}), gguf_layout="affine", **flux)
 case("sd3", {sd3!r}, {{}}, prompt="a fox in the snow", width=32, height=48, steps=3, seed=4)
 if n == 1:     # what the CLI test's command makes
     r = load({sd3!r}).generate("a red circle on a blue background", width=32, height=48, steps=2, seed=7,
@@ -89,7 +95,7 @@ if n == 1:     # what the CLI test's command makes
     r.image.save(f"{{out}}/cli-single.png")
 """
 
-CASES = ("flux2", "flux2_q4", "flux2_gguf", "sd3")
+CASES = ("flux2", "flux2_q4", "flux2_gguf", "flux2_gguf_affine", "sd3")
 
 
 def flux2_klein(root):
@@ -190,7 +196,12 @@ def test_two_ranks_equal_the_single_process_each_holding_half(runs, name):
         for part in parts:
             share, whole = held[part], whole_held[part]
             assert (share["total"] - share["whole"]) * 2 == whole["total"] - share["whole"]   # split: exactly half
-            if name == "flux2_gguf" and part == "transformer":
+            if name.startswith("flux2_gguf") and part == "transformer":
+                # the file's blocks kept as they are (this CPU's choice), or as MLX affine layers (CUDA's)
+                # (mlx.nn's Quantized*Linear sharded layers)
+                kept = "Quantized" if name.endswith("affine") else "RawLinear"
+                assert all(any(kept in layer for layer in held_["layers"]) for held_ in (share, whole)), \
+                    (share["layers"], whole["layers"])
                 # a GGUF is mapped (mmap: no read() to count), and its estimate is the whole model's: a bound
                 assert share["estimate"] >= share["total"]
             else:
