@@ -88,6 +88,24 @@ def test_corrupt_files_are_refused(good, tmp_path):
         assert "\n" not in str(e.value), label
 
 
+def test_negative_zero_in_a_header_is_refused_as_safetensors_refuses_it(tmp_path):
+    """`-0` is 0 to Python's json but not an unsigned integer to safetensors' own parser (a seeded fuzzer mutant
+    of a zero-size tensor's shape, bench/fuzz_readers.py --format safetensors --seed 11, #1231)."""
+    import safetensors
+    save_file({"e": np.zeros((0, 4), np.float32), "a": np.ones(3, np.float32)}, str(tmp_path / "z.safetensors"))
+    raw = (tmp_path / "z.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    text = raw[8:8 + n].decode()
+    assert '"shape":[0,4]' in text
+    text = text.replace('"shape":[0,4]', '"shape":[-0,4]')
+    mutant = tmp_path / "negative-zero.safetensors"
+    mutant.write_bytes(struct.pack("<Q", len(text)) + text.encode() + raw[8 + n:])
+    with pytest.raises(Exception):     # the reference
+        safetensors.deserialize(mutant.read_bytes())
+    with pytest.raises(MlxdiffError, match="negative"):
+        load_safetensors(mutant)
+
+
 def test_random_header_mutations_never_load_silently_wrong(good, tmp_path):
     """Flip header bytes many times: each result is a clean MlxdiffError or exactly the original tensors."""
     raw = bytearray(good.read_bytes())

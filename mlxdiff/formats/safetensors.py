@@ -65,11 +65,14 @@ def _parse_json(text, bad, strict_numbers):
     Nesting is bounded by json's own recursion guard (RecursionError after ~1000 levels, bounded work: a byte
     pre-scan would have to tell strings apart, and a regex doing so takes GBs on a hostile 100 MB header).
     Integers longer than MAX_DIGITS digits are refused before conversion (int() raises ValueError past 4,300);
-    with `strict_numbers`, any float or NaN/Infinity too: a safetensors header holds only u64 numbers. Duplicate
+    with `strict_numbers`, any float, negative number (-0 included) or NaN/Infinity too: a safetensors header holds
+    only u64 numbers. Duplicate
     keys are refused (json keeps the last one, and nothing says nlohmann-json in mx.load keeps the same)."""
     def integer(s):
         if len(s.lstrip("-")) > MAX_DIGITS:
             raise bad(f"a {len(s)}-digit integer")
+        if strict_numbers and s.startswith("-"):    # -0 too: json reads it as 0, safetensors' parser refuses it
+            raise bad(f"the number {_short(s, 40)} is negative (a safetensors header holds unsigned integers only)")
         return int(s)
 
     def not_integer(s):
