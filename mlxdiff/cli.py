@@ -238,6 +238,18 @@ def check_writable(path, option="--output") -> Path:
     return path
 
 
+def check_png_name(path) -> Path:
+    """An output whose suffix names another image format (out.jpg, out.webp) would get PNG bytes under that name:
+    refused in one line. Other names (out.png, out, out.img) take the PNG as they are."""
+    from PIL import Image
+    path = Path(path)
+    kind = Image.registered_extensions().get(path.suffix.lower())
+    if kind is not None and kind != "PNG":
+        raise MlxdiffError(f"{path}: mlxdiff writes PNG files (the generation parameters go in their text chunks), "
+                           f"not {kind}; name the output {path.with_suffix('.png').name}")
+    return path
+
+
 def save_png(image, path, parameters: dict) -> Path:
     """Write atomically (temp file + rename), so a failure (disk full, file-size limit) never leaves a partial PNG;
     it is one MlxdiffError line."""

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_options, check_text
 from .files import read_capped
-from .cli import (ArgumentParser, check_writable, parse_layers, parse_loras, parse_quantize, parse_text_encoders,
-                  main_exit, run, save_png)
+from .cli import (ArgumentParser, check_png_name, check_writable, parse_layers, parse_loras, parse_quantize,
+                  parse_text_encoders, main_exit, run, save_png)
 from .errors import MlxdiffError
 
 PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encoder's length
@@ -149,7 +149,7 @@ def generate(args, written) -> int:
     count = len(prompts or [None]) * len(seeds)
     if count > MAX_IMAGES:
         raise MlxdiffError(f"{count} images (prompts x seeds): at most {MAX_IMAGES} in one command")
-    outputs = [check_writable(o) for o in output_names(args.output, count)]
+    outputs = [check_writable(o) for o in output_names(check_png_name(args.output), count)]
     quantize, layers = parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers)
     text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
     loras = parse_loras(args.lora)

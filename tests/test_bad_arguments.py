@@ -97,6 +97,8 @@ CLI = {
     "output folder is a file": (gen("--output", "{tmp}/a-file/out.png"), "not a folder"),
     "output under /proc": (gen("--output", "/proc/mlxdiff-out.png"), "not writable"),
     "output folder missing": (gen("--output", "{tmp}/missing/out.png"), "does not exist"),
+    "output named as a JPEG": (gen("--output", "{tmp}/out.jpg"), "writes PNG files"),
+    "output named as a WebP": (gen("--output", "{tmp}/out.WEBP"), "not WEBP"),
     # disk full / file-size limit midway through the PNG (after a whole 1-step run): one line, no partial PNG. The
     # same run goes first without the limit: mlx-cpu builds its fused kernels into files under the temp folder,
     # which the limit would stop on a machine whose kernel cache is still empty (the case below)
