@@ -215,13 +215,14 @@ def write_error(path, error: OSError) -> MlxdiffError:
     return MlxdiffError(f"{path}: cannot write ({error.strerror or error}); nothing was written there")
 
 
-def check_writable(path, option="--output") -> Path:
+def check_writable(path, option="--output", example="out.png") -> Path:
     """Fail before any work if the output cannot be written. The folder is probed by creating a file in it: its
-    permission bits do not stop root, and /proc or a read-only mount refuse only the real thing."""
+    permission bits do not stop root, and /proc or a read-only mount refuse only the real thing. `example`: the
+    file name suggested when a folder is given."""
     path = Path(path)
     parent = path.parent
     if path.is_dir():
-        raise MlxdiffError(f"{path}: output path is a folder; give a file name such as {path / 'out.png'}")
+        raise MlxdiffError(f"{path}: output path is a folder; give a file name such as {path / example}")
     if path.exists() and not path.is_file():   # os.replace would put a regular file in place of /dev/null
         raise MlxdiffError(f"{path}: output is not a regular file (a device, pipe or socket); give a file name")
     if not parent.is_dir():

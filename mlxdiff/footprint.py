@@ -395,14 +395,25 @@ def show(path) -> int:
     return 0
 
 
-def compare(args) -> int:
-    from . import default_model
-    out = Path(args.out)
+def _make_out(out: Path) -> None:
+    """compare's --out folder made and probed before the runs, not after minutes of them; a folder made here and
+    then refused is removed again."""
+    made = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise write_error(out, e) from None
-    check_writable(out / "footprint.json", "--out")   # before the runs, not after minutes of them
+    try:
+        check_writable(out / "footprint.json", "--out", "footprint.json")
+    except MlxdiffError:
+        if made:
+            out.rmdir()
+        raise
+
+
+def compare(args) -> int:
+    from . import default_model
+    out = Path(args.out)
     model = args.model or str(default_model.folder())
     module, path = reference_for(model)
     if args.reference_dtype is not None and args.reference_dtype not in REFERENCE_DTYPES.get(module, ()):
@@ -420,6 +431,7 @@ def compare(args) -> int:
         if not path.is_dir():
             raise MlxdiffError(f"--transformer with the single file {path.name}: the diffusers reference needs a "
                                "pipeline folder (it reads the transformer's config there); pass the folder")
+    _make_out(out)      # after the model's checks (a mistake there leaves no empty folder), before any run
     prompt = args.prompt
     if prompt is None:
         is_default = path.resolve() == default_model.FOLDER.resolve()
@@ -506,7 +518,7 @@ def main(argv=None) -> int:
         if not cmd:
             raise MlxdiffError("footprint run: give a command after --")
         if args.json:
-            check_writable(args.json, "--json")               # before the run, not after it
+            check_writable(args.json, "--json", "footprint.json")               # before the run, not after it
         run_ = sample(cmd, args.interval)
         s = summarize(run_)
         print(f"{', '.join(run_['measured']) or 'process memory'}: peak {s['peak'] / GB:.2f} GB over {run_['samples'][-1][0] if run_['samples'] else 0:.1f} s; "

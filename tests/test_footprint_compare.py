@@ -276,6 +276,7 @@ def test_reference_chosen_by_family(tmp_path, capsys):
     assert capsys.readouterr().err.splitlines() == [
         "mlxdiff: error: sd15.safetensors: an SD 1.x / 2.x / XL single file; the diffusers reference needs a pipeline "
         "folder (pass the folder, or --mlxdiff-only)"]
+    assert not (tmp_path / "o").exists()     # a refused model leaves no empty --out folder
     for cls in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
         (tmp_path / cls).mkdir()
         (tmp_path / cls / "model_index.json").write_text(json.dumps({"_class_name": cls}))
@@ -299,6 +300,7 @@ def test_reference_dtype_refused_where_not_taken(tmp_path, capsys):
                                "--out", str(tmp_path / "out")]) == 2
         out = capsys.readouterr()
         assert out.out == "" and out.err.splitlines() == [f"mlxdiff: error: --reference-dtype {value}: {message}"]
+        assert not (tmp_path / "out").exists()
 
 
 def test_cuda_table_names_the_gpu_figures(tmp_path, monkeypatch, capsys):
