@@ -3,11 +3,12 @@
     python bench/distributed_gpu.py run FOLDER [--transformer F.gguf] [--split tensor|guidance] --out DIR
     mlx.launch --backend nccl -n 2 -- python bench/distributed_gpu.py run FOLDER ... --split tensor --out DIR
     python bench/distributed_gpu.py images FOLDER --count 8 --out DIR          # alone or under mlx.launch
-    python bench/distributed_gpu.py compare DIR_A DIR_B                        # latents and image levels
     python bench/distributed_gpu.py table LOGS                                 # RESULT lines as one table
 
-`run`: a throwaway 1-step image (MLX's CUDA kernels are compiled on first use in every process), then the measured
-image in a new pipeline (keep="none", as one CLI image runs): s/step = (denoise - transformer load) / steps, each
+Latents and images of two runs compared: `python bench/streaming_gpu.py compare DIR_A DIR_B` (the files `run` writes).
+
+`run` measures as bench/streaming_gpu.py's does: a throwaway 1-step image (MLX's CUDA kernels are compiled on
+first use in every process), then the measured image in a new pipeline (keep="none", as one CLI image runs): s/step = (denoise - transformer load) / steps, each
 phase's process peak as mlxdiff reports it (NVML: this rank's process on its GPU), and the bytes the transformer
 hands to all_sum / all_gather per forward, counted where the graph is built (an eager forward; a compiled block is
 traced once, so the largest count over the process's forwards is one whole forward's). Rank 0 writes latents.npy
@@ -28,7 +29,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-PROMPT = "a photo of a fox in the snow"
+from streaming_gpu import PROMPT  # noqa: E402  (bench/ is this script's folder)
 
 
 class CollectiveBytes:
@@ -136,15 +137,6 @@ def images(a):
     print("RESULT" + json.dumps(row), flush=True)
 
 
-def compare(a):
-    import PIL.Image
-    x, y = (np.load(Path(d) / "latents.npy") for d in (a.a, a.b))
-    i, j = (np.asarray(PIL.Image.open(Path(d) / "image.png"), np.int16) for d in (a.a, a.b))
-    row = {"latents_max_abs_diff": float(np.abs(x - y).max()),
-           "latents_max_rel": float(np.abs(x - y).max() / np.abs(x).max()), "image_max_levels": int(np.abs(i - j).max())}
-    print("RESULT" + json.dumps(row), flush=True)
-
-
 def table(a):
     """Every RESULT line of LOGS/*.txt, one row each (file, rank, step or image rate, per-phase process peaks)."""
     gib = 2 ** 30
@@ -183,13 +175,10 @@ def main():
     sub.choices["images"].add_argument("--steps", type=int, default=28)
     sub.choices["images"].add_argument("--count", type=int, default=8)
     sub.choices["images"].set_defaults(split=None)
-    c = sub.add_parser("compare")
-    c.add_argument("a")
-    c.add_argument("b")
     t = sub.add_parser("table")
     t.add_argument("logs")
     a = p.parse_args()
-    {"run": run, "images": images, "compare": compare, "table": table}[a.cmd](a)
+    {"run": run, "images": images, "table": table}[a.cmd](a)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 # Run on the GPU machine after the device recipe's activate step (../shared/device/README.md, its wheels prepared with
 # `prepare-mlx-cuda.sh diffusers==0.42.1 gguf==0.19.0 mlx-lm==0.32.2`); logs in $LOGS. A dry run of the script's logic on a
 # CPU with small models: BACKEND=ring PARTS="dev sd dp" DEV=folder GGUF= SD=folder SIZE=64 STEPS_DP=2 (GGUF empty:
-# the folder's own transformer).
+# the folder's own transformer; bench/RESULTS.md, "Two GPUs", has the command that writes a tiny SD3 folder).
 set -u
 cd "$(dirname "$0")/.."
 L=${LOGS:-/tmp/logs-distributed}
@@ -41,11 +41,11 @@ for part in ${PARTS:-make dev sd dp}; do
     dev)
       one dev_1 run "$DEV" "${T[@]}" --size "$SIZE" --out "$L/dev_1"
       two dev_tp2 run "$DEV" "${T[@]}" --size "$SIZE" --split tensor --out "$L/dev_tp2"
-      python3 bench/distributed_gpu.py compare "$L/dev_1" "$L/dev_tp2" > "$L/compare_dev.txt" 2>&1 ;;
+      python3 bench/streaming_gpu.py compare "$L/dev_1" "$L/dev_tp2" > "$L/compare_dev.txt" 2>&1 ;;
     sd)
       one sd_1 run "$SD" --guidance 7 --steps 8 --size "$SIZE" --out "$L/sd_1"
       two sd_cfg2 run "$SD" --guidance 7 --steps 8 --size "$SIZE" --split guidance --out "$L/sd_cfg2"
-      python3 bench/distributed_gpu.py compare "$L/sd_1" "$L/sd_cfg2" > "$L/compare_sd.txt" 2>&1 ;;
+      python3 bench/streaming_gpu.py compare "$L/sd_1" "$L/sd_cfg2" > "$L/compare_sd.txt" 2>&1 ;;
     dp)
       one dp_1 images "$SD" --guidance 7 --count 8 --size "$SIZE" --steps "${STEPS_DP:-28}"
       two dp_2 images "$SD" --guidance 7 --count 8 --size "$SIZE" --steps "${STEPS_DP:-28}" ;;

@@ -55,7 +55,7 @@ def compare(a):
     import PIL.Image
     i, j = (np.asarray(PIL.Image.open(Path(d) / "image.png"), np.int16) for d in (a.a, a.b))
     row = {"same_latents": bool(np.array_equal(x, y)), "latents_max_abs_diff": float(np.abs(x - y).max()),
-           "image_max_levels": int(np.abs(i - j).max())}
+           "latents_max_rel": float(np.abs(x - y).max() / np.abs(x).max()), "image_max_levels": int(np.abs(i - j).max())}
     print("RESULT" + json.dumps(row), flush=True)
 
 

@@ -6,6 +6,7 @@ Debian's OpenBLAS only takes over when it is loaded into the global symbol names
 
 import ctypes
 import functools
+from contextlib import contextmanager
 import os
 import re
 import sys
@@ -147,3 +148,17 @@ def kernel_build_mistake(error: RuntimeError):
     cache = re.search(r"(/[^\s\"']*/mlx)/[^\s\"']*/cpu/", text)     # the compiler's command names the folder
     return MlxdiffError(f"MLX's CPU backend could not build a kernel in its cache {cache[1] if cache else '$TMPDIR/mlx'} "
                         f"({why}): point TMPDIR at a writable folder with free space")
+
+
+@contextmanager
+def kernel_build_errors():
+    """The block's MLX CPU kernel-build failures that the machine's set-up caused raised as their MlxdiffError
+    line (kernel_build_mistake); every other exception as it is. Around a pipeline phase's work
+    (pipelines/residency.py) and a command's (cli.run)."""
+    try:
+        yield
+    except RuntimeError as e:
+        mistake = kernel_build_mistake(e)
+        if mistake is None:
+            raise
+        raise mistake from None

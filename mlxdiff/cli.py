@@ -24,25 +24,20 @@ def run(work, interrupted="interrupted") -> int:
     line's text, or a function that says it (what was written by then). The work's output is flushed inside the
     guard, so that a Ctrl-C in the moment it ends is still this one line (saying that the work had finished), not a
     traceback at interpreter shutdown; main_exit then keeps the shutdown itself from being interrupted."""
+    from .backend import kernel_build_errors
     from .policy import from_switches
     finished = False
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = (PipeSafe(s) if s is not None and not isinstance(s, PipeSafe) else s for s in streams)
     try:
         from_switches()     # every MLXDIFF_* switch checked before any work
-        code = work()
+        with kernel_build_errors():     # outside a pipeline's phases too (their own say the same)
+            code = work()
         finished = True
         flush_output()
         return code
     except MlxdiffError as e:
         print("mlxdiff: error: " + " ".join(str(e).splitlines()), file=sys.stderr)   # one line, whatever it says
-        return 2
-    except RuntimeError as e:   # MLX's CPU kernel build, outside a pipeline's phases (a pipeline's say the same)
-        from .backend import kernel_build_mistake
-        mistake = kernel_build_mistake(e)
-        if mistake is None:
-            raise
-        print(f"mlxdiff: error: {mistake}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         what = interrupted() if callable(interrupted) else interrupted

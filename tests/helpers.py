@@ -27,8 +27,9 @@ def mlx_peak_above_live():
 
     The block also runs under a 1-byte MLX memory limit: over its limit, MLX's eval waits for the running tasks
     after every op instead of letting the graph builder run up to ten ops ahead of the CPU worker with their
-    outputs allocated. That run-ahead depends on thread timing (a one-tile VAE decode read 16.4 to 18.2 MB
-    across runs here and in CI, 6.6 MB every time under the limit), so the peak measured is the graph's own.
+    outputs allocated. That run-ahead depends on thread timing: test_vae_tiling's one-tile decode read 16.42 MB in
+    CI's failing run and 17.7-18.2 MB in runs here without the limit, 6.31 MiB in every run under it (`python -m
+    pytest -n 0 -s tests/test_vae_tiling.py -k bounded_by_the_tile` prints it). The peak measured is the graph's.
     Policies installed inside the block that set no limit of their own keep it."""
     gc.collect()
     was_enabled = gc.isenabled()

@@ -175,8 +175,9 @@ def test_tiled_decode_memory_is_bounded_by_the_tile():
     """SD3's layout at half its widths (3 levels of 64/128/256 channels, 16 latent channels, 32 groups): a 32x32
     latent (128x128 image) decoded whole and in 8x8 latent tiles (32x32 pixels, 5x5 tiles with the overlap).
 
-    Measured on mlx-cpu, op after op (tests/helpers.mlx_peak_above_live): untiled 100.3 MiB, tiled 6.59 MiB (15.2x
-    less), one 8x8 tile decoded alone 6.31 MiB: the tiled peak is one tile's activations plus image-sized buffers,
+    MLX's active peak on mlx-cpu, op after op (tests/helpers.mlx_peak_above_live): untiled 100.3 MiB, tiled 6.59 MiB
+    (15.2x less), one 8x8 tile decoded alone 6.31 MiB (`python -m pytest -n 0 -s tests/test_vae_tiling.py -k
+    bounded_by_the_tile` prints them): the tiled peak is one tile's activations plus image-sized buffers,
     independent of the image size."""
     mx.random.seed(0)
     levels = 3
@@ -190,6 +191,8 @@ def test_tiled_decode_memory_is_bounded_by_the_tile():
     tiled_peak, tiled = decode_peak(model, z, tiling=True, tile_latent_size=8)
     one_tile_peak, _ = decode_peak(model, z[:, :, :8, :8], tiling=False)
     image_bytes = tiled.nbytes
+    print(f"MLX active peak above the live arrays: untiled {untiled_peak / 2**20:.2f} MiB, tiled {tiled_peak / 2**20:.2f}"
+          f" MiB, one tile {one_tile_peak / 2**20:.2f} MiB; image {image_bytes / 2**20:.4f} MiB")
     assert tiled.shape == untiled.shape == (1, 3, 128, 128)
     assert untiled_peak > 10 * tiled_peak, (untiled_peak, tiled_peak)
     # one tile's decode plus the assembled image (rows, their concatenation, the previous row of tiles)

@@ -76,13 +76,8 @@ class Residency:
                 result.notes.append(f"{spec.name}: {phase_policy.in_flight} pieces of work in flight (memory to "
                                     "spare)")
             try:
-                with installed(phase_policy):
+                with installed(phase_policy), backend.kernel_build_errors():
                     yield model
-            except RuntimeError as e:    # MLX's CPU kernel build failed on the machine's temp folder or compiler
-                mistake = backend.kernel_build_mistake(e)
-                if mistake is None:
-                    raise
-                raise mistake from None
             finally:
                 settle()
                 stream = getattr(model, "block_stream", None)   # loading/streaming.py: what this phase read
