@@ -22,11 +22,9 @@ MAX_SEED = 2 ** 64 - 1   # mx.random.key takes the whole uint64 range
 MAX_IMAGES = 10000       # images in one command (prompts x seeds)
 MAX_SEQUENCE = 512       # T5's and the FLUX.2 encoders' prompt length limit
 MEMORY_FACTOR = 2        # a memory limit may exceed physical memory (swap), but not by more than this
-MAX_REFERENCES = 10      # FLUX.2 reference images: diffusers' pipelines set no limit; BFL documents up to 4 for klein,
+MAX_REFERENCES = 10      # images one run takes (FLUX.2's reference images): diffusers' pipelines set no limit; BFL documents up to 4 for klein,
                          # 6 recommended for dev and 10 at most (its playground)
 IMAGE_FILE_BYTES = 256 << 20   # an input image file read up front; far more than any 4096x4096 PNG
-REFERENCE_MIN_SIDE = 64  # FLUX.2 reference images: diffusers' Flux2ImageProcessor.check_image_input
-REFERENCE_MAX_ASPECT = 8
 
 # quantize=: the bit widths and group sizes of MLX's affine quantization that mlxdiff offers
 SUPPORTED_BITS = (3, 4, 5, 6, 8)
@@ -56,15 +54,6 @@ RULES = {
     "lora_scale": (False, -100.0, 100.0, False, ""),   # times the LoRA file's alpha / rank; 0 turns it off
     "strength": (False, 0.0, 1.0, True, ""),           # img2img: the share of the schedule denoised
 }
-
-# generate() options that only one family has
-FAMILY_OPTIONS = {"skip_guidance_layers": ("sd3",), "skip_layer_guidance_scale": ("sd3",),
-                  "skip_layer_guidance_start": ("sd3",), "skip_layer_guidance_stop": ("sd3",),
-                  "clip_skip": ("sd3", "sd"), "text_encoder_out_layers": ("flux2",), "image_noise": ("sd3", "sd"),
-                  "scheduler": ("sd",), "original_size": ("sd",), "crops_coords_top_left": ("sd",),
-                  "target_size": ("sd",), "negative_original_size": ("sd",),
-                  "negative_crops_coords_top_left": ("sd",), "negative_target_size": ("sd",)}
-FAMILY_NAMES = {"sd3": "SD3.5", "flux2": "FLUX.2", "sd": "SD 1.x / SDXL"}
 
 TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
 
@@ -261,12 +250,10 @@ def _read_image(item, index):
     return image
 
 
-def check_images(image, strength=None, family=None):
+def check_images(image, strength=None):
     """generate()'s `image` (a PIL image, a file path, or a list of them) and `strength`: -> (names, PIL images),
-    ([], []) for none. Files must exist and be readable images; with `family` also how the family takes them:
-    SD3.5 img2img one init image; FLUX.2 with `strength` one init image (img2img), without it 1 to MAX_REFERENCES
-    reference images of at least REFERENCE_MIN_SIDE pixels a side and an aspect ratio up to 8:1 (diffusers'
-    Flux2ImageProcessor.check_image_input)."""
+    ([], []) for none. Files must exist and be readable images, at most MAX_REFERENCES of them; how a family takes
+    them (how many, what sizes) its pipeline checks (Pipeline.check_images)."""
     strength = check_number("strength", strength)
     if image is None:
         if strength is not None:
@@ -277,36 +264,11 @@ def check_images(image, strength=None, family=None):
     if not items:
         raise MlxdiffError("image=[]: give at least one image, or leave it out")
     if len(items) > MAX_REFERENCES:
-        raise MlxdiffError(f"image: {len(items)} images; FLUX.2 takes at most {MAX_REFERENCES} reference images "
+        raise MlxdiffError(f"image: {len(items)} images; a run takes at most {MAX_REFERENCES} reference images "
                            "(img2img one); give fewer --image files")
     names = [_image_name(item, i) for i, item in enumerate(items)]
     images = [_read_image(item, i) for i, item in enumerate(items)]
-    if family in ("sd3", "sd") and len(images) > 1:
-        raise MlxdiffError(f"image: {len(images)} images; {FAMILY_NAMES[family]} image-to-image starts from one "
-                           "image (it takes no reference images); give one --image")
-    if family == "flux2" and strength is not None and len(images) > 1:
-        raise MlxdiffError(f"strength={strength:g} with {len(images)} images: image-to-image starts from one image; "
-                           "give one --image, or leave --strength out to use the images as references")
-    if family == "flux2" and strength is None:
-        for name, im in zip(names, images):
-            w, h = im.size
-            if min(w, h) < REFERENCE_MIN_SIDE:
-                raise MlxdiffError(f"image {name}: {w}x{h} is too small for a FLUX.2 reference image; both sides "
-                                   f"must be at least {REFERENCE_MIN_SIDE} pixels (as in diffusers)")
-            if max(w / h, h / w) > REFERENCE_MAX_ASPECT:
-                raise MlxdiffError(f"image {name}: {w}x{h} has an aspect ratio of {max(w / h, h / w):.1f}:1; a "
-                                   f"FLUX.2 reference image may be at most {REFERENCE_MAX_ASPECT}:1 (as in diffusers)")
     return names, images
-
-
-def check_options(family, options: dict):
-    """generate() keywords the family does not have: a family-only option of the other family, or unknown."""
-    for name in options:
-        owners = FAMILY_OPTIONS.get(name)
-        if owners is not None:
-            raise MlxdiffError(f"{name}: an option of {' and '.join(FAMILY_NAMES[o] for o in owners)} models only; "
-                               f"this is a {FAMILY_NAMES[family]} model")
-        raise MlxdiffError(f"{name}=: not an argument of generate() for {FAMILY_NAMES[family]} models")
 
 
 def check_generate(**values) -> dict:
@@ -434,7 +396,7 @@ def check_loras(loras):
 def check_load(model, transformer=None, text_encoders=None, quantize=None, text_encoder=None, vae=None,
                tokenizer=None, loras=None):
     """mlxdiff.load's arguments, before anything is read (which family takes which encoder argument is checked once
-    the model is read: loading/resolve.py). `model` None: FLUX.2 from its transformer, text encoder and VAE files."""
+    the model is read: pipelines.detect). `model` None: FLUX.2 from its transformer, text encoder and VAE files."""
     if model is None and transformer is None:
         raise MlxdiffError("model=None: give a pipeline folder, a hub id in the local Hugging Face cache or a single "
                            "file; or, for FLUX.2 from files alone, transformer=, text_encoder= and vae=")

@@ -26,6 +26,7 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
     import mlx.core as mx
     from .loading.sources import read_json, resolve_path
     from .loading.spec import NATIVE_KEY, class_name_of
+    from .pipelines.family import family_named
     from .loading.quantize import materialize
 
     dest = destination(dest)
@@ -57,13 +58,14 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
                 if (src_root / name).is_dir():
                     shutil.copytree(src_root / name, tmp / name)
         else:  # single file: its bundled tokenizers and default scheduler
-            index = {"_class_name": "StableDiffusion3Pipeline"}
+            index = {"_class_name": pipe.pipeline_class}
             for name, tok in pipe.tokenizers.items():
                 tok.save_pretrained(str(tmp / name))
                 index[name] = ["transformers", type(tok).__name__]
             (tmp / "scheduler").mkdir()
             (tmp / "scheduler" / "scheduler_config.json").write_text(json.dumps(pipe.scheduler_config))
-            index["scheduler"] = ["diffusers", "FlowMatchEulerDiscreteScheduler"]
+            index["scheduler"] = ["diffusers", pipe.scheduler_config.get("_class_name")
+                                  or family_named(pipe.family).layouts[pipe.pipeline_class]["scheduler"][0]]
         for name, spec in pipe.components.items():
             if spec is None:
                 continue

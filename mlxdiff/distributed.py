@@ -26,7 +26,6 @@ import numpy as np
 from .errors import MlxdiffError
 
 SPLITS = ("guidance", "tensor")     # mlxdiff.load(split=...): what a group of ranks shares
-TENSOR_FAMILIES = ("sd3", "flux2")  # whose transformers have Model.shard
 
 
 def job_group():
@@ -71,17 +70,17 @@ def check_split(split, group):
     return split
 
 
-def check_tensor_group(group, family: str):
-    """A group to shard a transformer over: an mx.distributed group of two or more ranks, for a family whose
-    transformer can be sharded (TENSOR_FAMILIES)."""
+def check_tensor_group(group, title: str, shardable: bool, which_can: str):
+    """A group to shard a transformer over: an mx.distributed group of two or more ranks, for a family (`title`)
+    whose denoiser can be sharded (its model has Model.shard; `which_can`: the families that can, for the line)."""
     if not isinstance(group, mx.distributed.Group):
         raise MlxdiffError(f"group={type(group).__name__}: give an mx.distributed group (mx.distributed.init())")
     if group.size() < 2:
         raise MlxdiffError(f"group of {group.size()} rank: tensor-parallel runs take 2 or more; start several ranks "
                            "with mlx.launch, or give group=None")
-    if family not in TENSOR_FAMILIES:
-        raise MlxdiffError(f"split='tensor': the {family} family's denoiser cannot be sharded yet (FLUX.2 and SD3.5 "
-                           "transformers can); use --split images or --split guidance")
+    if not shardable:
+        raise MlxdiffError(f"split='tensor': the {title} family's denoiser cannot be sharded yet ({which_can} "
+                           "can); use --split images or --split guidance")
     return group
 
 

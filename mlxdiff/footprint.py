@@ -178,29 +178,27 @@ def timeline(runs: dict, path: Path):
     return path
 
 
-REFERENCES = {"sd3": "mlxdiff.reference.sd3", "flux2": "mlxdiff.reference.flux2",
-              "sd": "mlxdiff.reference.stable_diffusion"}     # SD 1.x / 2.x and SDXL
-# the references that take --reference-dtype (the others run diffusers in bfloat16)
-REFERENCE_DTYPES = {"mlxdiff.reference.stable_diffusion": ("bfloat16", "float32")}
-
-
-def reference_for(model) -> tuple:
-    """(the reference module, the local path) for what the user named: a pipeline folder by model_index.json's
-    _class_name (a cached hub id too); a single .safetensors file is SD 1.x / 2.x / XL's with an original-name UNet
-    in it, else SD3.5's."""
-    from .loading.sources import PIPELINE_FAMILIES, read_json, resolve_path
+def reference_family(model) -> tuple:
+    """(the family, the local path) of what the user named: a pipeline folder by model_index.json's _class_name (a
+    cached hub id too), a single file by the family that claims its tensors (pipelines.family_of_file)."""
+    from .loading.sources import read_json, resolve_path
+    from .pipelines import by_pipeline_class, family_of_file
     path = resolve_path(model)
     if path.is_dir():
         index = path / "model_index.json"
         cls = read_json(index, "model_index.json", path).get("_class_name")   # checked: a JSON object
-        if not isinstance(cls, str) or cls not in PIPELINE_FAMILIES:
+        owners = by_pipeline_class()
+        if not isinstance(cls, str) or cls not in owners:
             raise MlxdiffError(f"{index}: no diffusers reference for pipeline {cls!r:.80}; supported: "
-                               + ", ".join(sorted(PIPELINE_FAMILIES)))
-        return REFERENCES[PIPELINE_FAMILIES[cls]], path
-    if path.suffix == ".safetensors":
-        from .loading.resolve import is_unet_file
-        return REFERENCES["sd" if is_unet_file(path) else "sd3"], path
-    raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a .safetensors file")
+                               + ", ".join(sorted(owners)))
+        return owners[cls], path
+    return family_of_file(path), path
+
+
+def reference_for(model) -> tuple:
+    """(the family's diffusers reference module, the local path) for what the user named (reference_family)."""
+    family, path = reference_family(model)
+    return family.reference, path
 
 
 def measured(runs: dict, interval: float) -> str:
@@ -415,13 +413,14 @@ def compare(args) -> int:
     from . import default_model
     out = Path(args.out)
     model = args.model or str(default_model.folder())
-    module, path = reference_for(model)
-    if args.reference_dtype is not None and args.reference_dtype not in REFERENCE_DTYPES.get(module, ()):
+    family, path = reference_family(model)
+    module = family.reference
+    if args.reference_dtype is not None and args.reference_dtype not in family.reference_dtypes:
         raise MlxdiffError(f"--reference-dtype {args.reference_dtype}: "
-                           + (f"expected one of {', '.join(REFERENCE_DTYPES[module])}" if module in REFERENCE_DTYPES
+                           + (f"expected one of {', '.join(family.reference_dtypes)}" if family.reference_dtypes
                               else f"{module} runs diffusers in bfloat16 only; leave it out"))
-    if module == REFERENCES["sd"] and not path.is_dir() and not args.mlxdiff_only:
-        raise MlxdiffError(f"{path.name}: an SD 1.x / 2.x / XL single file; the diffusers reference needs a pipeline "
+    if family.reference_file_refusal and not path.is_dir() and not args.mlxdiff_only:
+        raise MlxdiffError(f"{path.name}: {family.reference_file_refusal}; the diffusers reference needs a pipeline "
                            "folder (pass the folder, or --mlxdiff-only)")
     transformer = None
     if args.transformer:

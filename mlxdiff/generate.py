@@ -10,7 +10,7 @@ between images (--keep auto).
 import time
 from pathlib import Path
 
-from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_options, check_text
+from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text
 from .files import read_capped
 from .cli import (ArgumentParser, check_png_name, check_writable, parse_layers, parse_loras, parse_quantize,
                   parse_text_encoders, main_exit, run, save_png)
@@ -177,6 +177,7 @@ def generate(args, written) -> int:
     tensor_group = group if args.split == "tensor" else None      # every rank makes every image, together
     shared = guidance_group or tensor_group
     from .pipelines import load as load_pipeline     # mlxdiff.load with split= (checked there as by mlxdiff.load)
+    from .pipelines.family import check_options
     pipe = load_pipeline(model, group=shared, split=args.split if shared else None, transformer=args.transformer,
                          dtype=args.dtype, quantize=quantize, text_encoder=text_encoder, text_encoders=text_encoders,
                          vae=args.vae, tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
@@ -197,7 +198,7 @@ def generate(args, written) -> int:
             options[name] = value
     strength = args.strength
     if images:
-        check_images(images, strength, pipe.family)     # how this family takes them, before anything is loaded
+        pipe.check_images(image_names, images, strength)     # how this family takes them, before any load
         options.update(image=images, strength=strength)
         strength = pipe.IMG2IMG_STRENGTH if strength is None else strength
         if strength is None:     # references: the size defaults to the first one's

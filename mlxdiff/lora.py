@@ -113,13 +113,9 @@ ARCHITECTURES = (
     (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"), ("SD3",)),
     (re.compile(r"(^|[._])(norm1_context|ff_context[._]net|ff[._]net|norm1[._]linear)([._]|$)"), ("SD3", "FLUX.1")),
 )
-# SGM's (SDXL's original) block names, which only models/unet.py's original-name table maps
-SGM_LAYERS = re.compile(r"(^|[._])(input_blocks|output_blocks|middle_block)([._]|$)")
-FAMILY = {"sd3": "SD3", "flux2": "FLUX.2", "sd": UNET}
-# denoiser module -> (family, its name in messages); the UNet's pipeline component is "unet", the others'
-# "transformer"
-MODEL_NAMES = {"mlxdiff.models.mmdit": ("sd3", "SD3.5"), "mlxdiff.models.flux2": ("flux2", "FLUX.2"),
-               "mlxdiff.models.unet": ("sd", "SD 1.x / SDXL UNet")}
+# A denoiser LoRAs apply to says so on its architecture module (models/protocol.LoRADenoiser): LORA_NAME (what
+# messages call it), LORA_ARCHITECTURE (its label in ARCHITECTURES above), lora_original_rules(args) (its
+# original-name table) and, optionally, LORA_UNMAPPED (a pattern of original names its table cannot map, and why).
 
 
 # -- the wrapper ---------------------------------------------------------------------------------------------------
@@ -477,22 +473,15 @@ def _other_architecture(entries, family):
 
 # -- names -> mlxdiff layers ---------------------------------------------------------------------------------------
 
-def _family(arch):
-    return MODEL_NAMES[arch.__name__]
+def takes_loras(arch) -> bool:
+    """Whether LoRAs apply to this denoiser architecture (it has the protocol's LoRA names)."""
+    return hasattr(arch, "lora_original_rules")
 
 
 def _original_rules(arch, args):
     """The model's own original-name table (compiled), with dotted and underscore-folded patterns (none for a model
     without one)."""
-    family = _family(arch)[0]
-    if family == "sd3":
-        rules = arch.original_rules(args.num_layers - 1)
-    elif family == "sd":   # ldm numbers the UNet's blocks flat: the table of this layout (one depth per level)
-        depths = set(args.layers)
-        rules = arch.original_rules(depths.pop(), len(args.block_out_channels)) \
-            if len(depths) == 1 and hasattr(arch, "original_rules") else []
-    else:
-        rules = arch._ORIGINAL_RULES
+    rules = arch.lora_original_rules(args)
     folded = [(re.compile(p.pattern.replace(r"\.", "_")), t, f) for p, t, f in rules]
     return rules, folded
 
@@ -524,7 +513,7 @@ class _Layers:
         self.folded = {}
         for p in self.modules:
             self.folded.setdefault(p.replace(".", "_"), []).append(p)
-        self.rules, self.folded_rules = _original_rules(arch, model.args) if arch.__name__ in MODEL_NAMES else ([], [])
+        self.rules, self.folded_rules = _original_rules(arch, model.args) if takes_loras(arch) else ([], [])
         # transformers 5's CLIPTextModel has no `text_model.` in its layer names (clip.BARE_PREFIXES): nor have
         # LoRAs trained on it
         self.bare = getattr(arch, "BARE_PREFIXES", ())
@@ -671,11 +660,11 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     denoiser = component in DENOISERS    # (its part is a file's "transformer" or "unet" one: the names tell which)
     entries = {k: v for k, v in _entries(path, tensors).items()
                if k[0] == component or (denoiser and k[0] in DENOISERS)}
-    family = None
+    unmapped = None
     if denoiser:
-        family, family_name = _family(arch)
-        what = f"this {family_name}" + (" transformer" if family != "sd" else "")
-        others = _other_architecture(entries, FAMILY[family])
+        what = f"this {arch.LORA_NAME}"
+        unmapped = getattr(arch, "LORA_UNMAPPED", None)
+        others = _other_architecture(entries, arch.LORA_ARCHITECTURE)
         if others:
             raise MlxdiffError(f"{path}: a LoRA for {' / '.join(sorted(others))} (layer names such as "
                                f"{_short(next(iter(entries))[2])!r}), not for {what}")
@@ -691,10 +680,8 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         key_a, a = slot["A"]
         key_b, b = slot["B"]
         targets = layers.resolve(kind, module)
-        if not targets and family == "sd" and not layers.rules and SGM_LAYERS.search(module):
-            raise MlxdiffError(f"{path}: {_short(key_a)!r} names a UNet layer in SGM's original names (input_blocks, "
-                               "middle_block, output_blocks: kohya's SDXL LoRAs), which mlxdiff maps for UNets with "
-                               "as many layers on every level only; re-save the LoRA in diffusers' names")
+        if not targets and unmapped and not layers.rules and unmapped[0].search(module):
+            raise MlxdiffError(f"{path}: {_short(key_a)!r} {unmapped[1]}")
         if not targets:
             raise MlxdiffError(f"{path}: {_short(key_a)!r}: {what} has no layer {_short(module)!r}; the LoRA is "
                                "for another model (or another version of it)")
@@ -767,9 +754,9 @@ def check(spec, path, scale=1.0, dtype=None):
     """Refuse a LoRA whose part for the component `spec` describes does not fit it, before any of the model's weights
     is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
     and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
-    if spec.name in DENOISERS and spec.arch.__name__ not in MODEL_NAMES:
-        raise MlxdiffError(f"{path}: LoRAs apply to SD3.5 and FLUX.2 transformers and SD 1.x / SDXL UNets, not "
-                           f"{spec.arch.__name__}")
+    if spec.name in DENOISERS and not takes_loras(spec.arch):
+        raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (SD3.5's, FLUX.2's "
+                           f"and the SD 1.x / SDXL UNet: models/protocol.LoRADenoiser), not {spec.arch.__name__}")
     plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
 
 

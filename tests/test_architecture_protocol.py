@@ -12,7 +12,8 @@ import mlx.nn as nn
 
 from mlxdiff import lora
 from mlxdiff.config_checks import CheckedArgs
-from mlxdiff.loading.sources import COMPONENTS
+from mlxdiff.pipelines import FAMILIES
+from mlxdiff.pipelines.family import family_named
 from mlxdiff.loading.spec import ARCHITECTURES
 from mlxdiff.models import clip, t5, text_llm
 from mlxdiff.models import protocol as P
@@ -74,21 +75,22 @@ def test_capabilities_are_whole(arch):
 
 
 def test_the_readers_capabilities():
-    """The modules the readers use with a capability have it: every family's transformer is read from one original
-    file and takes LoRAs (lora.MODEL_NAMES); the SD3.5 single-file encoders read their config off shapes; the
-    FLUX.2 LLM encoder is read partly."""
-    for layout, components in COMPONENTS.items():
-        family = {"sdxl": "sd"}.get(layout, layout)      # SDXL's components, the UNet family's denoiser
-        for class_name in components.get("transformer") or components["unet"]:
-            arch = ARCHITECTURES[class_name]
-            assert isinstance(arch, P.OriginalFile) and isinstance(arch, P.OriginalRules), (family, arch.__name__)
-            assert lora.MODEL_NAMES[arch.__name__][0] == family
-            assert isinstance(arch.ORIGINAL_PREFIX, str) and arch.ORIGINAL_PREFIX.endswith(".")
-            assert isinstance(arch.FROM_BASE_CONFIG, tuple)
-            assert all(len(rule) == 3 for rule in arch._ORIGINAL_RULES) and arch._ORIGINAL_RULES
+    """The modules the readers use with a capability have it: every family's denoiser is read from one original
+    file and takes LoRAs (LoRADenoiser); the SD3.5 single-file encoders read their config off shapes; the FLUX.2 LLM
+    encoder is read partly."""
+    for family in FAMILIES:
+        for layout in family.layouts.values():
+            for class_name in layout[family.pipeline.DENOISER]:
+                arch = ARCHITECTURES[class_name]
+                assert isinstance(arch, P.OriginalFile) and isinstance(arch, P.LoRADenoiser), (family.name,
+                                                                                                 arch.__name__)
+                assert arch.LORA_ARCHITECTURE in {label for _, labels in lora.ARCHITECTURES for label in labels}
+                assert isinstance(arch.ORIGINAL_PREFIX, str) and arch.ORIGINAL_PREFIX.endswith(".")
+                assert isinstance(arch.FROM_BASE_CONFIG, tuple)
+                assert all(len(rule) == 3 for rule in arch._ORIGINAL_RULES) and arch._ORIGINAL_RULES
     for arch in (clip, t5):
         assert isinstance(arch, P.ConfigFromWeights)
-    for class_name in COMPONENTS["flux2"]["text_encoder"]:
+    for class_name in family_named("flux2").layouts["Flux2Pipeline"]["text_encoder"]:
         assert ARCHITECTURES[class_name] is text_llm
     assert isinstance(text_llm, P.PartialReader) and isinstance(text_llm.STORED_PREFIX, str)
     # the modules without a capability are read as a whole (ComponentSpec.nbytes counts every tensor)

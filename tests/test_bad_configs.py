@@ -18,7 +18,8 @@ from adversarial import refused, run_cases
 from mlxdiff import default_model
 from mlxdiff.config_checks import MAX_WIDTH
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.sources import Flux2FolderOptions, SchedulerArgs
+from mlxdiff.loading.sources import SchedulerArgs
+from mlxdiff.pipelines.flux2.folder import Flux2FolderOptions
 from mlxdiff.models import clip, flux2, mmdit, t5, text_llm, vae, vae_flux2
 
 BIG = 10 ** 9

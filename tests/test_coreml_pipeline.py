@@ -189,9 +189,9 @@ def test_palettized_layers_stay_palettized(sd15_coreml):
     from mlx.utils import tree_flatten
     from mlxdiff.formats.palettized import PalettizedLinear, row_bytes
     from mlxdiff.loading.quantize import PalettizedConv2d, parameter_nbytes
-    from mlxdiff.loading.resolve import resolve
+    from mlxdiff.pipelines import LoadRequest, detect
     folder, package, _, luts = sd15_coreml
-    spec = resolve(str(folder), transformer=str(package)).components["unet"]
+    spec = detect(str(folder), LoadRequest(transformer=str(package))).components["unet"]
     model = spec.build()
     layers = {path: m for path, m in model.named_modules() if isinstance(m, (PalettizedLinear, PalettizedConv2d))}
     targets = spec.diffusers_targets()

@@ -18,7 +18,7 @@ from mlxdiff import backend  # noqa: F401  (before mlx)
 
 import mlxdiff
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading import flux2_files
+from mlxdiff.pipelines.flux2 import files as flux2_files
 from gguf_helpers import write_llama_cpp_gguf
 from twins import (MISTRAL_TEMPLATE, QWEN3_TEMPLATE, _scheduler, _transformer, build_tokenizer, diffusers_to_ldm,
                    flux2_to_bfl, make_flux2_twin, save_mistral3, save_qwen3)

@@ -276,7 +276,7 @@ def test_single_file_pipeline_matches_diffusers(name, tmp_path):
             **{**BIG_G, **real_vocab})).eval(), seed=4, scale=0.1)
     path = tmp_path / f"{name}.safetensors"
     save_file(_checkpoint(models, spec), str(path))
-    from mlxdiff.loading.sd_single_file import sd_single_file
+    from mlxdiff.pipelines.stable_diffusion.single_file import sd_single_file
     scheduler = sd_single_file(path).scheduler_config      # the released model's, as mlxdiff reads the file
     sched = getattr(diffusers, scheduler["_class_name"]).from_config(
         {k: v for k, v in scheduler.items() if not k.startswith("_")})

@@ -21,7 +21,7 @@ import mlx.nn as nn
 from helpers import max_rel_err, randomize_
 from ldm_helpers import clip_to_openclip, unet_to_ldm, vae_to_ldm, write_sdcpp_gguf
 from mlxdiff.errors import MlxdiffError
-from mlxdiff.loading.sd_single_file import sd_single_file
+from mlxdiff.pipelines.stable_diffusion.single_file import sd_single_file
 
 TOL = 1e-4
 CLIP_L = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,

@@ -532,6 +532,14 @@ ORIGINAL_KEYMAP = [
     (_SINGLE + r"norm\.key_norm\.scale", _TO_SINGLE + "attn.norm_k.weight"),
 ]
 _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
+# LoRAs (lora.py, the protocol's LoRADenoiser)
+LORA_NAME = "FLUX.2 transformer"
+LORA_ARCHITECTURE = "FLUX.2"     # its label in lora.ARCHITECTURES
+
+
+def lora_original_rules(args) -> list:
+    return _ORIGINAL_RULES
+
 _DOUBLE_KEY = re.compile(r"double_blocks\.(\d+)\.")
 _SINGLE_KEY = re.compile(r"single_blocks\.(\d+)\.")
 # FLUX.1's BFL names, which FLUX.2 does not have: the pooled-CLIP vector_in and per-block modulations

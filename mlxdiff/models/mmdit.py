@@ -452,6 +452,15 @@ def original_to_diffusers(weights: dict) -> dict:
     return remap(weights, original_rules(blocks[-1]))
 
 
+# LoRAs (lora.py, the protocol's LoRADenoiser)
+LORA_NAME = "SD3.5 transformer"
+LORA_ARCHITECTURE = "SD3"     # its label in lora.ARCHITECTURES
+
+
+def lora_original_rules(args) -> list:
+    return original_rules(args.num_layers - 1)
+
+
 def original_rules(last: int) -> list:
     """The compiled ORIGINAL_KEYMAP for a model whose last joint block is `last`, with that block's swap rule first
     (see original_to_diffusers; also what mlxdiff/lora.py maps original-named LoRA layers with)."""

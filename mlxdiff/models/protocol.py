@@ -6,15 +6,16 @@ ARCHITECTURES maps diffusers' / transformers' class names to them). What every o
 Protocol below, with who calls it and what it returns. Nothing here is called: this is the checklist, and
 tests/test_architecture_protocol.py holds every registered module to it.
 
-Adding a family, the checklist:
+Adding an architecture (a family's models; the family itself is a folder, pipelines/<family>/: ARCHITECTURE.md's
+"How to add a family"), the checklist:
 1. `ModelArgs`: a config_checks.CheckedArgs dataclass (`from_dict(config, where)` checks types, LIMITS, RULES).
 2. `Model(args)`: an mlx.nn.Module that keeps `args`, with `sanitize(weights)`; `quant_predicate(path, module)`
    when some layers must stay in full precision; `eager_is_faster()` if its eager blocks beat compiled ones;
    `resident_blocks()` if it reads a block outside that block's call (streaming must keep it resident);
    `activation_bytes(dtype)` if its activations are known small (a streamed plan keeps only that free).
-3. Register the class name in loading/spec.py ARCHITECTURES (and the pipeline's components in sources.COMPONENTS).
+3. Register the class name in loading/spec.py ARCHITECTURES (and the family's components in its Family.layouts).
 4. Then the hooks of the capabilities it has: a denoiser read from one original file (`OriginalFile`) and its
-   LoRAs (`OriginalRules`, plus lora.MODEL_NAMES), an encoder whose config a single file's shapes give
+   LoRAs (`LoRADenoiser`), an encoder whose config a single file's shapes give
    (`ConfigFromWeights`), an encoder read only partly (`PartialReader`).
 Each capability is all or nothing: a module with its marker (CAPABILITIES) has all of its members (the test
 checks this). Family-specific readers call some functions by name (vae.config_from_ldm, vae_flux2's
@@ -115,8 +116,8 @@ class OriginalFile(Protocol):
     is given."""
 
     def is_original(self, names) -> bool:
-        """transformer_from_file (and flux2_files, to tell the families apart): whether these tensor names are the
-        original naming rather than diffusers'."""
+        """transformer_from_file (and a family's Family.part_of, to tell the families apart): whether these tensor
+        names are the original naming rather than diffusers'."""
         ...
 
     def config_from_original(self, shapes: dict) -> dict:
@@ -130,18 +131,27 @@ class OriginalFile(Protocol):
 
 
 @runtime_checkable
-class OriginalRules(Protocol):
-    """A transformer LoRAs apply to (lora.py, with its family in lora.MODEL_NAMES): the original-name table."""
+class LoRADenoiser(Protocol):
+    """A denoiser LoRAs apply to (lora.py): what it is called and how original-named LoRA layers reach it."""
 
-    _ORIGINAL_RULES: list
-    """lora._original_rules: the compiled (pattern, target, transform) rules of the original names (formats/keymaps
-    compile_rules), through which original-named LoRA keys reach mlxdiff's layers. SD3 (mmdit) also has
-    `original_rules(last)`, the same for a given last block index, which lora.py uses for it."""
+    LORA_NAME: str
+    """lora.plan's messages: what the denoiser is ("SD3.5 transformer", "SD 1.x / SDXL UNet")."""
+    LORA_ARCHITECTURE: str
+    """lora.plan: its label in lora.ARCHITECTURES (the layer names that tell a LoRA's architecture), so that a LoRA
+    for another one is refused by name."""
+
+    def lora_original_rules(self, args) -> list:
+        """lora._original_rules: the compiled (pattern, target, transform) rules of the original names for a model
+        of `args` (formats/keymaps compile_rules), through which original-named LoRA keys reach mlxdiff's layers. A
+        module may also have LORA_UNMAPPED, (a pattern of original names its rules cannot map, why), for the line
+        that refuses them."""
+        ...
 
 
 @runtime_checkable
 class ConfigFromWeights(Protocol):
-    """An SD3.5 text encoder read from one file (loading/single_file.text_encoder_file: clip_l, clip_g, t5xxl)."""
+    """An SD3.5 text encoder read from one file (pipelines/sd3/single_file.text_encoder_file: clip_l, clip_g,
+    t5xxl)."""
 
     def config_from_weights(self, weights: dict) -> dict:
         """text_encoder_file: {name: tensor or shape} -> the config dict the shapes give (the rest: defaults)."""
@@ -173,8 +183,8 @@ class PartialReader(Protocol):
 
 # capability -> the member whose presence says a module has it (what the loaders look for first); a module with
 # it has every member of the capability (tests/test_architecture_protocol.py)
-CAPABILITIES = {OriginalFile: "is_original", OriginalRules: "_ORIGINAL_RULES", ConfigFromWeights: "config_from_weights",
-                PartialReader: "reads_stored"}
+CAPABILITIES = {OriginalFile: "is_original", LoRADenoiser: "lora_original_rules",
+                ConfigFromWeights: "config_from_weights", PartialReader: "reads_stored"}
 MODEL_HOOKS = (QuantRule, EagerPreference, ResidentBlocks, KnownActivations)     # optional methods of `Model`
 
 

@@ -504,6 +504,22 @@ def original_rules(layers_per_block=2, levels=4) -> list:
 # what lora.py maps original-named (kohya `lora_unet_input_blocks_4_1_...`) LoRA layers through: every released
 # UNet has 2 resnets per level and at most 4 levels
 _ORIGINAL_RULES = original_rules(2, 4)
+
+# LoRAs (lora.py, the protocol's LoRADenoiser)
+LORA_NAME = "SD 1.x / SDXL UNet"
+LORA_ARCHITECTURE = "an SD 1.x / SDXL UNet"     # its label in lora.ARCHITECTURES
+# SGM's (SDXL's original) block names, which the original-name table maps for one depth per level only
+LORA_UNMAPPED = (re.compile(r"(^|[._])(input_blocks|output_blocks|middle_block)([._]|$)"),
+                 "names a UNet layer in SGM's original names (input_blocks, middle_block, output_blocks: kohya's SDXL "
+                 "LoRAs), which mlxdiff maps for UNets with as many layers on every level only; re-save the LoRA in "
+                 "diffusers' names")
+
+
+def lora_original_rules(args) -> list:
+    """The original-name table LoRA layers map through: ldm numbers the blocks flat, so the table of this layout
+    (one depth per level; none otherwise)."""
+    depths = set(args.layers)
+    return original_rules(depths.pop(), len(args.block_out_channels)) if len(depths) == 1 else []
 _INPUT = re.compile(r"input_blocks\.(\d+)\.")
 _OUTPUT = re.compile(r"output_blocks\.(\d+)\.")
 _DOWNSAMPLER = re.compile(r"input_blocks\.(\d+)\.0\.op\.weight")

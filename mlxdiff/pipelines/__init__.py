@@ -1,15 +1,89 @@
-"""mlxdiff.load: what the user named -> a pipeline of the right family (holding specs, not weights)."""
+"""mlxdiff.load: what the user named -> a pipeline of the right family (holding specs, not weights). FAMILIES is the
+registry: one record per family (pipelines/<family>/__init__.py, a family.Family), and `detect` the one loop that asks
+each family in turn whether a folder, a single file or files alone are its model."""
+
+from pathlib import Path
 
 from ..errors import MlxdiffError
+from ..formats import check_weight_file, tensor_shapes
 from ..loading import quantize as quantization
-from ..loading.resolve import resolve
+from ..loading.sources import not_a_folder, read_pipeline_folder, resolve_path
+from ..loading.spec import PipelineSources
+from . import flux2, sd3, stable_diffusion
+from .family import Family, LoadRequest, family_named, identify  # noqa: F401  (Family: the record's type)
+
+FAMILIES = (sd3.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY)   # the registry: detection asks them in this order
+SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
+
+
+def by_pipeline_class() -> dict:
+    """model_index.json `_class_name` -> the family whose folders have it."""
+    return {cls: f for f in FAMILIES for cls in f.layouts}
+
+
+def detect(model, request: LoadRequest) -> PipelineSources:
+    """What the user named -> PipelineSources, from the family whose model it is: a pipeline folder (or a hub id in
+    the local cache) by its model_index.json class, a single file by its tensor names (Family.claims_file), no
+    model but a family's part files (Family.read_files_alone). A file no family claims is refused in one line that
+    says what it is (a part of some family's model) or what each family reads."""
+    if request.transformer is not None:
+        check_weight_file(not_a_folder(request.transformer, "transformer file"), "transformer file")
+    if model is None:
+        return _files_alone(request)
+    path = resolve_path(model)
+    if path.is_dir():
+        if request.prediction_type is not None:
+            raise MlxdiffError(f"prediction_type=: for SD 2.x single files (their tensors do not say); {path} is a "
+                               "folder, whose scheduler_config.json says it")
+        owners = by_pipeline_class()
+        index, pipeline_class, components = read_pipeline_folder(
+            path, {cls: (f.layouts[cls], f.optional) for cls, f in owners.items()})
+        family = owners[pipeline_class]
+        family.check_keywords(path, request)
+        return family.read_folder(path, index, pipeline_class, components, request)
+    family = family_of_file(path)
+    family.check_keywords(path, request)
+    return family.read_file(path, request)
+
+
+def family_of_file(path) -> Family:
+    """The family that reads the single file `path` as a whole model (Family.claims_file on its tensor names); one
+    line saying what the file is, or what each family reads, when none does."""
+    path = Path(path)
+    if path.suffix not in SINGLE_FILE_SUFFIXES:
+        raise MlxdiffError(f"{path}: expected a pipeline folder (with model_index.json) or a "
+                           + " / ".join(SINGLE_FILE_SUFFIXES) + " file")
+    names = list(tensor_shapes(path))
+    for family in FAMILIES:
+        if family.claims_file is not None and family.claims_file(names):
+            return family
+    other = identify(names)
+    kinds = "; ".join(f.file_kinds for f in FAMILIES if f.file_kinds)
+    raise MlxdiffError(f"{path}: " + (other or f"not a model mlxdiff reads as one file (it reads {kinds})"))
+
+
+def _files_alone(request) -> PipelineSources:
+    """model=None: the family whose transformer file `request.transformer` is, read from its files alone."""
+    path = check_weight_file(not_a_folder(request.transformer, "transformer file"), "transformer file")
+    names = list(tensor_shapes(path))
+    readers = [f for f in FAMILIES if f.read_files_alone is not None]
+    for family in FAMILIES:
+        if family.part_of is not None and family.part_of(names) and family in readers:
+            family.check_keywords("a model given as files", request)
+            return family.read_files_alone(request)
+    other = identify(names)
+    if other is not None:
+        raise MlxdiffError(f"{path}: {other}")
+    raise MlxdiffError(f"{path}: without a model folder the transformer must be "
+                       + " or ".join(f.files_alone_kinds for f in readers)
+                       + "; a diffusers-named one needs its pipeline folder as the model")
 
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
          text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None,
          prediction_type=None, split=None):
     """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
-    FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; loading/flux2_files.py).
+    FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; pipelines/flux2/files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
     bfloat16 on GPUs). `text_encoders`: SD3.5 (folder or single file), {'clip_l': FILE, 'clip_g': FILE, 't5xxl':
     FILE}, any of them, each replacing that encoder. `text_encoder`: FLUX.2, one file (safetensors in transformers /
@@ -38,11 +112,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     and VAE whole; mlxdiff/distributed.py).
     """
     from ..arguments import check_load
-    from .flux2 import Flux2Pipeline
     from ..arguments import check_number, check_quantize
     from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
-    from .sd3 import SD3Pipeline
-    from .stable_diffusion import StableDiffusionPipeline
     # checked here too, for calls as mlxdiff.pipelines.load
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer,
                loras=loras)
@@ -50,18 +121,18 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
     quantize = check_quantize(quantize)       # the one check: typed settings that the plan trusts
     policy = from_switches(check_number("memory_limit", memory_limit))
-    found = resolve(model, transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder, vae=vae,
-                    prediction_type=prediction_type,
-                    tokenizer=tokenizer)
+    found = detect(model, LoadRequest(transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder,
+                                      vae=vae, tokenizer=tokenizer, prediction_type=prediction_type))
     quantization.plan(found.components, quantize)
     for spec in found.components.values():
         if spec is not None and matmul is not None:
             spec.matmul = matmul
-    family = {"sd3": SD3Pipeline, "flux2": Flux2Pipeline, "sd": StableDiffusionPipeline}[found.family]
+    family = family_named(found.family)
     from ..distributed import check_guidance_group, check_split, check_tensor_group
     from ..loading.tensor_parallel import shardable, tensor_parallel
     if group is not None and check_split(split, group) == "tensor":
-        check_tensor_group(group, found.family)
+        check_tensor_group(group, family.title, family.shardable(), " and ".join(
+            f.title for f in FAMILIES if f.shardable()))
         found.components["transformer"] = tensor_parallel(found.components["transformer"], group)
         for name, spec in found.components.items():     # text encoders that split too (models/text_llm.py)
             if name.startswith("text_encoder") and spec is not None and shardable(spec, group):
@@ -69,7 +140,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         group = None     # the pipeline itself runs as one process would; only its transformer's blocks are shared
     elif group is None and split is not None:
         check_split(split, group)
-    pipe = family(found, dtype, keep, policy, check_guidance_group(group))
+    pipe = family.pipeline(found, dtype, keep, policy, check_guidance_group(group))
     from ..arguments import check_loras
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)

@@ -15,12 +15,13 @@ from .. import backend
 import mlx.core as mx
 
 from .. import schedulers
-from ..arguments import check_generate, check_images, check_latents, check_options
+from ..arguments import check_generate, check_images, check_latents
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..models.fused import forget_compiled
 from ..pacing import pace, settle
 from ..policy import RunPolicy, current, installed
+from .family import check_options, family_named
 from .images import to_pil
 from .report import Result, finish, new_run
 from .residency import Residency
@@ -297,7 +298,8 @@ class Pipeline:
         skips a step's blocks after the first where their result barely changes, "taylorseer[:interval[:order]]"
         predicts whole forwards between the ones it runs (pipelines/step_cache.py)."""
         # 1. check: the images, the family's own keywords and the step cache, before anything is loaded
-        names, images = check_images(image, strength, self.family)
+        names, images = check_images(image, strength)
+        self.check_images(names, images, strength)
         run = Run(prompt, negative_prompt, seed, names, images, strength, self.family_options(options), width, height)
         run.step_cache = self.new_step_cache(cache)
         if images and strength is None:
@@ -389,6 +391,17 @@ class Pipeline:
         return mx.array(noise.astype("float32"))
 
     # -- the family's hooks ------------------------------------------------------------------------------------
+    def check_images(self, names, images, strength) -> None:
+        """How this family takes generate()'s images (files already read and checked by arguments.check_images):
+        here image-to-image from one init image; a family with reference images says more."""
+        if len(images) > 1:
+            raise MlxdiffError(f"image: {len(images)} images; {self.title} image-to-image starts from one image (it "
+                               "takes no reference images); give one --image")
+
+    @property
+    def title(self) -> str:
+        return family_named(self.family).title
+
     def check_inputs(self, run):
         """Step 1: the family's keywords and images, before the request (may set run.state, and run.width/height
         where the caller gave none)."""

@@ -9,15 +9,15 @@
 
 from dataclasses import dataclass
 
-from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from .. import schedulers
-from ..arguments import check_generate, check_layers
-from ..errors import MlxdiffError
-from ..tokenizers import tokenize, report_truncation
-from . import image_inputs
-from .base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ... import schedulers
+from ...arguments import check_generate, check_layers
+from ...errors import MlxdiffError
+from ...tokenizers import tokenize, report_truncation
+from .. import image_inputs
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
 @dataclass

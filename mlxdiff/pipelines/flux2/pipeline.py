@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from .. import schedulers
-from ..arguments import check_generate
-from ..errors import MlxdiffError
-from ..tokenizers import tokenize_dev, tokenize_klein
-from . import image_inputs
-from .base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ... import schedulers
+from ...arguments import check_generate
+from ...errors import MlxdiffError
+from ...tokenizers import tokenize_dev, tokenize_klein
+from .. import image_inputs
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
 @dataclass
@@ -41,6 +41,25 @@ class Flux2Pipeline(Pipeline):
     family = "flux2"
     patch_size = 2      # the latents are patchified 2x2 before the transformer
     OPTIONS = {"max_sequence_length": None, "text_encoder_out_layers": None}
+    REFERENCE_MIN_SIDE = 64   # reference images: diffusers' Flux2ImageProcessor.check_image_input
+    REFERENCE_MAX_ASPECT = 8
+
+    def check_images(self, names, images, strength):
+        """With `strength` one init image (img2img); without it 1 to arguments.MAX_REFERENCES reference images of
+        at least REFERENCE_MIN_SIDE pixels a side and an aspect ratio up to 8:1 (as diffusers checks them)."""
+        if strength is not None and len(images) > 1:
+            raise MlxdiffError(f"strength={strength:g} with {len(images)} images: image-to-image starts from one "
+                               "image; give one --image, or leave --strength out to use the images as references")
+        if strength is None:
+            for name, im in zip(names, images):
+                w, h = im.size
+                if min(w, h) < self.REFERENCE_MIN_SIDE:
+                    raise MlxdiffError(f"image {name}: {w}x{h} is too small for a FLUX.2 reference image; both sides "
+                                       f"must be at least {self.REFERENCE_MIN_SIDE} pixels (as in diffusers)")
+                if max(w / h, h / w) > self.REFERENCE_MAX_ASPECT:
+                    raise MlxdiffError(f"image {name}: {w}x{h} has an aspect ratio of {max(w / h, h / w):.1f}:1; a "
+                                       f"FLUX.2 reference image may be at most {self.REFERENCE_MAX_ASPECT}:1 (as in "
+                                       "diffusers)")
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)

@@ -6,13 +6,14 @@ bundled real CLIP and T5 vocabularies, and the scheduler is SD3.5's.
 
 from pathlib import Path
 
-from ..errors import MlxdiffError
-from ..formats import check_weight_file, is_gguf, open_weights, tensor_shapes
-from ..formats.keymaps import remap, strip_prefix
-from ..models import clip, mmdit, t5, vae
-from ..tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
-from .sources import not_a_folder, transformer_from_file
-from .spec import ComponentSpec, PipelineSources
+from ...errors import MlxdiffError
+from ...formats import check_weight_file, is_gguf, tensor_shapes
+from ...formats.keymaps import remap
+from ...models import clip, mmdit, t5, vae
+from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
+from ...loading.sources import config_from_shapes, lazy_under, not_a_folder, transformer_from_file
+from ...loading.spec import ComponentSpec, PipelineSources
+from ..family import identify
 
 SD3_SCHEDULER_DEFAULT = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
 
@@ -21,21 +22,6 @@ TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "
     "clip_g": ("text_encoder_2", "text_encoders.clip_g.transformer.", "clip_g*.safetensors"),
     "t5xxl": ("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5xxl*.safetensors"),
 }
-
-
-def _lazy(path, prefix):
-    """The (gated, lazy) tensors of one file under `prefix`, without it."""
-    return strip_prefix(open_weights(path), prefix)
-
-
-def _config(arch, infer, weights, path) -> dict:
-    """A config read off a file's tensor shapes, then checked like a config.json (the file named either way)."""
-    try:
-        config = infer(weights)
-    except MlxdiffError as e:   # the inference knows tensors, not files
-        raise MlxdiffError(f"{path}: {e}") from None
-    arch.ModelArgs.from_dict(config, f"{path} (config read from its tensor shapes)")
-    return config
 
 
 # the config keys a file's shapes give (config_from_weights); the others are the single-file defaults, or, when the
@@ -65,9 +51,9 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
             raise MlxdiffError(f"{file}: not a T5 encoder GGUF in llama.cpp's names (enc.blk.N.attn_q.weight, ...)")
         weights = remap(shapes, t5.GGUF_KEYMAP)
     else:
-        weights = _lazy(file, prefix)
+        weights = lazy_under(file, prefix)
     try:
-        config = _config(arch, arch.config_from_weights, weights, file)
+        config = config_from_shapes(arch, arch.config_from_weights, weights, file)
     except MlxdiffError:
         if not base_config:
             raise
@@ -94,7 +80,7 @@ def sd3_vae_file(path, base_config=None, base_where=None) -> ComponentSpec:
         raise MlxdiffError(f"{path}: a FLUX.2 VAE (it has bn.running_mean), but this is an SD3.5 model; give SD3.5's "
                            "VAE")
     if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
-        config = _config(vae, lambda w: vae.config_from_ldm(w, defaults=base_config), names, path)
+        config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, defaults=base_config), names, path)
         rules = vae.ldm_keymap(vae.ldm_num_blocks(names))
         return ComponentSpec("vae", vae, config, [path], prefix, lambda w: remap(w, rules))
     if "decoder.conv_in.weight" in names:
@@ -110,14 +96,16 @@ def sd3_vae_file(path, base_config=None, base_where=None) -> ComponentSpec:
 def sd3_single_file(path: Path, transformer=None, text_encoders=None, vae_file=None) -> PipelineSources:
     names = list(tensor_shapes(path))
     if not any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
-        raise MlxdiffError(f"{path}: not a full SD3.5 single file; for a FLUX.2 or GGUF transformer, load the "
-                           "pipeline folder and pass the file as transformer=")
+        other = identify(names, but="sd3")
+        raise MlxdiffError(f"{path}: " + (other or "not a full SD3.5 single file (no model.diffusion_model."
+                                          "joint_blocks.*); for a transformer alone, load the pipeline folder and "
+                                          "pass the file as transformer="))
     specs = {"transformer": transformer_from_file(transformer or path, mmdit)}
     if not any(n.startswith("first_stage_model.") for n in names):
         raise MlxdiffError(f"{path}: has no VAE (first_stage_model.*); use the full sd3.5 checkpoint")
-    vae_weights = _lazy(path, "first_stage_model.")
+    vae_weights = lazy_under(path, "first_stage_model.")
     vae_keymap = vae.ldm_keymap(vae.ldm_num_blocks(vae_weights))
-    specs["vae"] = ComponentSpec("vae", vae, _config(vae, vae.config_from_ldm, vae_weights, path), [path],
+    specs["vae"] = ComponentSpec("vae", vae, config_from_shapes(vae, vae.config_from_ldm, vae_weights, path), [path],
                                  "first_stage_model.", lambda w: remap(w, vae_keymap))
     if vae_file is not None:
         specs["vae"] = sd3_vae_file(vae_file, specs["vae"].config, path)

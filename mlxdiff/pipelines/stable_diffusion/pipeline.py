@@ -11,16 +11,16 @@ StableDiffusionXLPipeline (and their Img2Img twins) step by step.
 
 from dataclasses import dataclass
 
-from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from .. import ldm_schedulers
-from ..arguments import check_generate
-from ..config_checks import MAX_IMAGE_SIZE
-from ..errors import MlxdiffError
-from ..tokenizers import report_truncation, tokenize
-from . import image_inputs
-from .base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ... import ldm_schedulers
+from ...arguments import check_generate
+from ...config_checks import MAX_IMAGE_SIZE
+from ...errors import MlxdiffError
+from ...tokenizers import report_truncation, tokenize
+from .. import image_inputs
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 # SDXL's micro-conditioning keywords: (height, width) / (top, left) pairs that become the UNet's added time ids
 SIZE_OPTIONS = ("original_size", "crops_coords_top_left", "target_size", "negative_original_size",
@@ -78,8 +78,8 @@ class StableDiffusionPipeline(Pipeline):
         return self.components["unet"].args.sample_size * self.vae_scale_factor()
 
     def default_scheduler(self) -> str:
-        """The sampler the model's scheduler config names (sources.LDM_SCHEDULERS)."""
-        from ..loading.sources import LDM_SCHEDULERS
+        """The sampler the model's scheduler config names (folder.LDM_SCHEDULERS)."""
+        from .folder import LDM_SCHEDULERS
         return LDM_SCHEDULERS[self.scheduler_config.get("_class_name", "EulerDiscreteScheduler")]
 
     # -- encode ---------------------------------------------------------------------------------------------

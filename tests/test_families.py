@@ -1,0 +1,147 @@
+"""The family registry (issue 38): every record in mlxdiff.pipelines.FAMILIES is complete and conforms (its folder's
+pipeline, layouts of registered architectures that meet the protocol, readers paired with the words that describe
+them, load() keywords and generate() options derived from it, a diffusers reference that runs), and no code outside
+the family folders and the model files names a family."""
+
+import ast
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+
+import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
+from mlxdiff.errors import MlxdiffError
+from mlxdiff.loading.spec import ARCHITECTURES
+from mlxdiff.models import protocol as P
+from mlxdiff.pipelines import FAMILIES, by_pipeline_class, detect
+from mlxdiff.pipelines.base import Pipeline
+from mlxdiff.pipelines.family import PART_KEYWORDS, LoadRequest, check_options, family_named
+
+PACKAGE = Path(mlxdiff.__file__).parent
+IDS = [f.name for f in FAMILIES]
+# what a layout may name that is no model: tokenizers (None: any class) and schedulers (their classes' names)
+NOT_MODELS = ("tokenizer", "scheduler")
+
+
+def test_names_and_classes_are_unique():
+    assert len({f.name for f in FAMILIES}) == len(FAMILIES)
+    assert len({f.title for f in FAMILIES}) == len(FAMILIES)
+    classes = [cls for f in FAMILIES for cls in f.layouts]
+    assert len(classes) == len(set(classes)) == len(by_pipeline_class())
+    assert all(by_pipeline_class()[cls] is f for f in FAMILIES for cls in f.layouts)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_record_is_complete(family):
+    assert family.name and family.title and family.article in ("a", "an")
+    assert issubclass(family.pipeline, Pipeline) and family.pipeline.family == family.name
+    assert family_named(family.name) is family
+    # the folder: the record, its pipeline and its readers are one package under pipelines/
+    folder = PACKAGE / "pipelines" / Path(inspect.getfile(family.pipeline)).parent.name
+    assert Path(inspect.getfile(family.pipeline)).parent == folder and (folder / "__init__.py").is_file()
+    for reader in (family.read_folder, family.read_file, family.read_files_alone, family.part_of):
+        if reader is not None:
+            assert Path(inspect.getfile(reader)).parent == folder, reader
+    # readers come with the words that describe them in the refusals
+    assert (family.claims_file is None) == (family.read_file is None) == (not family.file_kinds)
+    assert (family.read_files_alone is None) == (not family.files_alone_kinds)
+    assert family.read_files_alone is None or family.part_of is not None   # files alone are told by the part
+    assert set(family.keywords) <= set(PART_KEYWORDS) and "transformer" in family.keywords
+    assert set(family.instead) <= set(PART_KEYWORDS) - set(family.keywords)
+    assert all(isinstance(v, str) and v for v in (*family.keywords.values(), *family.instead.values()))
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_layouts_name_registered_architectures(family):
+    denoiser = family.pipeline.DENOISER
+    assert family.layouts
+    for cls, layout in family.layouts.items():
+        assert denoiser in layout and "vae" in layout, cls
+        assert family.optional <= set(layout) | {n for other in family.layouts.values() for n in other}
+        for component, allowed in layout.items():
+            if component.startswith(NOT_MODELS):
+                continue
+            assert allowed, (cls, component)
+            for class_name in allowed:
+                arch = ARCHITECTURES[class_name]
+                assert isinstance(arch, P.Architecture), (cls, component, class_name)
+        for class_name in layout[denoiser]:      # the denoiser is read from original files and takes LoRAs
+            arch = ARCHITECTURES[class_name]
+            assert isinstance(arch, P.OriginalFile) and isinstance(arch, P.LoRADenoiser), class_name
+    assert family.shardable() in (True, False)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_keywords_it_does_not_take_are_refused(family):
+    """Each load() keyword another family takes is refused for this one in one line: what the keyword is for and
+    what this family takes instead."""
+    for keyword in PART_KEYWORDS:
+        if keyword in family.keywords:
+            continue
+        assert any(keyword in f.keywords for f in FAMILIES), keyword     # every keyword has an owner
+        value = {"text_encoders": {"clip_l": "x.safetensors"}, "prediction_type": "epsilon"}.get(keyword, "x")
+        with pytest.raises(MlxdiffError) as e:
+            family.check_keywords("MODEL", LoadRequest(**{keyword: value}))
+        message = str(e.value)
+        assert "\n" not in message and message.startswith(f"{keyword}=: ") and family.title in message, message
+        assert family.instead.get(keyword, f"leave {keyword}= out") in message
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_options_are_derived_from_the_pipelines(family):
+    """generate()'s family options come from each pipeline's OPTIONS: another family's is refused naming the
+    families that have it, an unknown one as not an argument."""
+    for option in {o for f in FAMILIES for o in f.pipeline.OPTIONS} - set(family.pipeline.OPTIONS):
+        owners = [f.title for f in FAMILIES if option in f.pipeline.OPTIONS]
+        with pytest.raises(MlxdiffError, match=f"^{option}: an option of {' and '.join(owners)} models only; this "
+                                                f"is {family.article} {family.title} model$".replace(".", r"\.")):
+            check_options(family.name, {option: 1})
+    with pytest.raises(MlxdiffError, match=f"not an argument of generate\\(\\) for {family.title}"):
+        check_options(family.name, {"no_such_option": 1})
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=IDS)
+def test_reference_runs(family):
+    """Its diffusers reference (footprint compare, the parity tests) is a module that runs as `python -m` with a
+    `run`; --reference-dtype values are dtypes diffusers takes."""
+    module = importlib.import_module(family.reference)
+    assert callable(module.run) and 'if __name__ == "__main__"' in Path(module.__file__).read_text()
+    assert set(family.reference_dtypes) <= {"bfloat16", "float32", "float16"}
+
+
+def test_unclaimed_file_is_one_line_listing_what_each_family_reads(tmp_path):
+    from safetensors.numpy import save_file
+    import numpy as np
+    save_file({"encoder.layer.0.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(MlxdiffError) as e:
+        detect(str(tmp_path / "other.safetensors"), LoadRequest())
+    message = str(e.value)
+    assert "\n" not in message and "other.safetensors" in message
+    for family in FAMILIES:
+        assert not family.file_kinds or family.file_kinds in message
+
+
+def _literals(path):
+    """Every str constant in a module that is not a docstring."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value) for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings]
+
+
+def test_no_code_outside_the_family_folders_names_a_family():
+    """A family's name and pipeline classes appear as literals only in its folder, the model files and the
+    references (the diffusers side); elsewhere code asks the registry."""
+    names = {f.name for f in FAMILIES} | {cls for f in FAMILIES for cls in f.layouts}
+    folders = {Path(inspect.getfile(f.pipeline)).parent for f in FAMILIES}
+    allowed = folders | {PACKAGE / "models", PACKAGE / "reference"}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if any(a == path.parent or a in path.parents for a in allowed):
+            continue
+        found += [f"{path.relative_to(PACKAGE)}:{line}: {value!r}" for line, value in _literals(path)
+                  if value in names]
+    assert not found, found
