@@ -277,3 +277,57 @@ def picture(width, height, seed):
     base = np.stack([np.sin(6 * xx + seed), np.cos(5 * yy - seed), np.sin(4 * (xx + yy))], axis=-1)
     pixels = 127.5 + 90 * base + rng.normal(0, 20, (height, width, 3))
     return PIL.Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+
+
+def flux1_to_bfl(sd, cfg):
+    """diffusers FluxTransformer2DModel -> Black Forest Labs' original FLUX.1 names: the test-side inverse of
+    diffusers' convert_flux_transformer_checkpoint_to_diffusers (validated in test_flux1_transformer.py against that
+    converter, its hard-coded width set to the test's)."""
+    import torch
+
+    def swap(t):  # diffusers (scale, shift) -> BFL (shift, scale)
+        scale, shift = t.chunk(2, dim=0)
+        return torch.cat([shift, scale])
+
+    out = {}
+    def linear(bfl, ours):
+        out[bfl + ".weight"], out[bfl + ".bias"] = sd[ours + ".weight"], sd[ours + ".bias"]
+
+    linear("img_in", "x_embedder")
+    linear("txt_in", "context_embedder")
+    linear("time_in.in_layer", "time_text_embed.timestep_embedder.linear_1")
+    linear("time_in.out_layer", "time_text_embed.timestep_embedder.linear_2")
+    linear("vector_in.in_layer", "time_text_embed.text_embedder.linear_1")
+    linear("vector_in.out_layer", "time_text_embed.text_embedder.linear_2")
+    if cfg["guidance_embeds"]:
+        linear("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1")
+        linear("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")
+    linear("final_layer.linear", "proj_out")
+    out["final_layer.adaLN_modulation.1.weight"] = swap(sd["norm_out.linear.weight"])
+    out["final_layer.adaLN_modulation.1.bias"] = swap(sd["norm_out.linear.bias"])
+    for i in range(cfg["num_layers"]):
+        o, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
+        linear(o + "img_mod.lin", d + "norm1.linear")
+        linear(o + "txt_mod.lin", d + "norm1_context.linear")
+        for kind in ("weight", "bias"):
+            out[o + f"img_attn.qkv.{kind}"] = torch.cat([sd[d + f"attn.to_{c}.{kind}"] for c in "qkv"])
+            out[o + f"txt_attn.qkv.{kind}"] = torch.cat([sd[d + f"attn.add_{c}_proj.{kind}"] for c in "qkv"])
+        out[o + "img_attn.norm.query_norm.scale"] = sd[d + "attn.norm_q.weight"]
+        out[o + "img_attn.norm.key_norm.scale"] = sd[d + "attn.norm_k.weight"]
+        out[o + "txt_attn.norm.query_norm.scale"] = sd[d + "attn.norm_added_q.weight"]
+        out[o + "txt_attn.norm.key_norm.scale"] = sd[d + "attn.norm_added_k.weight"]
+        linear(o + "img_attn.proj", d + "attn.to_out.0")
+        linear(o + "txt_attn.proj", d + "attn.to_add_out")
+        for bfl, ours in (("img_mlp", "ff"), ("txt_mlp", "ff_context")):
+            linear(o + f"{bfl}.0", d + f"{ours}.net.0.proj")
+            linear(o + f"{bfl}.2", d + f"{ours}.net.2")
+    for i in range(cfg["num_single_layers"]):
+        o, d = f"single_blocks.{i}.", f"single_transformer_blocks.{i}."
+        linear(o + "modulation.lin", d + "norm.linear")
+        for kind in ("weight", "bias"):
+            out[o + f"linear1.{kind}"] = torch.cat([sd[d + f"attn.to_{c}.{kind}"] for c in "qkv"]
+                                                   + [sd[d + f"proj_mlp.{kind}"]])
+        linear(o + "linear2", d + "proj_out")
+        out[o + "norm.query_norm.scale"] = sd[d + "attn.norm_q.weight"]
+        out[o + "norm.key_norm.scale"] = sd[d + "attn.norm_k.weight"]
+    return out

@@ -1,7 +1,8 @@
 """What a pipeline is made of, before anything is read: one ComponentSpec per model component (its architecture
 module, config, weight files and key mapping; `spec.build()` maps the weights lazily when a phase needs the model)
 and the PipelineSources that gather them with the tokenizers and settings. The readers that make them from what a
-user names are sources.py (folders, files), single_file.py and flux2_files.py; resolve.py picks which.
+user names are the family readers (pipelines/<family>/) on sources.py's shared ones; pipelines.detect picks the
+family.
 
 Also here: the architecture registry (diffusers / transformers class name <-> mlxdiff.models module, which is what a
 spec's `arch` is and what mlxdiff.convert saves a component as) and NATIVE_KEY, the mark of mlxdiff's own format.
@@ -14,7 +15,7 @@ from typing import Callable
 
 from ..formats import is_coreml, is_gguf, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.keymaps import strip_prefix
-from ..models import clip, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
+from ..models import clip, flux1, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
 from ..models.protocol import Architecture
 from .build import build
 from .quantize import parameter_nbytes, setting
@@ -27,6 +28,7 @@ ARCHITECTURES = {
     "CLIPTextModel": clip,                    # SD 1.x, SDXL's first encoder: no text_projection
     "UNet2DConditionModel": unet,
     "T5EncoderModel": t5,
+    "FluxTransformer2DModel": flux1,
     "Flux2Transformer2DModel": flux2,
     "AutoencoderKLFlux2": vae_flux2,
     "Mistral3ForConditionalGeneration": text_llm,
