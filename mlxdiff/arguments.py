@@ -47,6 +47,7 @@ RULES = {
     "max_sequence_length": (True, 1, MAX_SEQUENCE, False, DEFAULT),
     "clip_skip": (True, 0, 64, False, ""),
     "skip_layer_guidance_scale": (False, 0.0, MAX_GUIDANCE, False, ""),
+    "true_cfg_scale": (False, 0.0, MAX_GUIDANCE, False, ""),
     "skip_layer_guidance_start": (False, 0.0, 1.0, False, ""),
     "skip_layer_guidance_stop": (False, 0.0, 1.0, False, ""),
     "memory_limit": (False, 0.0, None, True, ""),      # GB; high: MEMORY_FACTOR x physical memory (memory_cap_gb)

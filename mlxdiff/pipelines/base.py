@@ -378,7 +378,7 @@ class Pipeline:
     def check_image_noise(self, run):
         """check_run's part: `image_noise` has the VAE latents' shape at the output size."""
         noise, factor = run.options["image_noise"], self.vae_scale_factor()
-        expected = (1, self.components[self.DENOISER].args.in_channels, run.height // factor, run.width // factor)
+        expected = (1, self.components["vae"].args.latent_channels, run.height // factor, run.width // factor)
         if noise is not None and tuple(noise.shape) != expected:
             raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {expected} (the VAE latents of "
                                "the output size)")

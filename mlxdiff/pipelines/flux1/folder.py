@@ -1,0 +1,41 @@
+"""A FLUX.1 diffusers folder (FluxPipeline: dev, schnell, Krea) -> PipelineSources."""
+
+from pathlib import Path
+
+from ...errors import MlxdiffError
+from ...loading.sources import check_together, folder_component, read_scheduler_config, tokenizer_folder, \
+    transformer_from_file
+from ...loading.spec import PipelineSources
+from ...models import flux1
+
+ENCODERS = ("text_encoder", "text_encoder_2")     # CLIP-L (pooled), T5-XXL
+
+
+def check_encoders(where, specs) -> None:
+    """The encoders' widths are what the transformer takes: CLIP-L's pooled vector and T5's features."""
+    transformer = specs["transformer"].args
+    clip, t5 = specs["text_encoder"].args, specs["text_encoder_2"].args
+    if clip.hidden_size != transformer.pooled_projection_dim:
+        raise MlxdiffError(f"{where}: the transformer's pooled_projection_dim is {transformer.pooled_projection_dim} "
+                           f"but the CLIP text encoder gives {clip.hidden_size}; the components do not belong "
+                           "together")
+    if t5.d_model != transformer.joint_attention_dim:
+        raise MlxdiffError(f"{where}: the transformer's joint_attention_dim is {transformer.joint_attention_dim} but "
+                           f"the T5 text encoder gives {t5.d_model}; the components do not belong together")
+
+
+def flux1_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
+    """A FluxPipeline folder; `transformer`: a file replacing its transformer (BFL / ComfyUI names, GGUF, or
+    diffusers names with the folder's config)."""
+    from ...tokenizers import load_tokenizer
+    specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
+             for name in ("transformer", "vae", *ENCODERS)}
+    specs["text_encoder"].config["architectures"] = [components["text_encoder"]]   # CLIPTextModel: no projection
+    if transformer is not None:
+        specs["transformer"] = transformer_from_file(transformer, flux1, specs["transformer"].config,
+                                                     root / "transformer" / "config.json")
+    check_together(root, specs, latent_patch=4, token_patch=2)
+    check_encoders(root / "model_index.json", specs)
+    tokenizers = {name: load_tokenizer(tokenizer_folder(root, name), components[name])
+                  for name in ("tokenizer", "tokenizer_2")}
+    return PipelineSources("flux1", pipeline_class, specs, tokenizers, read_scheduler_config(root))

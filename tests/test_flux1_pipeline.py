@@ -1,0 +1,121 @@
+"""End to end: mlxdiff's FLUX.1 pipeline against diffusers' FluxPipeline on the same injected noise, for dev
+(embedded guidance, dynamic shifting), schnell (neither) and true CFG with a negative prompt."""
+
+import numpy as np
+import pytest
+import torch
+
+import mlxdiff
+from conftest import ASSETS, FIXTURES
+from helpers import max_rel_err, randomize_
+from mlxdiff.errors import MlxdiffError
+
+H, W = 40, 24      # non-square; multiples of vae_scale_factor (2) * 2 (the 2x2 patches)
+LATENT = 5         # VAE latent channels: the transformer takes 4 x 5 = 20
+
+
+def flux1_components(variant, seed=0):
+    """A tiny FluxPipeline, every dimension distinct: CLIP-L 36 wide (pooled), T5 44 wide, a transformer 48 wide
+    (3 heads of 16, RoPE axes 4, 6, 6), a 5-channel VAE. dev: guidance embedder and dev's scheduler (dynamic
+    shifting); schnell: neither (shift 1)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=1))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=32128, d_model=44, d_kv=10, d_ff=60, num_layers=2, num_heads=3, feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=10, relative_attention_max_distance=24))
+    dev = variant == "dev"
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=3, joint_attention_dim=44, pooled_projection_dim=36, guidance_embeds=dev,
+        axes_dims_rope=(4, 6, 6))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=(8, 12), layers_per_block=1, latent_channels=LATENT,
+        norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    for i, m in enumerate((clip, t5, transformer, vae)):
+        randomize_(m, seed=seed * 10 + i, scale=0.15)
+        m.eval()
+    vocab = FIXTURES / "clip" if (FIXTURES / "clip" / "vocab.json").exists() else ASSETS / "clip"
+    t5_file = FIXTURES / "t5" if (FIXTURES / "t5" / "tokenizer.json").exists() else ASSETS / "t5"
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096) if dev else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
+    return dict(transformer=transformer, vae=vae, text_encoder=clip, text_encoder_2=t5,
+                tokenizer=CLIPTokenizer(str(vocab / "vocab.json"), str(vocab / "merges.txt"), model_max_length=77),
+                tokenizer_2=T5TokenizerFast(tokenizer_file=str(t5_file / "tokenizer.json"), model_max_length=512),
+                scheduler=scheduler)
+
+
+@pytest.fixture(scope="module", params=["dev", "schnell"])
+def flux1_tiny(request, tmp_path_factory):
+    """(variant, folder, diffusers pipeline read back from the folder)."""
+    from diffusers import FluxPipeline
+    folder = tmp_path_factory.mktemp(f"flux1_{request.param}")
+    FluxPipeline(**flux1_components(request.param)).save_pretrained(str(folder))
+    return request.param, folder, FluxPipeline.from_pretrained(str(folder))
+
+
+def packed_noise(seed):
+    return np.random.default_rng(seed).standard_normal((1, (H // 4) * (W // 4), 4 * LATENT)).astype(np.float32)
+
+
+@pytest.mark.parametrize("case", ["guidance", "true_cfg"])
+def test_pipeline_matches_diffusers(flux1_tiny, case):
+    variant, folder, pipe = flux1_tiny
+    noise = packed_noise(1)
+    sequence = 512 if variant == "dev" else 256       # our defaults: dev's and schnell's
+    kw = dict(prompt="a red fox in the snow", num_inference_steps=3, guidance_scale=3.5,
+              max_sequence_length=sequence)
+    ours_kw = dict(prompt="a red fox in the snow", steps=3, guidance=3.5)
+    if case == "true_cfg":
+        kw.update(negative_prompt="blurry, low quality", true_cfg_scale=2.5)
+        ours_kw.update(negative_prompt="blurry, low quality", true_cfg_scale=2.5)
+    ref = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="np", **kw).images[0]
+    ref_latents = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **kw).images
+    result = mlxdiff.load(str(folder)).generate(width=W, height=H, latents=noise, progress_bar=False, **ours_kw)
+    ours = np.asarray(result.image).astype(np.float32) / 255.0
+    ref_u8 = (ref * 255).round() / 255.0
+    unpacked = pipe._unpack_latents(ref_latents, H, W, pipe.vae_scale_factor).numpy()
+    err = max_rel_err(result.latents, unpacked)
+    print(f"{variant} {case}: latents max_rel_err {err:.2e}, image {np.abs(ours - ref_u8).max() * 255:.1f}/255")
+    assert err <= 1e-4
+    assert ours.shape == ref.shape
+    assert np.abs(ours - ref_u8).max() <= 2 / 255
+    assert set(result.timings) == {"encode", "denoise", "decode"}
+    # the embedded guidance moves dev's result (schnell has none), true CFG's scale moves both, or the comparison
+    # proves little
+    def moved(**change):
+        changed = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **dict(kw, **change))
+        return max_rel_err(changed.images.numpy(), ref_latents.numpy()) > 1e-3
+    assert moved(guidance_scale=1.5) == (variant == "dev")
+    if case == "true_cfg":
+        assert moved(true_cfg_scale=1.5)
+
+
+def test_encode_prompt_matches_diffusers(flux1_tiny):
+    variant, folder, pipe = flux1_tiny
+    long_prompt = "a very long prompt " * 40      # over CLIP's 77 tokens and T5's 256
+    ours_pipe = mlxdiff.load(str(folder))
+    for prompt in ("a cat", long_prompt):
+        pe, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, max_sequence_length=256)
+        ours = ours_pipe.encode_prompt(prompt, max_sequence_length=256).as_numpy()
+        assert max_rel_err(ours["prompt_embeds"], pe.detach().numpy()) <= 1e-4
+        assert max_rel_err(ours["pooled_prompt_embeds"], pooled.detach().numpy()) <= 1e-4
+
+
+def test_defaults_are_the_variants(flux1_tiny):
+    variant, folder, _ = flux1_tiny
+    pipe = mlxdiff.load(str(folder))
+    assert pipe.defaults() == ({"steps": 28, "guidance": 3.5} if variant == "dev" else {"steps": 4, "guidance": 0.0})
+    assert pipe.default_sequence_length() == (512 if variant == "dev" else 256)
+
+
+def test_latents_of_another_shape_are_one_line(flux1_tiny):
+    _, folder, _ = flux1_tiny
+    with pytest.raises(MlxdiffError, match="packed layout"):
+        mlxdiff.load(str(folder)).generate("a cat", width=W, height=H, steps=1,
+                                           latents=np.zeros((1, LATENT, H // 2, W // 2), np.float32))
