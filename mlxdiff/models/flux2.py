@@ -551,6 +551,11 @@ def is_original(names) -> bool:
     return any(re.match(_P + r"(img_in\.weight$|double_blocks\.|single_blocks\.)", n) for n in names)
 
 
+def is_previous_generation(names) -> bool:
+    """Whether BFL names are FLUX.1's (vector_in, per-block modulations), which this model does not read."""
+    return any(_FLUX1_KEY.match(n[len(ORIGINAL_PREFIX):] if n.startswith(ORIGINAL_PREFIX) else n) for n in names)
+
+
 def original_to_diffusers(weights: dict) -> dict:
     """BFL names -> diffusers names (lazy; nothing is read)."""
     weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)

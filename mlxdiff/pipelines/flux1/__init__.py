@@ -1,8 +1,12 @@
-"""FLUX.1 (dev, schnell, Krea): FluxPipeline folders, with a transformer file (BFL / ComfyUI names, GGUF) replacing
-a folder's."""
+"""FLUX.1 (dev, schnell, Krea): FluxPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
+ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those files alone."""
 
+from ...errors import MlxdiffError
 from ...models import flux1
 from ..family import Family
+from ...loading.sources import check_together
+from ..sd3.single_file import sd3_vae_file
+from .files import VAE_DEFAULTS, flux1_files
 from .folder import flux1_folder
 from .pipeline import Conditioning, Flux1Pipeline  # noqa: F401  (mlxdiff.pipelines.flux1.Flux1Pipeline)
 
@@ -13,12 +17,30 @@ COMPONENTS = {"transformer": ("FluxTransformer2DModel",), "vae": ("AutoencoderKL
 
 
 def read_folder(path, index, pipeline_class, components, request):
-    return flux1_folder(path, index, pipeline_class, components, request.transformer)
+    found = flux1_folder(path, index, pipeline_class, components, request.transformer)
+    if request.text_encoders:
+        raise MlxdiffError(f"text_encoders=: {path} is a FLUX.1 folder, which has its own CLIP-L and T5; give the "
+                           "files with the transformer file as the model instead")
+    if request.vae is not None:
+        found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config or VAE_DEFAULTS,
+                                               path / "vae" / "config.json", title="a FLUX.1")
+        check_together(path, found.components, latent_patch=4, token_patch=2)
+    return found
+
+
+def read_file(path, request):
+    """The model given as one file: BFL's transformer (its encoders and VAE found beside it or given) or ComfyUI's
+    all-in-one checkpoint."""
+    return flux1_files(request.transformer or path, request.text_encoders, request.vae, bundle=path)
+
+
+def read_files_alone(request):
+    return flux1_files(request.transformer, request.text_encoders, request.vae)
 
 
 def part_of(names):
     if flux1.is_original(names):
-        return ("a FLUX.1 transformer alone; give its pipeline folder as the model with this file as transformer=")
+        return "a FLUX.1 transformer; give it as the model (its clip_l, t5xxl and ae files beside it or given)"
     return None
 
 
@@ -26,10 +48,17 @@ FAMILY = Family(
     name="flux1", title="FLUX.1", article="a", pipeline=Flux1Pipeline,
     layouts={"FluxPipeline": COMPONENTS},
     read_folder=read_folder,
-    keywords={"transformer": "a file replacing the denoiser"},
-    instead={"text_encoders": "FLUX.1 takes its folder's CLIP-L and T5 encoders",
-             "text_encoder": "FLUX.1 takes its folder's CLIP-L and T5 encoders",
-             "tokenizer": "FLUX.1 takes its folder's CLIP and T5 tokenizers"},
+    keywords={"transformer": "a file replacing the denoiser",
+              "text_encoders": "FLUX.1's clip_l / t5xxl files (with its transformer file as the model, or alone)",
+              "vae": "a VAE file replacing the model's"},
+    instead={"text_encoder": "give text_encoders={'clip_l': F, 't5xxl': F} (either of them)",
+             "tokenizer": "FLUX.1 takes its own (or the bundled) CLIP and T5 tokenizers"},
     reference="mlxdiff.reference.flux1",
+    claims_file=flux1.is_original,
+    read_file=read_file,
+    file_kinds="FLUX.1 files in BFL / ComfyUI names (double_blocks.N.img_mod.*, vector_in.*; GGUF too)",
     part_of=part_of,
+    read_files_alone=read_files_alone,
+    files_alone_kinds="a FLUX.1 file in BFL / ComfyUI names",
+    reference_file_refusal="a FLUX.1 single file",
 )

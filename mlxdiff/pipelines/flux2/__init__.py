@@ -22,7 +22,7 @@ def read_files_alone(request):
 
 
 def part_of(names):
-    if flux2.is_original(names):
+    if flux2.is_original(names) and not flux2.is_previous_generation(names):
         return ("a FLUX.2 transformer alone; give its pipeline folder as the model with this file as transformer=, "
                 "or no model with transformer=, text_encoder= and vae=")
     return None

@@ -68,7 +68,7 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
     return spec
 
 
-def sd3_vae_file(path, base_config=None, base_where=None) -> ComponentSpec:
+def sd3_vae_file(path, base_config=None, base_where=None, title="an SD3.5") -> ComponentSpec:
     """An SD3.5 VAE from one file (vae=FILE): ldm names (Stability's `first_stage_model.*`, with or without the
     prefix; the config read off the shapes, the group count and latent scaling from the model's vae config, else
     SD3.5's), or diffusers names (with a pipeline folder's vae config)."""
@@ -77,8 +77,8 @@ def sd3_vae_file(path, base_config=None, base_where=None) -> ComponentSpec:
     prefix = "first_stage_model." if any(n.startswith("first_stage_model.decoder.") for n in shapes) else ""
     names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
     if "bn.running_mean" in names:
-        raise MlxdiffError(f"{path}: a FLUX.2 VAE (it has bn.running_mean), but this is an SD3.5 model; give SD3.5's "
-                           "VAE")
+        raise MlxdiffError(f"{path}: a FLUX.2 VAE (it has bn.running_mean), but this is {title} model; give "
+                           "that model's own VAE")
     if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
         config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, defaults=base_config), names, path)
         rules = vae.ldm_keymap(vae.ldm_num_blocks(names))
@@ -89,7 +89,7 @@ def sd3_vae_file(path, base_config=None, base_where=None) -> ComponentSpec:
                                "and pass this file as vae=")
         return ComponentSpec("vae", vae, dict(base_config), [path], prefix)
     shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
-    raise MlxdiffError(f"{path}: not an SD3.5 VAE in a naming mlxdiff reads (ldm: encoder.down.N.*, decoder.up.N.*; "
+    raise MlxdiffError(f"{path}: not {title} VAE in a naming mlxdiff reads (ldm: encoder.down.N.*, decoder.up.N.*; "
                        f"or diffusers'); its tensors are {shown}")
 
 

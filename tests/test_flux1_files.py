@@ -1,0 +1,134 @@
+"""FLUX.1 from the files people have, against diffusers' FluxPipeline on the same components: BFL names with the
+ComfyUI prefix in ComfyUI's folders (models/unet, models/clip, models/vae), an all-in-one checkpoint carrying
+text_encoders.* and vae.*, and the files given alone."""
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mlxdiff
+from conftest import ASSETS, FIXTURES
+from helpers import randomize_
+from mlxdiff.errors import MlxdiffError
+from twins import diffusers_to_ldm, flux1_to_bfl
+
+H, W = 40, 24
+LATENT = 6
+
+
+def components(seed=5):
+    """Sizes whose configs the files' shapes give back (as real files have none): CLIP-L 64 wide (64-wide heads,
+    eos_token_id 2 as the single-file default), T5 with 32 buckets / distance 128, a transformer whose head (32)
+    splits into (4, 14, 14) as config_from_original infers, a VAE with 32 groups."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
+    torch.manual_seed(seed)
+    clip = CLIPTextModel(CLIPTextConfig(
+        vocab_size=49408, hidden_size=64, intermediate_size=80, num_hidden_layers=2, num_attention_heads=1,
+        max_position_embeddings=77, hidden_act="gelu", eos_token_id=2))
+    t5 = T5EncoderModel(T5Config(
+        vocab_size=32128, d_model=224, d_kv=12, d_ff=70, num_layers=2, num_heads=5, feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=32, relative_attention_max_distance=128))
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT, num_layers=1, num_single_layers=2, attention_head_dim=32,
+        num_attention_heads=3, joint_attention_dim=224, pooled_projection_dim=64, guidance_embeds=True,
+        axes_dims_rope=(4, 14, 14))
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, block_out_channels=(32, 64), layers_per_block=1, latent_channels=LATENT,
+        norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
+    for i, m in enumerate((clip, t5, transformer, vae)):
+        randomize_(m, seed=seed * 10 + i, scale=0.15)
+        m.eval()
+    vocab = FIXTURES / "clip" if (FIXTURES / "clip" / "vocab.json").exists() else ASSETS / "clip"
+    t5_file = FIXTURES / "t5" if (FIXTURES / "t5" / "tokenizer.json").exists() else ASSETS / "t5"
+    return dict(transformer=transformer, vae=vae, text_encoder=clip, text_encoder_2=t5,
+                tokenizer=CLIPTokenizer(str(vocab / "vocab.json"), str(vocab / "merges.txt"), model_max_length=77),
+                tokenizer_2=T5TokenizerFast(tokenizer_file=str(t5_file / "tokenizer.json"), model_max_length=512),
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                          max_shift=1.15, base_image_seq_len=256,
+                                                          max_image_seq_len=4096))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    from diffusers import FluxPipeline
+    comps = components()
+    pipe = FluxPipeline(**comps)
+    sd = lambda m: {k: v.detach().clone().contiguous() for k, v in m.state_dict().items()}
+    cfg = dict(pipe.transformer.config)
+    transformer = {"model.diffusion_model." + k: v for k, v in flux1_to_bfl(sd(pipe.transformer), cfg).items()}
+    ae = diffusers_to_ldm(sd(pipe.vae), 2)
+    # transformers 5 leaves the text_model. prefix out of CLIPTextModel's state dict; the files people have carry it
+    clip_l = {k if k.startswith("text_model.") else "text_model." + k: v for k, v in sd(pipe.text_encoder).items()}
+    clip_l["text_projection.weight"] = torch.eye(64)   # ComfyUI's clip_l.safetensors carries a projection
+    t5 = {k: v for k, v in sd(pipe.text_encoder_2).items() if k != "encoder.embed_tokens.weight"}
+    root = tmp_path_factory.mktemp("flux1_files")
+    models = root / "models"
+    for d in ("unet", "clip", "vae", "checkpoints"):
+        (models / d).mkdir(parents=True)
+    save_file(transformer, str(models / "unet" / "flux1-tiny.safetensors"))
+    save_file(clip_l, str(models / "clip" / "clip_l.safetensors"))
+    save_file(t5, str(models / "clip" / "t5xxl_fp16.safetensors"))
+    save_file(ae, str(models / "vae" / "ae.safetensors"))
+    whole = dict(transformer)
+    whole.update({"text_encoders.clip_l.transformer." + k: v for k, v in clip_l.items()})
+    whole.update({"text_encoders.t5xxl.transformer." + k: v for k, v in t5.items()})
+    whole.update({"vae." + k: v for k, v in ae.items()})
+    save_file(whole, str(models / "checkpoints" / "flux1-tiny-fp16.safetensors"))
+    return models, pipe
+
+
+def reference(pipe, noise, **kw):
+    return pipe(prompt="a lighthouse at dusk", height=H, width=W, num_inference_steps=3, guidance_scale=3.5,
+                latents=torch.from_numpy(noise), output_type="np", **kw).images[0]
+
+
+@pytest.mark.parametrize("layout", ["comfyui_folders", "all_in_one", "files_alone"])
+def test_files_match_diffusers(files, layout):
+    models, pipe = files
+    noise = np.random.default_rng(7).standard_normal((1, (H // 4) * (W // 4), 4 * LATENT)).astype(np.float32)
+    if layout == "comfyui_folders":
+        loaded = mlxdiff.load(str(models / "unet" / "flux1-tiny.safetensors"))
+    elif layout == "all_in_one":
+        loaded = mlxdiff.load(str(models / "checkpoints" / "flux1-tiny-fp16.safetensors"))
+    else:
+        loaded = mlxdiff.load(transformer=str(models / "unet" / "flux1-tiny.safetensors"),
+                              text_encoders={"clip_l": str(models / "clip" / "clip_l.safetensors"),
+                                             "t5xxl": str(models / "clip" / "t5xxl_fp16.safetensors")},
+                              vae=str(models / "vae" / "ae.safetensors"))
+    assert loaded.family == "flux1" and loaded.defaults() == {"steps": 28, "guidance": 3.5}
+    ours = loaded.generate("a lighthouse at dusk", width=W, height=H, steps=3, guidance=3.5, latents=noise,
+                           max_sequence_length=512, progress_bar=False)
+    ref = reference(pipe, noise, max_sequence_length=512)
+    diff = np.abs(np.asarray(ours.image).astype(np.float32) / 255.0 - (ref * 255).round() / 255.0).max()
+    print(f"{layout}: image {diff * 255:.1f}/255")
+    assert diff <= 2 / 255
+
+
+def test_a_missing_part_is_one_line_naming_it(files, tmp_path):
+    models, _ = files
+    (tmp_path / "unet").mkdir()
+    shutil.copy(models / "unet" / "flux1-tiny.safetensors", tmp_path / "unet" / "flux1-tiny.safetensors")
+    with pytest.raises(MlxdiffError, match="no clip_l text encoder found.*text_encoders=") as e:
+        mlxdiff.load(str(tmp_path / "unet" / "flux1-tiny.safetensors"))
+    assert "\n" not in str(e.value)
+    (tmp_path / "clip").mkdir()
+    for name in ("clip_l.safetensors", "t5xxl_fp16.safetensors"):
+        shutil.copy(models / "clip" / name, tmp_path / "clip" / name)
+    with pytest.raises(MlxdiffError, match="no FLUX.1 VAE found.*ae.safetensors"):
+        mlxdiff.load(str(tmp_path / "unet" / "flux1-tiny.safetensors"))
+
+
+def test_flux1_file_is_not_taken_for_flux2(files):
+    """A FLUX.1 transformer given where FLUX.2 files go is read as FLUX.1, and FLUX.2's readers refuse it as FLUX.1."""
+    models, _ = files
+    from mlxdiff.pipelines import flux2
+    from mlxdiff.formats import tensor_shapes
+    names = list(tensor_shapes(models / "unet" / "flux1-tiny.safetensors"))
+    assert flux2.FAMILY.part_of(names) is None
+    with pytest.raises(MlxdiffError, match="FLUX.1"):
+        flux2.flux2_files(models / "unet" / "flux1-tiny.safetensors", None, None, None)
