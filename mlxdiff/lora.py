@@ -107,9 +107,11 @@ ARCHITECTURES = (
     (re.compile(r"(^|[._])(double_blocks[._]\d+[._](img|txt)_mod|single_blocks[._]\d+[._]modulation|vector_in|"
                 r"single_transformer_blocks[._]\d+[._](proj_mlp|proj_out|norm[._]linear|attn[._]to_[qkv]))([._]|$)"),
      ("FLUX.1",)),
-    (re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks|double_stream_modulation_(img|txt)|"
-                r"single_stream_modulation|to_qkv_mlp_proj|linear_in|linear_out|img_attn|txt_attn)([._]|$)"),
-     ("FLUX.2",)),
+    (re.compile(r"(^|[._])(double_stream_modulation_(img|txt)|single_stream_modulation|to_qkv_mlp_proj|linear_in|"
+                r"linear_out)([._]|$)"), ("FLUX.2",)),
+    # BFL's block names, which both FLUX generations have
+    (re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks|img_attn|txt_attn)([._]|$)"),
+     ("FLUX.2", "FLUX.1")),
     (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"), ("SD3",)),
     (re.compile(r"(^|[._])(norm1_context|ff_context[._]net|ff[._]net|norm1[._]linear)([._]|$)"), ("SD3", "FLUX.1")),
 )
@@ -459,16 +461,18 @@ def _entries(path, tensors):
 
 
 def _other_architecture(entries, family):
-    """The architectures a file's layer names say it is for, when none of its names fits `family` (a set of
-    names; empty when the names fit, or say nothing)."""
-    found, fits = set(), False
+    """The architectures a file's layer names say it is for (those every telling name allows; all of them when no
+    one architecture fits every name), when none of them is `family`: empty when the names fit, or say nothing."""
+    allowed = []
     for *_, module in entries:
         for pattern, names in ARCHITECTURES:
             if pattern.search(module):
-                found.update(names)
-                fits = fits or family in names
+                allowed.append(set(names))
                 break
-    return set() if fits else found
+    if not allowed:
+        return set()
+    common = set.intersection(*allowed) or set.union(*allowed)
+    return set() if family in set.union(*allowed) else common
 
 
 # -- names -> mlxdiff layers ---------------------------------------------------------------------------------------
@@ -685,7 +689,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         if not targets:
             raise MlxdiffError(f"{path}: {_short(key_a)!r}: {what} has no layer {_short(module)!r}; the LoRA is "
                                "for another model (or another version of it)")
-        for target, *_ in targets:
+        for target in dict.fromkeys(target for target, *_ in targets):   # a layer named by several parts: once
             if target in reached:
                 raise MlxdiffError(f"{path}: {_short(reached[target])!r} and {_short(key_a)!r} are both LoRAs of layer "
                                    f"{target!r} (one layer named twice, in two namings); keep one of them")
@@ -709,13 +713,19 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             raise MlxdiffError(f"{path}: {_short(key_b)!r} has {b.shape[0]} rows; its layer {_short(module)!r} is "
                                f"{parts} layers here, which it cannot be split into")
         pieces = split_rows(b, parts) if parts > 1 else [b]
+        # a layer named by several consecutive parts takes their rows together (FLUX.1's linear1: q, k, v, then the
+        # MLP's four widths)
+        grouped = {}
         for (target, i, _, transform) in targets:
+            grouped.setdefault(target, ([], transform))[0].append(i)
+        for target, (indices, transform) in grouped.items():
             layer = layers.modules[target]
             dims, conv = linear_dims(layer), conv_dims(layer)
             if dims is None and conv is None:
                 raise MlxdiffError(f"{path}: {_short(key_a)!r}: layer {target!r} is a {type(layer).__name__}, not a "
                                    "linear layer or a convolution; mlxdiff applies LoRAs to those only")
-            piece = transform(pieces[i]) if transform else pieces[i]
+            piece = pieces[indices[0]] if len(indices) == 1 else mx.concatenate([pieces[j] for j in indices])
+            piece = transform(piece) if transform else piece
             factor = a
             if conv is not None:   # A as the down convolution, OHWI (a 1x1 convolution's may be a matrix)
                 factor = (a if a.ndim == 4 else a[:, :, None, None]).transpose(0, 2, 3, 1)
@@ -727,7 +737,8 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             if not fits:
                 raise MlxdiffError(
                     f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(slot['B'][1].shape)} do not fit "
-                    f"layer {target!r} ({dims[0]} in, {dims[1] * parts} out{kernel}); the LoRA is for another model size")
+                    f"layer {target!r} ({dims[0]} in, {dims[1] * parts // len(indices)} out{kernel}); the LoRA is for "
+                    "another model size")
             s = scale * _scale(path, slot, config, target, rank)
             planned.append((target, key_a, key_b, factor, b, piece, s))
     namings = {}

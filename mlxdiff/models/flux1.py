@@ -351,8 +351,14 @@ LORA_NAME = "FLUX.1 transformer"
 LORA_ARCHITECTURE = "FLUX.1"     # its label in lora.ARCHITECTURES
 
 
+# for LoRAs, linear1's rows go to their layers by the table itself: 7 equal row pieces, the MLP's four together
+_LORA_RULES = compile_rules([rule if "linear1" not in rule[0] else
+                             (rule[0], tuple(_TS + rf"{name}.\2" for name, widths in _LINEAR1_PARTS
+                                             for _ in range(widths))) for rule in ORIGINAL_KEYMAP])
+
+
 def lora_original_rules(args) -> list:
-    return _ORIGINAL_RULES
+    return _LORA_RULES
 
 
 # what marks FLUX.1's BFL names against FLUX.2's (which has neither vector_in nor per-block modulations)

@@ -1,0 +1,98 @@
+"""FLUX.1 LoRAs as people have them: kohya's (`lora_unet_double_blocks_0_img_attn_qkv`, the fused qkv and the single
+blocks' linear1 whole), BFL / ComfyUI's original names (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A`), and
+diffusers / PEFT's (`transformer.single_transformer_blocks.0.attn.to_q.lora_A`), against diffusers' FluxPipeline with
+the same LoRA loaded by load_lora_weights (in PEFT form: diffusers' own kohya and BFL converters hard-code FLUX.1's
+3072 width, so the fused files' reference is their split written as PEFT, the fused A shared by the parts)."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mlxdiff
+from helpers import max_rel_err
+from test_flux1_pipeline import H, W, flux1_components, packed_noise
+
+RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5
+
+
+@pytest.fixture(scope="module")
+def lora_files(tmp_path_factory):
+    """A tiny dev folder, and one LoRA in three namings plus its PEFT twin for diffusers: on the first double block's
+    image qkv and proj, the second's text MLP, every single block's linear1 and linear2."""
+    from diffusers import FluxPipeline
+    root = tmp_path_factory.mktemp("flux1_lora")
+    pipe = FluxPipeline(**flux1_components("dev", seed=3))
+    pipe.save_pretrained(str(root / "model"))
+    cfg = pipe.transformer.config
+    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    g = torch.Generator().manual_seed(9)
+    kohya, original, peft = {}, {}, {}
+
+    def lora(kohya_name, bfl_name, ins, parts):
+        """parts: [(diffusers layer, rows)]: one shared A, B's rows split over the parts."""
+        a = torch.randn(RANK, ins, generator=g) * 0.3
+        b = torch.randn(sum(r for _, r in parts), RANK, generator=g) * 0.3
+        kohya[f"lora_unet_{kohya_name}.lora_down.weight"] = a
+        kohya[f"lora_unet_{kohya_name}.lora_up.weight"] = b
+        kohya[f"lora_unet_{kohya_name}.alpha"] = torch.tensor(ALPHA)
+        original[f"diffusion_model.{bfl_name}.lora_A.weight"] = a
+        original[f"diffusion_model.{bfl_name}.lora_B.weight"] = b * (ALPHA / RANK)   # no alpha in this naming
+        start = 0
+        for layer, rows in parts:
+            peft[f"transformer.{layer}.lora_A.weight"] = a
+            peft[f"transformer.{layer}.lora_B.weight"] = b[start:start + rows] * (ALPHA / RANK)
+            start += rows
+
+    d0 = "transformer_blocks.0.attn."
+    lora("double_blocks_0_img_attn_qkv", "double_blocks.0.img_attn.qkv", dim,
+         [(d0 + "to_q", dim), (d0 + "to_k", dim), (d0 + "to_v", dim)])
+    lora("double_blocks_0_img_attn_proj", "double_blocks.0.img_attn.proj", dim, [(d0 + "to_out.0", dim)])
+    lora("double_blocks_1_txt_mlp_0", "double_blocks.1.txt_mlp.0", dim,
+         [("transformer_blocks.1.ff_context.net.0.proj", 4 * dim)])
+    for i in range(cfg.num_single_layers):
+        s = f"single_transformer_blocks.{i}."
+        lora(f"single_blocks_{i}_linear1", f"single_blocks.{i}.linear1", dim,
+             [(s + "attn.to_q", dim), (s + "attn.to_k", dim), (s + "attn.to_v", dim), (s + "proj_mlp", 4 * dim)])
+        lora(f"single_blocks_{i}_linear2", f"single_blocks.{i}.linear2", 5 * dim, [(s + "proj_out", dim)])
+    files = {}
+    for name, tensors in (("kohya", kohya), ("original", original), ("peft", peft)):
+        files[name] = root / f"flux1-{name}-lora.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(files[name]))
+    return root / "model", files
+
+
+def reference(folder, lora, noise, scale=1.0):
+    from diffusers import FluxPipeline
+    pipe = FluxPipeline.from_pretrained(str(folder))
+    pipe.load_lora_weights(str(lora), adapter_name="test")
+    pipe.set_adapters(["test"], [scale])
+    return pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=3, guidance_scale=3.5,
+                latents=torch.from_numpy(noise), output_type="latent", max_sequence_length=512).images
+
+
+@pytest.mark.parametrize("naming", ["kohya", "original", "peft"])
+def test_lora_matches_diffusers(lora_files, naming):
+    folder, files = lora_files
+    from diffusers import FluxPipeline
+    noise = packed_noise(4)
+    ref = reference(folder, files["peft"], noise, scale=0.8)
+    result = mlxdiff.load(str(folder), loras=[(str(files[naming]), 0.8)]).generate(
+        "a red fox in the snow", width=W, height=H, steps=3, guidance=3.5, latents=noise, progress_bar=False)
+    ref_unpacked = FluxPipeline._unpack_latents(ref, H, W, 2).numpy()
+    err = max_rel_err(result.latents, ref_unpacked)
+    plain = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=3, guidance=3.5,
+                                               latents=noise, progress_bar=False)
+    moved = max_rel_err(plain.latents, ref_unpacked)
+    print(f"{naming}: latents {err:.2e} from diffusers with the LoRA; the LoRA moves them {moved:.2e}")
+    assert err <= 1e-4
+    assert moved > 1e-2
+
+
+def test_flux1_lora_on_another_family_is_one_line(lora_files, sd3_tiny):
+    from mlxdiff.errors import MlxdiffError
+    _, files = lora_files
+    folder, _ = sd3_tiny
+    with pytest.raises(MlxdiffError, match="FLUX.1") as e:
+        mlxdiff.load(str(folder), loras=[str(files["kohya"])])
+    assert "\n" not in str(e.value)
