@@ -146,14 +146,14 @@ def parse_quantize(text):
 
 def parse_text_encoders(values):
     """--text-encoder values -> (text_encoder, text_encoders): "FILE" is FLUX.2's one encoder file; "NAME=FILE"
-    (NAME: clip_l, clip_g or t5xxl; the option may repeat) SD3.5's. Which family takes which is checked by load."""
+    (NAME: clip_l, clip_g or t5xxl; the option may repeat) SD3.5's and FLUX.1's. Which family takes which is checked by load."""
     from .arguments import TEXT_ENCODER_NAMES
     single, named = None, {}
     for value in values or []:
         name, sep, file = value.partition("=")
         if sep and "/" not in name and os.sep not in name:
             if name not in TEXT_ENCODER_NAMES:
-                raise MlxdiffError(f"--text-encoder {value!r}: {name!r} is not an SD3.5 encoder; use "
+                raise MlxdiffError(f"--text-encoder {value!r}: {name!r} is not an SD3.5 or FLUX.1 encoder; use "
                                    + ", ".join(f"{n}=FILE" for n in TEXT_ENCODER_NAMES) + " (or FILE for FLUX.2)")
             if name in named:
                 raise MlxdiffError(f"--text-encoder: {name} is given twice; give each encoder once")
@@ -163,7 +163,7 @@ def parse_text_encoders(values):
         else:
             single = value
     if single is not None and named:
-        raise MlxdiffError("--text-encoder: give either one FLUX.2 file or SD3.5's NAME=FILE pairs, not both")
+        raise MlxdiffError("--text-encoder: give either one FLUX.2 file or SD3.5's / FLUX.1's NAME=FILE pairs, not both")
     return single, named or None
 
 

@@ -57,6 +57,9 @@ def parse_args(argv=None):
                         "scheduler config names)")
     p.add_argument("--prediction-type", choices=("epsilon", "v_prediction"), default=None,
                    help="SD 2.x single files: what the UNet predicts (the file does not say)")
+    p.add_argument("--true-cfg-scale", type=float, default=None, metavar="S",
+                   help="FLUX.1: true classifier-free guidance against --negative-prompt when above 1 (two forwards "
+                        "a step; --guidance stays the embedded guidance)")
     p.add_argument("--clip-skip", type=int, default=None, metavar="N",
                    help="SD3.5, SD 1.x / SDXL: take the CLIP hidden state N layers earlier")
     p.add_argument("--quantize", default=None,
@@ -190,7 +193,8 @@ def generate(args, written) -> int:
     if args.cache is not None:
         pipe.new_step_cache(args.cache)      # this family takes it: checked before anything is read
         options["cache"] = args.cache
-    for name in ("scheduler", "clip_skip"):       # family options: given only when set (others refuse them)
+    for name in ("scheduler", "clip_skip", "true_cfg_scale"):   # family options: given only when set (others
+                                                                # refuse them)
         value = getattr(args, name)
         if value is not None:
             if name not in pipe.OPTIONS:
@@ -209,6 +213,7 @@ def generate(args, written) -> int:
             "steps": steps, "guidance": guidance, "dtype": pipe.dtype_name,
             **({"scheduler": args.scheduler} if args.scheduler else {}),
             **({"cache": args.cache} if args.cache else {}),
+            **({"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale is not None else {}),
             "generator": "mlxdiff"}
     if images:
         base.update(image=" ".join(image_names), **({} if strength is None else {"strength": strength}))

@@ -132,3 +132,34 @@ def test_flux1_file_is_not_taken_for_flux2(files):
     assert flux2.FAMILY.part_of(names) is None
     with pytest.raises(MlxdiffError, match="FLUX.1"):
         flux2.flux2_files(models / "unet" / "flux1-tiny.safetensors", None, None, None)
+
+
+def test_cli_from_files_alone(files, tmp_path):
+    """python -m mlxdiff.generate with --transformer, --text-encoder clip_l=/t5xxl= and --vae: the API's image."""
+    from PIL import Image
+    from mlxdiff.generate import main
+    models, _ = files
+    parts = dict(transformer=str(models / "unet" / "flux1-tiny.safetensors"),
+                 text_encoders={"clip_l": str(models / "clip" / "clip_l.safetensors"),
+                                "t5xxl": str(models / "clip" / "t5xxl_fp16.safetensors")},
+                 vae=str(models / "vae" / "ae.safetensors"))
+    out = tmp_path / "out.png"
+    rc = main(["--transformer", parts["transformer"], "--text-encoder", f"clip_l={parts['text_encoders']['clip_l']}",
+               "--text-encoder", f"t5xxl={parts['text_encoders']['t5xxl']}", "--vae", parts["vae"], "--prompt",
+               "a lighthouse at dusk", "--negative-prompt", "fog", "--true-cfg-scale", "2", "--width", str(W),
+               "--height", str(H), "--steps", "2", "--seed", "3", "--output", str(out), "--no-progress"])
+    assert rc == 0
+    api = mlxdiff.load(**parts).generate("a lighthouse at dusk", negative_prompt="fog", true_cfg_scale=2.0, width=W,
+                                         height=H, steps=2, seed=3, progress_bar=False)
+    assert np.array_equal(np.asarray(Image.open(out).convert("RGB")), np.asarray(api.image))
+    assert Image.open(out).text["mlxdiff:true_cfg_scale"] == "2.0"
+
+
+def test_true_cfg_scale_is_flux1s_only(files, sd3_tiny, tmp_path, capsys):
+    from mlxdiff.generate import main
+    folder, _ = sd3_tiny
+    rc = main(["--model", str(folder), "--prompt", "a cat", "--true-cfg-scale", "2", "--width", "32", "--height", "32",
+               "--steps", "1", "--output", str(tmp_path / "x.png"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "true_cfg_scale: an option of FLUX.1 models only" in err[0]
+    assert not (tmp_path / "x.png").exists()
