@@ -119,3 +119,63 @@ def test_latents_of_another_shape_are_one_line(flux1_tiny):
     with pytest.raises(MlxdiffError, match="packed layout"):
         mlxdiff.load(str(folder)).generate("a cat", width=W, height=H, steps=1,
                                            latents=np.zeros((1, LATENT, H // 2, W // 2), np.float32))
+
+
+# -- Kontext: reference-image editing (FluxKontextPipeline) ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kontext_tiny(tmp_path_factory):
+    from diffusers import FluxKontextPipeline
+    folder = tmp_path_factory.mktemp("flux1_kontext")
+    FluxKontextPipeline(**flux1_components("dev", seed=2)).save_pretrained(str(folder))
+    return folder, FluxKontextPipeline.from_pretrained(str(folder))
+
+
+def reference_picture(width, height, seed=0):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height // 4, width // 4, 3), dtype=np.uint8)
+    return Image.fromarray(base).resize((width, height), Image.Resampling.BILINEAR)
+
+
+@pytest.mark.parametrize("case", ["own_size", "other_size_cfg"])
+def test_kontext_matches_diffusers(kontext_tiny, case):
+    """The reference at its own size (auto_resize=False: the preferred Kontext resolutions are 1 MP, too many tokens
+    for a CPU test) beside the noise tokens, the output area kept (max_area = H x W); and a reference of another size
+    (cut to a multiple of 4 pixels here) with true CFG."""
+    folder, pipe = kontext_tiny
+    image = reference_picture(28, 44) if case == "own_size" else reference_picture(37, 30, seed=1)
+    noise = packed_noise(5)
+    kw = dict(prompt="make it a watercolor", num_inference_steps=3, guidance_scale=2.5, max_area=H * W,
+              _auto_resize=False, max_sequence_length=512)
+    ours_kw = dict(steps=3, guidance=2.5, max_area=H * W, auto_resize=False)
+    if case == "other_size_cfg":
+        kw.update(negative_prompt="blurry", true_cfg_scale=2.0)
+        ours_kw.update(negative_prompt="blurry", true_cfg_scale=2.0)
+    ref = pipe(image=image, height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **kw).images
+    ref_image = pipe(image=image, height=H, width=W, latents=torch.from_numpy(noise), output_type="np",
+                     **kw).images[0]
+    result = mlxdiff.load(str(folder)).generate("make it a watercolor", image=image, width=W, height=H, latents=noise,
+                                                progress_bar=False, **ours_kw)
+    err = max_rel_err(result.latents, pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy())
+    diff = np.abs(np.asarray(result.image, np.float32) / 255 - (ref_image * 255).round() / 255).max()
+    print(f"kontext {case}: latents {err:.2e}, image {diff * 255:.1f}/255; notes {result.notes}")
+    assert err <= 1e-4 and diff <= 2 / 255
+    # the reference matters: without it the same noise gives another result
+    plain = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **kw).images
+    assert max_rel_err(plain.numpy(), ref.numpy()) > 1e-2
+
+
+def test_kontext_size_and_inputs(kontext_tiny, flux1_tiny):
+    folder, _ = kontext_tiny
+    pipe = mlxdiff.load(str(folder))
+    # diffusers' sizing: the requested aspect at max_area pixels, cut to a multiple of the VAE factor x 2
+    result = pipe.generate("a cat", width=W, height=H, steps=1, max_area=2 * H * W, progress_bar=False)
+    assert result.image.size == (round((2 * H * W * W / H) ** 0.5) // 4 * 4, round((2 * H * W * H / W) ** 0.5) // 4 * 4)
+    with pytest.raises(MlxdiffError, match="FLUX.1 Kontext edits the image it is given"):
+        pipe.generate("a cat", image=reference_picture(16, 16), strength=0.5, width=W, height=H, steps=1)
+    with pytest.raises(MlxdiffError, match="edits one reference image"):
+        pipe.generate("a cat", image=[reference_picture(16, 16)] * 2, width=W, height=H, steps=1)
+    _, other, _ = flux1_tiny
+    with pytest.raises(MlxdiffError, match="max_area: an option of FLUX.1 Kontext only"):
+        mlxdiff.load(str(other)).generate("a cat", width=W, height=H, steps=1, max_area=H * W)

@@ -1,4 +1,4 @@
-"""FLUX.1 (dev, schnell, Krea): FluxPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
+"""FLUX.1 (dev, schnell, Krea; Kontext): FluxPipeline and FluxKontextPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
 ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those files alone."""
 
 from ...errors import MlxdiffError
@@ -46,7 +46,7 @@ def part_of(names):
 
 FAMILY = Family(
     name="flux1", title="FLUX.1", article="a", pipeline=Flux1Pipeline,
-    layouts={"FluxPipeline": COMPONENTS},
+    layouts={"FluxPipeline": COMPONENTS, "FluxKontextPipeline": COMPONENTS},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser",
               "text_encoders": "FLUX.1's clip_l / t5xxl files (with its transformer file as the model, or alone)",

@@ -4,7 +4,8 @@ ComfyUI's (`model.diffusion_model.*`, fp8 or not, or an all-in-one checkpoint th
 (safetensors, fp8, or a T5 GGUF) and BFL's ae.safetensors given, inside the checkpoint, or found beside the
 transformer the way ComfyUI lays them out (models/unet, models/clip or text_encoders, models/vae). Configs come from
 the shapes; the tokenizers are the bundled real CLIP and T5 vocabularies; the scheduler is dev's (dynamic shifting)
-for a guidance-distilled transformer and schnell's otherwise."""
+for a guidance-distilled transformer and schnell's otherwise. A transformer file whose name holds "kontext" is
+FLUX.1 Kontext (its shapes are dev's)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -96,4 +97,6 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
     check_encoders(transformer, specs)
     tokenizers = {"tokenizer": bundled_clip_tokenizer("<|endoftext|>"), "tokenizer_2": bundled_t5_tokenizer()}
     scheduler = dict(SCHEDULERS[specs["transformer"].args.guidance_embeds])
-    return PipelineSources("flux1", "FluxPipeline", specs, tokenizers, scheduler)
+    # Kontext's weights have dev's shapes; its files say so in their names (flux1-kontext-dev.safetensors)
+    pipeline_class = "FluxKontextPipeline" if "kontext" in transformer.name.lower() else "FluxPipeline"
+    return PipelineSources("flux1", pipeline_class, specs, tokenizers, scheduler)

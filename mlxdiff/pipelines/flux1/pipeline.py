@@ -1,9 +1,12 @@
-"""FLUX.1 dev, schnell and Krea, following diffusers' FluxPipeline (and FluxImg2ImgPipeline with image=).
+"""FLUX.1 dev, schnell and Krea, following diffusers' FluxPipeline (and FluxImg2ImgPipeline with image=), and
+Kontext [dev], following FluxKontextPipeline (image= is the reference image that is edited).
 
     encode:  CLIP-L (CLIPTextModel: its pooled vector, 77 tokens) then T5-XXL (its last hidden state, 512 tokens
              with a guidance-distilled transformer, 256 without: BFL's lengths for dev and schnell), each freed
              before the next
-    reference (only with image=): img2img's init latents, VAE-encoded (image_inputs.py), as FluxImg2ImgPipeline
+    reference (only with image=): img2img's init latents, VAE-encoded (image_inputs.py), as FluxImg2ImgPipeline;
+             Kontext: the reference image resized to the preferred Kontext resolution nearest its aspect, its
+             latent mean packed into tokens with position ids (1, row, col) beside the noise tokens (0, row, col)
     denoise: FLUX.1 DiT + flow-match Euler; sigmas linspace(1, 1/N, N), shifted by mu from the token count where the
              scheduler uses dynamic shifting (dev), unshifted otherwise (schnell); dev embeds `guidance`; true CFG
              against a negative prompt with true_cfg_scale > 1, as diffusers
@@ -41,15 +44,36 @@ class Flux1Pipeline(Pipeline):
     has none and ignores it). `true_cfg_scale` (> 1) with a `negative_prompt`: true classifier-free guidance, two
     forwards a step, as diffusers' FluxPipeline. `max_sequence_length`: T5's tokens (default 512 for dev, 256 for
     schnell). `latents`: the noise in diffusers' packed layout (batch, (H/16) * (W/16), 4 * latent channels).
-    `image=` with `strength` (default 0.6): image-to-image as FluxImg2ImgPipeline."""
+    `image=` with `strength` (default 0.6): image-to-image as FluxImg2ImgPipeline. Kontext (a FluxKontextPipeline
+    folder, or a transformer file whose name says kontext): `image=` is the one reference image, and, as in
+    diffusers, the output size is scaled to an area of `max_area` pixels (default 1024 x 1024) at the requested
+    aspect; `auto_resize=False` keeps the reference at its own size (cut down to a multiple of 16) instead of the
+    preferred Kontext resolution."""
     family = "flux1"
     patch_size = 2      # 2x2 latent patches per token
-    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None}
+    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
+               "auto_resize": None}
+    KONTEXT_ONLY = ("max_area", "auto_resize")
     IMG2IMG_STRENGTH = 0.6
+    KONTEXT_MAX_AREA = 1024 ** 2         # FluxKontextPipeline's max_area default
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)
         self.distilled_guidance = self.components["transformer"].args.guidance_embeds
+        self.kontext = self.pipeline_class == "FluxKontextPipeline"
+        if self.kontext:
+            self.IMG2IMG_STRENGTH = None          # image= is the reference, never an init image
+
+    def check_images(self, names, images, strength):
+        if not self.kontext:
+            return super().check_images(names, images, strength)
+        if strength is not None:
+            raise MlxdiffError(f"strength={strength:g}: FLUX.1 Kontext edits the image it is given (a reference, "
+                               "FluxKontextPipeline has no strength); leave --strength out, or use FLUX.1 dev for "
+                               "image-to-image")
+        if len(images) > 1:
+            raise MlxdiffError(f"image: {len(images)} images; FLUX.1 Kontext edits one reference image; give one "
+                               "--image")
 
     def defaults(self):
         if self.distilled_guidance:
@@ -113,9 +137,34 @@ class Flux1Pipeline(Pipeline):
 
     def check_inputs(self, run):
         self.take_image_noise(run)
+        given = [name for name in self.KONTEXT_ONLY if run.options[name] is not None]
+        if given and not self.kontext:
+            raise MlxdiffError(f"{given[0]}: an option of FLUX.1 Kontext only (FluxKontextPipeline); this FLUX.1 "
+                               "model is not Kontext")
+        if self.kontext:
+            area = run.options["max_area"]
+            if area is not None and (isinstance(area, bool) or not isinstance(area, int) or not
+                                     256 <= area <= 4096 ** 2):
+                raise MlxdiffError(f"max_area={area!r}: expected a pixel count from 256 to {4096 ** 2}")
+            if run.options["auto_resize"] not in (None, True, False):
+                raise MlxdiffError(f"auto_resize={run.options['auto_resize']!r}: expected True or False")
+            run.state["reference"] = [kontext_reference(im, run.options["auto_resize"] is not False,
+                                                        self.vae_scale_factor() * 2) for im in run.images]
 
     def check_run(self, run):
         self.check_image_noise(run)
+        if self.kontext:     # FluxKontextPipeline: the requested aspect at max_area pixels, cut to a multiple of 16
+            area, multiple = run.options["max_area"] or self.KONTEXT_MAX_AREA, self.vae_scale_factor() * 2
+            aspect = run.width / run.height
+            width = round((area * aspect) ** 0.5) // multiple * multiple
+            height = round((area / aspect) ** 0.5) // multiple * multiple
+            if (width, height) != (run.width, run.height):
+                run.state["size_note"] = (f"Kontext: {run.width}x{run.height} scaled to {width}x{height} "
+                                          f"({area} pixels at that aspect, as FluxKontextPipeline)")
+            if min(width, height) < multiple:
+                raise MlxdiffError(f"width and height {run.width}x{run.height} at max_area {area} give a side below "
+                                   f"{multiple} pixels; give a larger max_area or a less extreme aspect")
+            run.width, run.height = width, height
 
     def encode(self, run):
         return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
@@ -136,7 +185,7 @@ class Flux1Pipeline(Pipeline):
         factor = self.vae_scale_factor() * self.patch_size
         h, w = run.height // factor, run.width // factor
         channels = targs.in_channels // 4
-        run.state.update(shape=(run.batch, channels, 2 * h, 2 * w), img_ids=latent_ids(h, w),
+        run.state.update(shape=(run.batch, channels, 2 * h, 2 * w), img_ids=latent_ids(h, w), ref_tokens=None,
                          txt_ids=np.zeros((embeds.shape[1], 3), dtype=np.float32),
                          guidance=mx.full((run.batch,), run.guidance, dtype=mx.float32)
                          if targs.guidance_embeds else None)
@@ -151,6 +200,17 @@ class Flux1Pipeline(Pipeline):
                                "batch, (height/16) * (width/16), 4 * latent channels")
 
     def encode_images(self, run, vae, x):
+        if self.kontext:     # the reference's latent mean, (z - shift) * scaling, packed, ids (1, row, col)
+            (reference,) = run.state["reference"]
+            mean, _ = image_inputs.encode_moments(vae, image_inputs.to_array(reference), self.dtype)
+            tokens = pack(vae.scale_latents(mean.astype(mx.float32)).astype(mx.float32))
+            _, _, hh, ww = mean.shape
+            ids = latent_ids(hh // 2, ww // 2)
+            ids[:, 0] = 1
+            run.state.update(ref_tokens=mx.broadcast_to(tokens, (run.batch, *tokens.shape[1:])),
+                             img_ids=np.concatenate([run.state["img_ids"], ids]))
+            mx.eval(run.state["ref_tokens"])
+            return x
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
@@ -162,12 +222,14 @@ class Flux1Pipeline(Pipeline):
         # diffusers: t in the latents' dtype, then / 1000 (bf16 runs round it as there)
         t = mx.full((run.batch,), run.timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
         st, cond = run.state, run.conditioning
-        tokens = x.astype(self.dtype)
+        refs, n_img = st["ref_tokens"], x.shape[1]
+        # Kontext's reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
+        tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
 
         def forward(name, embeds, pooled):
             return lambda: run.forward(name, lambda cache: transformer(
                 tokens, embeds, pooled, t, st["img_ids"], st["txt_ids"], guidance=st["guidance"],
-                after_block=evaluate_each_block, step_cache=cache, stream_dtype=self.stream_dtype))
+                after_block=evaluate_each_block, step_cache=cache, stream_dtype=self.stream_dtype))[:, :n_img]
         cond_forward = forward("cond", cond.prompt_embeds, cond.pooled_prompt_embeds)
         if not run.cfg:
             return cond_forward()
@@ -175,10 +237,34 @@ class Flux1Pipeline(Pipeline):
                                                      cond.negative_pooled_prompt_embeds), cond_forward)
         return v_neg + run.options["true_cfg_scale"] * (v - v_neg)
 
+    def images_note(self, run, seconds):
+        if not self.kontext:
+            return super().images_note(run, seconds)
+        (reference,) = run.state["reference"]
+        note = (f"Kontext reference {run.image_names[0]} at {reference.width}x{reference.height}: "
+                f"{run.state['ref_tokens'].shape[1]} tokens, encoded in {seconds:.2f} s")
+        return note + (f"; {run.state['size_note']}" if "size_note" in run.state else "")
+
     def unpack(self, run, x):
         b, c, hh, ww = run.state["shape"]
         x = x.reshape(b, hh // 2, ww // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c, hh, ww)
+
+
+# FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (width, height): the sizes Kontext was trained on
+KONTEXT_RESOLUTIONS = ((672, 1568), (688, 1504), (720, 1456), (752, 1392), (800, 1328), (832, 1248), (880, 1184),
+                       (944, 1104), (1024, 1024), (1104, 944), (1184, 880), (1248, 832), (1328, 800), (1392, 752),
+                       (1456, 720), (1504, 688), (1568, 672))
+
+
+def kontext_reference(image, auto_resize, multiple):
+    """The reference as FluxKontextPipeline prepares it: RGB, the preferred resolution nearest its aspect (or its own
+    size), each side cut down to a multiple of `multiple`, LANCZOS-resized to that (VaeImageProcessor.resize)."""
+    image = image.convert("RGB")
+    width, height = image.size
+    if auto_resize:
+        _, width, height = min((abs(width / height - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
+    return image_inputs.resized(image, width // multiple * multiple, height // multiple * multiple)
 
 
 def pack(x):
