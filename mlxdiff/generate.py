@@ -57,6 +57,8 @@ def parse_args(argv=None):
                         "scheduler config names)")
     p.add_argument("--prediction-type", choices=("epsilon", "v_prediction"), default=None,
                    help="SD 2.x single files: what the UNet predicts (the file does not say)")
+    p.add_argument("--mask", default=None, metavar="FILE",
+                   help="FLUX.1 Fill: the mask of --image (white: repaint, black: keep), of the image's size")
     p.add_argument("--true-cfg-scale", type=float, default=None, metavar="S",
                    help="FLUX.1: true classifier-free guidance against --negative-prompt when above 1 (two forwards "
                         "a step; --guidance stays the embedded guidance)")
@@ -193,7 +195,7 @@ def generate(args, written) -> int:
     if args.cache is not None:
         pipe.new_step_cache(args.cache)      # this family takes it: checked before anything is read
         options["cache"] = args.cache
-    for name in ("scheduler", "clip_skip", "true_cfg_scale"):   # family options: given only when set (others
+    for name in ("scheduler", "clip_skip", "true_cfg_scale", "mask"):   # family options: given only when set (others
                                                                 # refuse them)
         value = getattr(args, name)
         if value is not None:
@@ -205,7 +207,7 @@ def generate(args, written) -> int:
         pipe.check_images(image_names, images, strength)     # how this family takes them, before any load
         options.update(image=images, strength=strength)
         strength = pipe.IMG2IMG_STRENGTH if strength is None else strength
-        if strength is None:     # references: the size defaults to the first one's
+        if strength is None or "mask" in options:     # references, an image to repaint: the size is the image's
             options.update(width=args.width, height=args.height)
     base = {"negative_prompt": args.negative_prompt or "", "model": str(model or ""),
             "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),
@@ -214,6 +216,7 @@ def generate(args, written) -> int:
             **({"scheduler": args.scheduler} if args.scheduler else {}),
             **({"cache": args.cache} if args.cache else {}),
             **({"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale is not None else {}),
+            **({"mask": args.mask} if args.mask is not None else {}),
             "generator": "mlxdiff"}
     if images:
         base.update(image=" ".join(image_names), **({} if strength is None else {"strength": strength}))

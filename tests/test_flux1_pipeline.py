@@ -179,3 +179,85 @@ def test_kontext_size_and_inputs(kontext_tiny, flux1_tiny):
     _, other, _ = flux1_tiny
     with pytest.raises(MlxdiffError, match="max_area: an option of FLUX.1 Kontext only"):
         mlxdiff.load(str(other)).generate("a cat", width=W, height=H, steps=1, max_area=H * W)
+
+
+# -- Fill: inpainting and outpainting (FluxFillPipeline) --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fill_tiny(tmp_path_factory):
+    """A tiny FluxFillPipeline: the transformer takes 4 x 5 noise + 4 x 5 masked-image + 4 x 2 x 2 mask channels
+    (56; the real 64 + 64 + 256) and gives 20."""
+    from diffusers import FluxFillPipeline, FluxTransformer2DModel
+    components = flux1_components("dev", seed=6)
+    torch.manual_seed(6)
+    components["transformer"] = randomize_(FluxTransformer2DModel(
+        patch_size=1, in_channels=8 * LATENT + 16, out_channels=4 * LATENT, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=3, joint_attention_dim=44, pooled_projection_dim=36,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6)), seed=61, scale=0.15).eval()
+    folder = tmp_path_factory.mktemp("flux1_fill")
+    FluxFillPipeline(**components).save_pretrained(str(folder))
+    return folder, FluxFillPipeline.from_pretrained(str(folder))
+
+
+def fill_mask_picture(width, height, box):
+    from PIL import Image, ImageDraw
+    mask = Image.new("L", (width, height), 0)
+    ImageDraw.Draw(mask).rectangle(box, fill=255)
+    return mask
+
+
+# Fill's own default guidance is 30: its embedding's sinusoid of 30 x 1000 rounds in float32 differently in MLX and
+# torch (an ulp of 30000 is 2e-3 rad), which gave 5.8e-5 / 6.1e-5 here against 4e-6 at 3.5; the parity runs at 3.5
+GUIDANCE = 3.5
+
+
+@pytest.mark.parametrize("case", ["inpaint", "outpaint"])
+def test_fill_matches_diffusers(fill_tiny, case):
+    """The image with the mask's area blanked, its VAE posterior sampled with the same noise diffusers draws from
+    its generator, the mask's pixel patches: inpainting a box, and outpainting a padded border."""
+    from PIL import Image
+    folder, pipe = fill_tiny
+    image = reference_picture(W, H, seed=3)
+    if case == "inpaint":
+        mask = fill_mask_picture(W, H, (5, 9, 17, 30))
+    else:       # the picture in the middle of a padded canvas; the mask covers the pad
+        inner = reference_picture(W - 8, H - 12, seed=4)
+        image = Image.new("RGB", (W, H), (127, 127, 127))
+        image.paste(inner, (4, 6))
+        mask = Image.new("L", (W, H), 255)
+        mask.paste(0, (4, 6, W - 4, H - 6))
+    noise = packed_noise(7)
+    posterior = torch.randn((1, LATENT, H // 2, W // 2), generator=torch.Generator().manual_seed(8))
+    kw = dict(prompt="a red door", num_inference_steps=3, guidance_scale=GUIDANCE, max_sequence_length=512)
+    ref = pipe(image=image, mask_image=mask, height=H, width=W, latents=torch.from_numpy(noise),
+               generator=torch.Generator().manual_seed(8), output_type="latent", **kw).images
+    ref_image = pipe(image=image, mask_image=mask, height=H, width=W, latents=torch.from_numpy(noise),
+                     generator=torch.Generator().manual_seed(8), output_type="np", **kw).images[0]
+    result = mlxdiff.load(str(folder)).generate("a red door", image=image, mask=mask, steps=3, guidance=GUIDANCE,
+                                                latents=noise, image_noise=posterior.numpy(), progress_bar=False)
+    assert result.image.size == (W, H)                       # the image's size by default
+    err = max_rel_err(result.latents, pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy())
+    diff = np.abs(np.asarray(result.image, np.float32) / 255 - (ref_image * 255).round() / 255).max()
+    print(f"fill {case}: latents {err:.2e}, image {diff * 255:.1f}/255")
+    assert err <= 1e-4 and diff <= 2 / 255
+    # the mask matters: another mask, another result
+    other = pipe(image=image, mask_image=fill_mask_picture(W, H, (0, 0, 8, 8)), height=H, width=W,
+                 latents=torch.from_numpy(noise), generator=torch.Generator().manual_seed(8), output_type="latent",
+                 **kw).images
+    assert max_rel_err(other.numpy(), ref.numpy()) > 1e-2
+
+
+def test_fill_inputs_are_one_line(fill_tiny, flux1_tiny):
+    folder, _ = fill_tiny
+    pipe = mlxdiff.load(str(folder))
+    assert pipe.defaults() == {"steps": 50, "guidance": 30.0}
+    image = reference_picture(W, H)
+    with pytest.raises(MlxdiffError, match="give both --image and --mask"):
+        pipe.generate("a cat", image=image, steps=1)
+    with pytest.raises(MlxdiffError, match="give both --image and --mask"):
+        pipe.generate("a cat", steps=1, width=W, height=H)
+    with pytest.raises(MlxdiffError, match=r"the mask must have the image's size"):
+        pipe.generate("a cat", image=image, mask=fill_mask_picture(W + 4, H, (0, 0, 4, 4)), steps=1)
+    _, other, _ = flux1_tiny
+    with pytest.raises(MlxdiffError, match="mask: FLUX.1 Fill's"):
+        mlxdiff.load(str(other)).generate("a cat", image=image, mask=fill_mask_picture(W, H, (0, 0, 4, 4)), steps=1)

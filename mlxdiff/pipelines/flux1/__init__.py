@@ -1,13 +1,12 @@
-"""FLUX.1 (dev, schnell, Krea; Kontext): FluxPipeline and FluxKontextPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
+"""FLUX.1 (dev, schnell, Krea; Kontext; Fill): FluxPipeline, FluxKontextPipeline and FluxFillPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
 ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those files alone."""
 
 from ...errors import MlxdiffError
 from ...models import flux1
 from ..family import Family
-from ...loading.sources import check_together
 from ..sd3.single_file import sd3_vae_file
 from .files import VAE_DEFAULTS, flux1_files
-from .folder import flux1_folder
+from .folder import check_latents, flux1_folder
 from .pipeline import Conditioning, Flux1Pipeline  # noqa: F401  (mlxdiff.pipelines.flux1.Flux1Pipeline)
 
 SCHEDULER = ("FlowMatchEulerDiscreteScheduler",)
@@ -24,7 +23,7 @@ def read_folder(path, index, pipeline_class, components, request):
     if request.vae is not None:
         found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config or VAE_DEFAULTS,
                                                path / "vae" / "config.json", title="a FLUX.1")
-        check_together(path, found.components, latent_patch=4, token_patch=2)
+        check_latents(request.vae, found.components, pipeline_class == "FluxFillPipeline")
     return found
 
 
@@ -46,7 +45,7 @@ def part_of(names):
 
 FAMILY = Family(
     name="flux1", title="FLUX.1", article="a", pipeline=Flux1Pipeline,
-    layouts={"FluxPipeline": COMPONENTS, "FluxKontextPipeline": COMPONENTS},
+    layouts={"FluxPipeline": COMPONENTS, "FluxKontextPipeline": COMPONENTS, "FluxFillPipeline": COMPONENTS},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser",
               "text_encoders": "FLUX.1's clip_l / t5xxl files (with its transformer file as the model, or alone)",

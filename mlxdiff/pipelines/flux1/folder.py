@@ -1,9 +1,10 @@
-"""A FLUX.1 diffusers folder (FluxPipeline: dev, schnell, Krea) -> PipelineSources."""
+"""A FLUX.1 diffusers folder (FluxPipeline: dev, schnell, Krea; FluxKontextPipeline; FluxFillPipeline) ->
+PipelineSources."""
 
 from pathlib import Path
 
 from ...errors import MlxdiffError
-from ...loading.sources import check_together, folder_component, read_scheduler_config, tokenizer_folder, \
+from ...loading.sources import folder_component, read_scheduler_config, tokenizer_folder, \
     transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import flux1
@@ -24,6 +25,28 @@ def check_encoders(where, specs) -> None:
                            f"the T5 text encoder gives {t5.d_model}; the components do not belong together")
 
 
+def fill_channels(vae_args) -> int:
+    """A Fill transformer's input channels: the packed noise and masked-image latents (4 x the VAE's latent
+    channels each) and the mask's f x f pixel patches packed 2 x 2 (f the VAE's factor): 64 + 64 + 256 = 384."""
+    f = 2 ** (len(vae_args.block_out_channels) - 1)
+    return 8 * vae_args.latent_channels + 4 * f * f
+
+
+def check_latents(where, specs, fill) -> None:
+    """The transformer takes what the VAE gives: 4 x its latent channels (2 x 2 patches), and Fill also the masked
+    image and the mask (fill_channels), putting out 4 x the latent channels."""
+    transformer, autoencoder = specs["transformer"].args, specs["vae"].args
+    takes, gives = transformer.in_channels, autoencoder.latent_channels
+    expected = fill_channels(autoencoder) if fill else 4 * gives
+    out = transformer.out_channels or takes
+    if takes != expected or out != 4 * gives:
+        what = ("a Fill transformer's input is 8 x the latent channels + 4 x the VAE factor squared (the mask)"
+                if fill else "4 x the latent channels (2x2 patches)")
+        raise MlxdiffError(f"{where}: the transformer takes in_channels {takes} and gives {out} but the VAE has "
+                           f"{gives} latent channels ({what}: expected {expected} in, {4 * gives} out); the "
+                           "components do not belong together")
+
+
 def flux1_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     """A FluxPipeline folder; `transformer`: a file replacing its transformer (BFL / ComfyUI names, GGUF, or
     diffusers names with the folder's config)."""
@@ -34,7 +57,7 @@ def flux1_folder(root: Path, index, pipeline_class, components, transformer=None
     if transformer is not None:
         specs["transformer"] = transformer_from_file(transformer, flux1, specs["transformer"].config,
                                                      root / "transformer" / "config.json")
-    check_together(root, specs, latent_patch=4, token_patch=2)
+    check_latents(root / "model_index.json", specs, pipeline_class == "FluxFillPipeline")
     check_encoders(root / "model_index.json", specs)
     tokenizers = {name: load_tokenizer(tokenizer_folder(root, name), components[name])
                   for name in ("tokenizer", "tokenizer_2")}

@@ -1,12 +1,15 @@
-"""FLUX.1 dev, schnell and Krea, following diffusers' FluxPipeline (and FluxImg2ImgPipeline with image=), and
-Kontext [dev], following FluxKontextPipeline (image= is the reference image that is edited).
+"""FLUX.1 dev, schnell and Krea, following diffusers' FluxPipeline (and FluxImg2ImgPipeline with image=),
+Kontext [dev], following FluxKontextPipeline (image= is the reference image that is edited), and Fill [dev],
+following FluxFillPipeline (image= and mask=: inpainting and outpainting).
 
     encode:  CLIP-L (CLIPTextModel: its pooled vector, 77 tokens) then T5-XXL (its last hidden state, 512 tokens
              with a guidance-distilled transformer, 256 without: BFL's lengths for dev and schnell), each freed
              before the next
     reference (only with image=): img2img's init latents, VAE-encoded (image_inputs.py), as FluxImg2ImgPipeline;
              Kontext: the reference image resized to the preferred Kontext resolution nearest its aspect, its
-             latent mean packed into tokens with position ids (1, row, col) beside the noise tokens (0, row, col)
+             latent mean packed into tokens with position ids (1, row, col) beside the noise tokens (0, row, col);
+             Fill: the image with the mask's area blanked, VAE-encoded (a posterior sample), packed, and the mask
+             folded into 8 x 8 pixel patches, both joined to every noise token's channels
     denoise: FLUX.1 DiT + flow-match Euler; sigmas linspace(1, 1/N, N), shifted by mu from the token count where the
              scheduler uses dynamic shifting (dev), unshifted otherwise (schnell); dev embeds `guidance`; true CFG
              against a negative prompt with true_cfg_scale > 1, as diffusers
@@ -48,11 +51,14 @@ class Flux1Pipeline(Pipeline):
     folder, or a transformer file whose name says kontext): `image=` is the one reference image, and, as in
     diffusers, the output size is scaled to an area of `max_area` pixels (default 1024 x 1024) at the requested
     aspect; `auto_resize=False` keeps the reference at its own size (cut down to a multiple of 16) instead of the
-    preferred Kontext resolution."""
+    preferred Kontext resolution. Fill (a FluxFillPipeline folder, or a transformer taking 384 input channels):
+    `image=` and `mask=` (white: repaint, black: keep; a PIL image or file of the image's size) inpaint, or
+    outpaint where the image was padded and the mask covers the pad; the output size defaults to the image's (cut
+    to a multiple of 16); `image_noise`: the masked image's VAE posterior noise (default: from the seed)."""
     family = "flux1"
     patch_size = 2      # 2x2 latent patches per token
     OPTIONS = {"max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
-               "auto_resize": None}
+               "auto_resize": None, "mask": None}
     KONTEXT_ONLY = ("max_area", "auto_resize")
     IMG2IMG_STRENGTH = 0.6
     KONTEXT_MAX_AREA = 1024 ** 2         # FluxKontextPipeline's max_area default
@@ -61,10 +67,15 @@ class Flux1Pipeline(Pipeline):
         super().__init__(sources, dtype, keep, policy, group)
         self.distilled_guidance = self.components["transformer"].args.guidance_embeds
         self.kontext = self.pipeline_class == "FluxKontextPipeline"
+        self.fill = self.pipeline_class == "FluxFillPipeline"
         if self.kontext:
             self.IMG2IMG_STRENGTH = None          # image= is the reference, never an init image
+        if self.fill:
+            self.IMG2IMG_STRENGTH = 1.0           # FluxFillPipeline's strength: the masked area from pure noise
 
     def check_images(self, names, images, strength):
+        if self.fill and len(images) > 1:
+            raise MlxdiffError(f"image: {len(images)} images; FLUX.1 Fill repaints one image; give one --image")
         if not self.kontext:
             return super().check_images(names, images, strength)
         if strength is not None:
@@ -76,6 +87,8 @@ class Flux1Pipeline(Pipeline):
                                "--image")
 
     def defaults(self):
+        if self.fill:
+            return {"steps": 50, "guidance": 30.0}      # FluxFillPipeline's
         if self.distilled_guidance:
             return {"steps": 28, "guidance": 3.5}
         return {"steps": 4, "guidance": 0.0}
@@ -137,6 +150,7 @@ class Flux1Pipeline(Pipeline):
 
     def check_inputs(self, run):
         self.take_image_noise(run)
+        self.take_mask(run)
         given = [name for name in self.KONTEXT_ONLY if run.options[name] is not None]
         if given and not self.kontext:
             raise MlxdiffError(f"{given[0]}: an option of FLUX.1 Kontext only (FluxKontextPipeline); this FLUX.1 "
@@ -150,6 +164,31 @@ class Flux1Pipeline(Pipeline):
                 raise MlxdiffError(f"auto_resize={run.options['auto_resize']!r}: expected True or False")
             run.state["reference"] = [kontext_reference(im, run.options["auto_resize"] is not False,
                                                         self.vae_scale_factor() * 2) for im in run.images]
+
+    def take_mask(self, run):
+        """Fill's mask: required with its image, one image of the image's size; refused by the other variants."""
+        from ...arguments import check_images
+        mask = run.options["mask"]
+        if not self.fill:
+            if mask is not None:
+                raise MlxdiffError("mask: FLUX.1 Fill's (FluxFillPipeline: inpainting and outpainting); this FLUX.1 "
+                                   "model is not Fill: give a FLUX.1 Fill model, or leave --mask out")
+            return
+        if not run.images or mask is None:
+            raise MlxdiffError("FLUX.1 Fill repaints an image where a mask says: give both --image and --mask "
+                               "(image= and mask=; white repaints, black keeps)")
+        names, masks = check_images(mask)
+        if len(masks) > 1:
+            raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
+        if masks[0].size != run.images[0].size:
+            raise MlxdiffError(f"mask {names[0]}: {masks[0].size[0]}x{masks[0].size[1]}, but image "
+                               f"{run.image_names[0]} is {run.images[0].size[0]}x{run.images[0].size[1]}; the mask "
+                               "must have the image's size")
+        run.state["mask"] = masks[0]
+        multiple = self.vae_scale_factor() * 2
+        w, h = run.images[0].size
+        if run.width is None and run.height is None and w >= multiple and h >= multiple:   # the image's size
+            run.width, run.height = w // multiple * multiple, h // multiple * multiple
 
     def check_run(self, run):
         self.check_image_noise(run)
@@ -184,7 +223,7 @@ class Flux1Pipeline(Pipeline):
         run.batch = embeds.shape[0]
         factor = self.vae_scale_factor() * self.patch_size
         h, w = run.height // factor, run.width // factor
-        channels = targs.in_channels // 4
+        channels = self.components["vae"].args.latent_channels
         run.state.update(shape=(run.batch, channels, 2 * h, 2 * w), img_ids=latent_ids(h, w), ref_tokens=None,
                          txt_ids=np.zeros((embeds.shape[1], 3), dtype=np.float32),
                          guidance=mx.full((run.batch,), run.guidance, dtype=mx.float32)
@@ -211,11 +250,36 @@ class Flux1Pipeline(Pipeline):
                              img_ids=np.concatenate([run.state["img_ids"], ids]))
             mx.eval(run.state["ref_tokens"])
             return x
+        if self.fill:
+            return self.encode_fill(run, vae, x)
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
         x = image_inputs.noised(mx.broadcast_to(pack(init), x.shape), x, run.sigmas[run.start])
         mx.eval(x)
+        return x
+
+    def encode_fill(self, run, vae, x):
+        """FluxFillPipeline's condition: the image (resized to the output size, in [-1, 1]) with the binarized mask's
+        area set to 0, a sample of its VAE posterior, (z - shift) * scaling, packed; the mask's f x f pixel patches
+        (f the VAE's factor) as channels, packed; joined along the channels. strength < 1 also starts from the
+        image itself, noised as FluxImg2ImgPipeline's start."""
+        shape, f = run.state["shape"], self.vae_scale_factor()
+        pixels = image_inputs.to_array(image_inputs.resized(run.images[0], run.width, run.height))
+        mask = fill_mask(run.state["mask"], run.width, run.height)                    # (H, W) of 0 / 1
+        noise = self.posterior_noise(run, shape)
+        mean, logvar = image_inputs.encode_moments(vae, pixels * (1 - mask), self.dtype)
+        z = mean.astype(mx.float32) + mx.exp(0.5 * logvar.astype(mx.float32)) * noise
+        masked = pack(vae.scale_latents(z).astype(mx.float32))
+        b, _, hh, ww = shape
+        patches = mask.reshape(1, hh, f, ww, f).transpose(0, 2, 4, 1, 3).reshape(1, f * f, hh, ww)
+        cond = mx.concatenate([masked, pack(mx.array(patches))], axis=-1)
+        run.state["fill"] = mx.broadcast_to(cond, (run.batch, *cond.shape[1:]))
+        if run.strength < 1:
+            init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+                                                 self.posterior_noise(run, shape))
+            x = image_inputs.noised(mx.broadcast_to(pack(init), x.shape), x, run.sigmas[run.start])
+        mx.eval(x, run.state["fill"])
         return x
 
     def velocity(self, run, transformer, i, x):
@@ -225,6 +289,8 @@ class Flux1Pipeline(Pipeline):
         refs, n_img = st["ref_tokens"], x.shape[1]
         # Kontext's reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
         tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
+        if st.get("fill") is not None:     # Fill: the masked image and the mask ride on every token's channels
+            tokens = mx.concatenate([tokens, st["fill"].astype(self.dtype)], axis=-1)
 
         def forward(name, embeds, pooled):
             return lambda: run.forward(name, lambda cache: transformer(
@@ -265,6 +331,13 @@ def kontext_reference(image, auto_resize, multiple):
     if auto_resize:
         _, width, height = min((abs(width / height - w / h), w, h) for w, h in KONTEXT_RESOLUTIONS)
     return image_inputs.resized(image, width // multiple * multiple, height // multiple * multiple)
+
+
+def fill_mask(mask, width, height) -> np.ndarray:
+    """FluxFillPipeline's mask_processor: grayscale, resized (LANCZOS) to the output size, in [0, 1], binarized at
+    0.5 -> (height, width) float32 of 0 and 1."""
+    values = np.asarray(image_inputs.resized(mask.convert("L"), width, height)).astype(np.float32) / 255.0
+    return (values >= 0.5).astype(np.float32)
 
 
 def pack(x):
