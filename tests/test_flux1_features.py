@@ -78,3 +78,18 @@ def test_quantize_convert_and_cache(tmp_path):
     # the first-block cache runs through FLUX.1's blocks (threshold 1: every step after the first reuses)
     cached = mlxdiff.load(str(folder)).generate("a red fox", latents=noise, cache="first-block:1", **dict(RUN, steps=3))
     assert cached.cached_steps and np.isfinite(cached.latents).all()
+
+
+def test_footprint_compare_runs_both_sides(tmp_path):
+    """footprint compare on a FLUX.1 folder: mlxdiff, diffusers as is and the sequential recipe, one ruler."""
+    import json
+    from diffusers import FluxPipeline
+    from mlxdiff.footprint import main
+    folder = tmp_path / "dev"
+    FluxPipeline(**flux1_components("dev", seed=4)).save_pretrained(str(folder))
+    rc = main(["compare", "--model", str(folder), "--width", "32", "--height", "32", "--steps", "2", "--out",
+               str(tmp_path / "fp")])
+    assert rc in (0, None)
+    report = json.loads((tmp_path / "fp" / "footprint.json").read_text())
+    text = json.dumps(report)
+    assert "diffusers" in text and "sequential" in text

@@ -26,9 +26,10 @@ def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, wi
     guidance = (3.5 if distilled else 0.0) if guidance is None else guidance
     encode_kw = {"max_sequence_length": 512 if distilled else 256}
     device, dtype = _device(), torch.bfloat16
-    channels = config.get("in_channels", 64) // 4
-    latents = FluxPipeline._pack_latents(noise((1, channels, height // 8, width // 8), seed, dtype), 1, channels,
-                                         height // 8, width // 8)
+    vae = json.loads((Path(model) / "vae" / "config.json").read_text())
+    factor, channels = 2 ** (len(vae["block_out_channels"]) - 1), vae["latent_channels"]
+    h, w = height // factor, width // factor
+    latents = FluxPipeline._pack_latents(noise((1, channels, h, w), seed, dtype), 1, channels, h, w)
 
     def denoiser():
         if transformer is None:
