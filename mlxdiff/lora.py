@@ -25,7 +25,11 @@ Formats (what the tools write), told apart by their names:
   models/mmdit.py): the table that maps a base checkpoint maps its LoRA. lora_B has the base weight's rows, so it is
   split, reordered (swap_halves) exactly as the base weight is; lora_A (the input side) is shared by the parts.
   FLUX.2's single-block linear1 stays fused as in mlxdiff; its row ranges reach the LoRA through
-  `LoRALinear.rows` (formats/quantized.linear_rows).
+  `LoRALinear.rows` (formats/quantized.linear_rows). FLUX.1's linear1 is q, k, v and the MLP in mlxdiff (models/
+  flux1.py): its lora_B's rows go to the four layers (the MLP's four widths together).
+- XLabs (x-flux, FLUX.1): `double_blocks.N.processor.qkv_lora1|proj_lora1|qkv_lora2|proj_lora2.down|up.weight`
+  (1: the image stream, 2: the text stream) and `single_blocks.N.processor.qkv_lora|proj_lora`, no alpha (scale 1),
+  through models/flux1.py's table.
 
 UNet LoRAs (SD 1.x / SDXL): kohya's `lora_unet_<diffusers module, dots as underscores>` (sd-scripts' SD 1.x
 names; SDXL's SGM names `input_blocks_N_M_...` go through models/unet.py's original-name table when it has one),
@@ -72,6 +76,10 @@ ROLES = (
     (".lora_linear_layer.down.weight", "A"), (".lora_linear_layer.up.weight", "B"),
     (".alpha", "alpha"),
 )
+# XLabs' FLUX.1 LoRAs: <block>.processor.{qkv,proj}_lora[12].{down,up}.weight, no alpha (scale 1); read only on
+# such module names, the endings being too common otherwise
+XLABS_ROLES = ((".down.weight", "A"), (".up.weight", "B"))
+XLABS_MODULE = re.compile(r".*\.processor\.(qkv|proj)_lora[12]?$")
 # what a tensor name says the file is when it is not a plain LoRA
 NOT_LORA = (
     (re.compile(r".*\.(dora_scale|lora_magnitude_vector)(\.weight)?$"), "a DoRA (magnitude vectors)"),
@@ -412,9 +420,11 @@ def _names_module(value, name) -> bool:
 
 def _split_name(name):
     """tensor name -> (component, naming kind, module name, role), or None when the name is no LoRA tensor's."""
-    for ending, role in ROLES:
+    for ending, role in ROLES + XLABS_ROLES:
         if name.endswith(ending):
             module = name[:-len(ending)]
+            if (ending, role) in XLABS_ROLES and not XLABS_MODULE.fullmatch(module):
+                return None
             break
     else:
         return None
@@ -426,7 +436,11 @@ def _split_name(name):
 
 def _naming(name):
     """(name prefix, lora_A / lora_B style) of a LoRA factor's tensor name (one _split_name accepts)."""
-    style = next(i // 2 for i, (ending, _) in enumerate(ROLES) if name.endswith(ending))
+    if any(name.endswith(ending) for ending, _ in XLABS_ROLES) and \
+            XLABS_MODULE.fullmatch(name.rsplit(".", 2)[0]):
+        style = "xlabs"
+    else:
+        style = next(i // 2 for i, (ending, _) in enumerate(ROLES) if name.endswith(ending))
     return next(prefix for prefix, _, _ in PREFIXES if name.startswith(prefix)), style
 
 

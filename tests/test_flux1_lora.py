@@ -96,3 +96,34 @@ def test_flux1_lora_on_another_family_is_one_line(lora_files, sd3_tiny):
     with pytest.raises(MlxdiffError, match="FLUX.1") as e:
         mlxdiff.load(str(folder), loras=[str(files["kohya"])])
     assert "\n" not in str(e.value)
+
+
+def test_xlabs_lora_matches_diffusers(lora_files, tmp_path):
+    """XLabs' naming (x-flux: double_blocks.N.processor.qkv_lora1 / proj_lora2 ..., single_blocks.N.processor.
+    qkv_lora / proj_lora; .down / .up, no alpha), against diffusers' own XLabs converter on the same file."""
+    from diffusers import FluxPipeline
+    folder, _ = lora_files
+    cfg = FluxPipeline.from_pretrained(str(folder)).transformer.config
+    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    g = torch.Generator().manual_seed(13)
+    tensors = {}
+
+    def lora(name, ins, outs):
+        tensors[f"{name}.down.weight"] = torch.randn(RANK, ins, generator=g) * 0.3
+        tensors[f"{name}.up.weight"] = torch.randn(outs, RANK, generator=g) * 0.3
+
+    for i in range(cfg.num_layers):
+        for stream in ("1", "2"):
+            lora(f"double_blocks.{i}.processor.qkv_lora{stream}", dim, 3 * dim)
+            lora(f"double_blocks.{i}.processor.proj_lora{stream}", dim, dim)
+    lora("single_blocks.0.processor.qkv_lora", dim, 3 * dim)
+    lora("single_blocks.1.processor.proj_lora", 5 * dim, dim)
+    path = tmp_path / "flux1-xlabs-lora.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    noise = packed_noise(6)
+    ref = reference(folder, path, noise, scale=0.7)
+    result = mlxdiff.load(str(folder), loras=[(str(path), 0.7)]).generate(
+        "a red fox in the snow", width=W, height=H, steps=3, guidance=3.5, latents=noise, progress_bar=False)
+    err = max_rel_err(result.latents, FluxPipeline._unpack_latents(ref, H, W, 2).numpy())
+    print(f"xlabs: latents {err:.2e} from diffusers with the same file")
+    assert err <= 1e-4

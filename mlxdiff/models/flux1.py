@@ -357,8 +357,20 @@ _LORA_RULES = compile_rules([rule if "linear1" not in rule[0] else
                                              for _ in range(widths))) for rule in ORIGINAL_KEYMAP])
 
 
+# XLabs' names (x-flux): processor.qkv_lora1 / proj_lora1 the image stream's attention, _lora2 the text stream's; a
+# single block's qkv_lora its q, k, v (not the MLP rows of linear1), proj_lora its linear2
+_XLABS_RULES = compile_rules([
+    (_D + r"processor\.qkv_lora1\.weight", tuple(_TD + f"attn.to_{c}.weight" for c in "qkv")),
+    (_D + r"processor\.proj_lora1\.weight", _TD + "attn.to_out.0.weight"),
+    (_D + r"processor\.qkv_lora2\.weight", tuple(_TD + f"attn.add_{c}_proj.weight" for c in "qkv")),
+    (_D + r"processor\.proj_lora2\.weight", _TD + "attn.to_add_out.weight"),
+    (_S + r"processor\.qkv_lora\.weight", tuple(_TS + f"attn.to_{c}.weight" for c in "qkv")),
+    (_S + r"processor\.proj_lora\.weight", _TS + "proj_out.weight"),
+])
+
+
 def lora_original_rules(args) -> list:
-    return _LORA_RULES
+    return _LORA_RULES + _XLABS_RULES
 
 
 # what marks FLUX.1's BFL names against FLUX.2's (which has neither vector_in nor per-block modulations)
