@@ -145,3 +145,19 @@ def test_no_code_outside_the_family_folders_names_a_family():
         found += [f"{path.relative_to(PACKAGE)}:{line}: {value!r}" for line, value in _literals(path)
                   if value in names]
     assert not found, found
+
+
+def test_readme_family_table_is_the_registry():
+    """README's Families table is FAMILIES: one row per family, its title, its pipeline classes, the files it reads."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("<!-- families:", 1)[1].split("<!-- /families -->", 1)[0]
+    rows = [line for line in block.splitlines() if line.startswith("| ") and not line.startswith("| Family")]
+    assert len(rows) == len(FAMILIES)
+    for family, row in zip(FAMILIES, rows):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[0] == family.title
+        assert cells[1] == ", ".join(f"`{c}`" for c in family.layouts)
+        expected = family.file_kinds or (f"from its files alone: {family.files_alone_kinds}"
+                                         if family.files_alone_kinds else "-")
+        assert cells[2] == expected

@@ -5,6 +5,7 @@ are shared with vae_flux2.py. Everything runs channels-last (NHWC) inside; the p
 return NCHW arrays like diffusers.
 """
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Optional
@@ -143,18 +144,18 @@ def _normalize_act(x, mean, inv_std, weight, bias, act):
     return act(y)
 
 
-_COMPILED = {}
+@functools.cache
+def _compiled_normalize_act(act):
+    """The compiled elementwise pass of norm_act, one per activation (made once, on first use)."""
+    return mx.compile(lambda x, m, s, w, b: _normalize_act(x, m, s, w, b, act))
 
 
 def norm_act(norm: nn.GroupNorm, act, x):
     """act(norm(x)) for a GroupNorm `norm` (its parameters and settings), as one compiled elementwise pass after the
     statistics: MLX's GroupNorm then the activation hold about five copies of x at once (1.3 GB for 256 channels
     at 512x512 in float32), this holds the output alone."""
-    fn = _COMPILED.get(act)
-    if fn is None:
-        fn = _COMPILED[act] = mx.compile(lambda x, m, s, w, b: _normalize_act(x, m, s, w, b, act))
     mean, inv_std = _group_stats(x, norm.num_groups, norm.eps)
-    return fn(x, mean, inv_std, norm.weight, norm.bias)
+    return _compiled_normalize_act(act)(x, mean, inv_std, norm.weight, norm.bias)
 
 
 # -- blocks (NHWC) ---------------------------------------------------------------------------------------------

@@ -46,6 +46,14 @@ def initial_latents(latents, shape, seed, layout=""):
     return mx.array(latents.astype(np.float32))
 
 
+def record_step_cache(run):
+    """What a run's step cache did, on its Result: a note, the steps it reused, its per-kind changes."""
+    if run.step_cache is not None:
+        run.result.notes.append(run.step_cache.note())
+        run.result.cached_steps = run.step_cache.reused_steps()
+        run.result.cache_changes = {k: c.changes for k, c in run.step_cache.contexts.items()}
+
+
 def evaluate_each_block(*outputs):
     """The memory policy the pipelines pass to a transformer: each block's outputs are paced (mlxdiff/pacing.py),
     so transient buffers are freed block by block instead of piling up over the whole stack, without the device
@@ -300,10 +308,8 @@ class Pipeline:
         # 1. check: the images, the family's own keywords and the step cache, before anything is loaded
         names, images = check_images(image, strength)
         self.check_images(names, images, strength)
-        run = Run(prompt, negative_prompt, seed, names, images, strength, self.family_options(options), width, height)
-        run.step_cache = self.new_step_cache(cache)
-        if images and strength is None:
-            run.strength = self.IMG2IMG_STRENGTH
+        run = Run(prompt, negative_prompt, seed, names, images, self.IMG2IMG_STRENGTH if images and strength is None
+                  else strength, self.family_options(options), width, height, step_cache=self.new_step_cache(cache))
         self.check_inputs(run)
         # 2. request: every argument checked, None filled in with the defaults
         run.width, run.height, run.steps, run.guidance = self.request(
@@ -333,10 +339,7 @@ class Pipeline:
                 x = denoise(lambda i, x: self.velocity(run, denoiser, run.start + i, x),
                             lambda i, x, prediction: self.step(run, run.start + i, x, prediction), x,
                             run.timesteps[run.start:], callback, progress_bar)
-            if run.step_cache is not None:
-                run.result.notes.append(run.step_cache.note())
-                run.result.cached_steps = run.step_cache.reused_steps()
-                run.result.cache_changes = {k: c.changes for k, c in run.step_cache.contexts.items()}
+            record_step_cache(run)
             # 8. decode
             x = self.unpack(run, x)
             with phase("decode"), self.use(self.components["vae"], run.result) as vae:
