@@ -163,3 +163,19 @@ def test_true_cfg_scale_is_flux1s_only(files, sd3_tiny, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "true_cfg_scale: an option of FLUX.1 models only" in err[0]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_flux2_transformer_given_to_flux1_is_one_line(tmp_path):
+    """The reverse of test_flux1_file_is_not_taken_for_flux2: a FLUX.2 BFL file as a FLUX.1 folder's transformer."""
+    from diffusers import FluxPipeline
+    from test_flux1_pipeline import flux1_components
+    from test_flux2_transformer import CONFIGS as FLUX2_CONFIGS, make_torch_model
+    from twins import flux2_to_bfl
+    folder = tmp_path / "dev"
+    FluxPipeline(**flux1_components("dev", seed=4)).save_pretrained(str(folder))
+    flux2_model = make_torch_model("klein", seed=1)
+    state = {k: v.detach().clone().contiguous() for k, v in flux2_model.state_dict().items()}
+    save_file(flux2_to_bfl(state, FLUX2_CONFIGS["klein"]), str(tmp_path / "flux2-klein.safetensors"))
+    with pytest.raises(MlxdiffError, match="a FLUX.2 transformer alone.*this is a FLUX.1 model") as e:
+        mlxdiff.load(str(folder), transformer=str(tmp_path / "flux2-klein.safetensors"))
+    assert "\n" not in str(e.value)

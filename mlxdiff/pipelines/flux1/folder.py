@@ -4,6 +4,7 @@ PipelineSources."""
 from pathlib import Path
 
 from ...errors import MlxdiffError
+from ...formats import tensor_shapes
 from ...loading.sources import folder_component, read_scheduler_config, tokenizer_folder, \
     transformer_from_file
 from ...loading.spec import PipelineSources
@@ -23,6 +24,17 @@ def check_encoders(where, specs) -> None:
     if t5.d_model != transformer.joint_attention_dim:
         raise MlxdiffError(f"{where}: the transformer's joint_attention_dim is {transformer.joint_attention_dim} but "
                            f"the T5 text encoder gives {t5.d_model}; the components do not belong together")
+
+
+def check_is_flux1(path) -> None:
+    """A transformer file given to a FLUX.1 model that another family says is its own (FLUX.2's BFL names, an SD3.5
+    transformer, ...) is refused in one line saying what it is."""
+    from ..family import identify
+    names = list(tensor_shapes(path))
+    if not flux1.is_original(names):
+        hint = identify(names, but="flux1")
+        if hint is not None:
+            raise MlxdiffError(f"{path}: {hint}; this is a FLUX.1 model")
 
 
 def fill_channels(vae_args) -> int:
@@ -55,6 +67,7 @@ def flux1_folder(root: Path, index, pipeline_class, components, transformer=None
              for name in ("transformer", "vae", *ENCODERS)}
     specs["text_encoder"].config["architectures"] = [components["text_encoder"]]   # CLIPTextModel: no projection
     if transformer is not None:
+        check_is_flux1(transformer)
         specs["transformer"] = transformer_from_file(transformer, flux1, specs["transformer"].config,
                                                      root / "transformer" / "config.json")
     check_latents(root / "model_index.json", specs, pipeline_class == "FluxFillPipeline")
