@@ -261,3 +261,48 @@ def test_fill_inputs_are_one_line(fill_tiny, flux1_tiny):
     _, other, _ = flux1_tiny
     with pytest.raises(MlxdiffError, match="mask: FLUX.1 Fill's"):
         mlxdiff.load(str(other)).generate("a cat", image=image, mask=fill_mask_picture(W, H, (0, 0, 4, 4)), steps=1)
+
+
+# -- Depth / Canny: a control image on the channels (FluxControlPipeline) ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def control_tiny(tmp_path_factory):
+    """A tiny FluxControlPipeline: the transformer takes the noise and the control image's latents (8 x 5, the real
+    2 x 64) and gives 20."""
+    from diffusers import FluxControlPipeline, FluxTransformer2DModel
+    components = flux1_components("dev", seed=7)
+    torch.manual_seed(7)
+    components["transformer"] = randomize_(FluxTransformer2DModel(
+        patch_size=1, in_channels=8 * LATENT, out_channels=4 * LATENT, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=3, joint_attention_dim=44, pooled_projection_dim=36,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6)), seed=71, scale=0.15).eval()
+    folder = tmp_path_factory.mktemp("flux1_control")
+    FluxControlPipeline(**components).save_pretrained(str(folder))
+    return folder, FluxControlPipeline.from_pretrained(str(folder))
+
+
+def test_control_matches_diffusers(control_tiny):
+    """The control image (another size: resized to the output's) encoded with the posterior noise diffusers draws
+    from its generator, on the noise tokens' channels."""
+    folder, pipe = control_tiny
+    control = reference_picture(30, 50, seed=8)
+    noise = packed_noise(9)
+    posterior = torch.randn((1, LATENT, H // 2, W // 2), generator=torch.Generator().manual_seed(10))
+    kw = dict(prompt="a lighthouse", num_inference_steps=3, guidance_scale=3.5, max_sequence_length=512)
+    ref = pipe(control_image=control, height=H, width=W, latents=torch.from_numpy(noise),
+               generator=torch.Generator().manual_seed(10), output_type="latent", **kw).images
+    result = mlxdiff.load(str(folder)).generate("a lighthouse", image=control, width=W, height=H, steps=3,
+                                                guidance=3.5, latents=noise, image_noise=posterior.numpy(),
+                                                progress_bar=False)
+    err = max_rel_err(result.latents, pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy())
+    print(f"control: latents {err:.2e}; {result.notes}")
+    assert err <= 1e-4
+    other = pipe(control_image=reference_picture(30, 50, seed=11), height=H, width=W,
+                 latents=torch.from_numpy(noise), generator=torch.Generator().manual_seed(10), output_type="latent",
+                 **kw).images
+    # the control image matters: another one moves the result (6.4e-3 here) far beyond the parity error (4.7e-6)
+    assert max_rel_err(other.numpy(), ref.numpy()) > max(100 * err, 1e-3)
+    with pytest.raises(MlxdiffError, match="draw from a control image"):
+        mlxdiff.load(str(folder)).generate("a lighthouse", width=W, height=H, steps=1)
+    with pytest.raises(MlxdiffError, match="one control image"):
+        mlxdiff.load(str(folder)).generate("a lighthouse", image=control, strength=0.5, width=W, height=H, steps=1)

@@ -1,4 +1,5 @@
-"""FLUX.1 (dev, schnell, Krea; Kontext; Fill): FluxPipeline, FluxKontextPipeline and FluxFillPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
+"""FLUX.1 (dev, schnell, Krea; Kontext; Fill; Depth / Canny): FluxPipeline, FluxKontextPipeline, FluxFillPipeline
+and FluxControlPipeline folders (a transformer or VAE file may replace the folder's), BFL's and
 ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those files alone."""
 
 from ...errors import MlxdiffError
@@ -23,7 +24,7 @@ def read_folder(path, index, pipeline_class, components, request):
     if request.vae is not None:
         found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config or VAE_DEFAULTS,
                                                path / "vae" / "config.json", title="a FLUX.1")
-        check_latents(request.vae, found.components, pipeline_class == "FluxFillPipeline")
+        check_latents(request.vae, found.components, pipeline_class)
     return found
 
 
@@ -45,7 +46,8 @@ def part_of(names):
 
 FAMILY = Family(
     name="flux1", title="FLUX.1", article="a", pipeline=Flux1Pipeline,
-    layouts={"FluxPipeline": COMPONENTS, "FluxKontextPipeline": COMPONENTS, "FluxFillPipeline": COMPONENTS},
+    layouts={name: COMPONENTS for name in ("FluxPipeline", "FluxKontextPipeline", "FluxFillPipeline",
+                                           "FluxControlPipeline")},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser",
               "text_encoders": "FLUX.1's clip_l / t5xxl files (with its transformer file as the model, or alone)",

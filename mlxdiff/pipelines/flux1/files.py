@@ -18,7 +18,7 @@ from ...loading.spec import ComponentSpec, PipelineSources
 from ...models import flux1, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
 from ..sd3.single_file import TEXT_ENCODER_FILES, sd3_vae_file, text_encoder_file
-from .folder import check_encoders, check_latents, fill_channels
+from .folder import check_encoders, check_latents, kind_of
 
 # BFL's ae.safetensors: SD3's VAE layout with FLUX.1's latent scaling (FLUX.1-dev vae/config.json)
 VAE_DEFAULTS = {**vae.SD3_CONFIG, "scaling_factor": 0.3611, "shift_factor": 0.1159}
@@ -89,13 +89,12 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in "
                                "vae/, ../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")
         specs["vae"] = sd3_vae_file(found[0], VAE_DEFAULTS, title="a FLUX.1")
-    # Fill's transformer takes the masked image and the mask too (384 channels); Kontext's weights have dev's
-    # shapes, its files say so in their names (flux1-kontext-dev.safetensors)
-    fill = specs["transformer"].args.in_channels == fill_channels(specs["vae"].args)
-    check_latents(transformer, specs, fill)
+    # Fill's transformer takes the masked image and the mask too (384 channels), Depth / Canny's the control image
+    # (128); Kontext's weights have dev's shapes, its files say so in their names (flux1-kontext-dev.safetensors)
+    pipeline_class = kind_of(specs["transformer"].args.in_channels, specs["vae"].args) or (
+        "FluxKontextPipeline" if "kontext" in transformer.name.lower() else "FluxPipeline")
+    check_latents(transformer, specs, pipeline_class)
     check_encoders(transformer, specs)
     tokenizers = {"tokenizer": bundled_clip_tokenizer("<|endoftext|>"), "tokenizer_2": bundled_t5_tokenizer()}
     scheduler = dict(SCHEDULERS[specs["transformer"].args.guidance_embeds])
-    pipeline_class = "FluxFillPipeline" if fill else \
-        "FluxKontextPipeline" if "kontext" in transformer.name.lower() else "FluxPipeline"
     return PipelineSources("flux1", pipeline_class, specs, tokenizers, scheduler)

@@ -1,5 +1,5 @@
-"""A FLUX.1 diffusers folder (FluxPipeline: dev, schnell, Krea; FluxKontextPipeline; FluxFillPipeline) ->
-PipelineSources."""
+"""A FLUX.1 diffusers folder (FluxPipeline: dev, schnell, Krea; FluxKontextPipeline; FluxFillPipeline;
+FluxControlPipeline) -> PipelineSources."""
 
 from pathlib import Path
 
@@ -44,16 +44,37 @@ def fill_channels(vae_args) -> int:
     return 8 * vae_args.latent_channels + 4 * f * f
 
 
-def check_latents(where, specs, fill) -> None:
-    """The transformer takes what the VAE gives: 4 x its latent channels (2 x 2 patches), and Fill also the masked
-    image and the mask (fill_channels), putting out 4 x the latent channels."""
+# what a transformer takes beside the noise, by pipeline class: Fill the masked image and the mask, Control the
+# control image (the others nothing)
+EXTRA_INPUTS = {"FluxFillPipeline": "fill", "FluxControlPipeline": "control"}
+
+
+def expected_in_channels(kind, vae_args) -> int:
+    latent = vae_args.latent_channels
+    return {"fill": fill_channels(vae_args), "control": 8 * latent}.get(kind, 4 * latent)
+
+
+def kind_of(in_channels, vae_args):
+    """The pipeline class a transformer file's input width says (Fill's 384, Control's 128), else None."""
+    for cls, kind in EXTRA_INPUTS.items():
+        if in_channels == expected_in_channels(kind, vae_args):
+            return cls
+    return None
+
+
+def check_latents(where, specs, pipeline_class) -> None:
+    """The transformer takes what the VAE gives: 4 x its latent channels (2 x 2 patches), Fill also the masked
+    image and the mask (fill_channels), Control the control image's latents (8 x); and puts out 4 x the latent
+    channels."""
     transformer, autoencoder = specs["transformer"].args, specs["vae"].args
+    kind = EXTRA_INPUTS.get(pipeline_class)
     takes, gives = transformer.in_channels, autoencoder.latent_channels
-    expected = fill_channels(autoencoder) if fill else 4 * gives
+    expected = expected_in_channels(kind, autoencoder)
     out = transformer.out_channels or takes
     if takes != expected or out != 4 * gives:
-        what = ("a Fill transformer's input is 8 x the latent channels + 4 x the VAE factor squared (the mask)"
-                if fill else "4 x the latent channels (2x2 patches)")
+        what = {"fill": "a Fill transformer's input is 8 x the latent channels + 4 x the VAE factor squared (the "
+                        "mask)", "control": "a Depth / Canny transformer's input is 8 x the latent channels"}.get(
+            kind, "4 x the latent channels (2x2 patches)")
         raise MlxdiffError(f"{where}: the transformer takes in_channels {takes} and gives {out} but the VAE has "
                            f"{gives} latent channels ({what}: expected {expected} in, {4 * gives} out); the "
                            "components do not belong together")
@@ -70,7 +91,7 @@ def flux1_folder(root: Path, index, pipeline_class, components, transformer=None
         check_is_flux1(transformer)
         specs["transformer"] = transformer_from_file(transformer, flux1, specs["transformer"].config,
                                                      root / "transformer" / "config.json")
-    check_latents(root / "model_index.json", specs, pipeline_class == "FluxFillPipeline")
+    check_latents(root / "model_index.json", specs, pipeline_class)
     check_encoders(root / "model_index.json", specs)
     tokenizers = {name: load_tokenizer(tokenizer_folder(root, name), components[name])
                   for name in ("tokenizer", "tokenizer_2")}

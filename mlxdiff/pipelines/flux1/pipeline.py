@@ -1,6 +1,7 @@
 """FLUX.1 dev, schnell and Krea, following diffusers' FluxPipeline (and FluxImg2ImgPipeline with image=),
 Kontext [dev], following FluxKontextPipeline (image= is the reference image that is edited), and Fill [dev],
-following FluxFillPipeline (image= and mask=: inpainting and outpainting).
+following FluxFillPipeline (image= and mask=: inpainting and outpainting), and Depth / Canny [dev], following
+FluxControlPipeline (image= is the control image: a depth map or an edge map).
 
     encode:  CLIP-L (CLIPTextModel: its pooled vector, 77 tokens) then T5-XXL (its last hidden state, 512 tokens
              with a guidance-distilled transformer, 256 without: BFL's lengths for dev and schnell), each freed
@@ -9,7 +10,8 @@ following FluxFillPipeline (image= and mask=: inpainting and outpainting).
              Kontext: the reference image resized to the preferred Kontext resolution nearest its aspect, its
              latent mean packed into tokens with position ids (1, row, col) beside the noise tokens (0, row, col);
              Fill: the image with the mask's area blanked, VAE-encoded (a posterior sample), packed, and the mask
-             folded into 8 x 8 pixel patches, both joined to every noise token's channels
+             folded into 8 x 8 pixel patches, both joined to every noise token's channels; Control: the control
+             image, VAE-encoded (a posterior sample), packed and joined to the noise tokens' channels
     denoise: FLUX.1 DiT + flow-match Euler; sigmas linspace(1, 1/N, N), shifted by mu from the token count where the
              scheduler uses dynamic shifting (dev), unshifted otherwise (schnell); dev embeds `guidance`; true CFG
              against a negative prompt with true_cfg_scale > 1, as diffusers
@@ -54,7 +56,9 @@ class Flux1Pipeline(Pipeline):
     preferred Kontext resolution. Fill (a FluxFillPipeline folder, or a transformer taking 384 input channels):
     `image=` and `mask=` (white: repaint, black: keep; a PIL image or file of the image's size) inpaint, or
     outpaint where the image was padded and the mask covers the pad; the output size defaults to the image's (cut
-    to a multiple of 16); `image_noise`: the masked image's VAE posterior noise (default: from the seed)."""
+    to a multiple of 16); `image_noise`: the masked image's VAE posterior noise (default: from the seed). Depth /
+    Canny (a FluxControlPipeline folder, or a transformer taking 8 x the latent channels: 128): `image=` is the one
+    control image, resized to the output size; `image_noise` its posterior noise."""
     family = "flux1"
     patch_size = 2      # 2x2 latent patches per token
     OPTIONS = {"max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
@@ -68,12 +72,18 @@ class Flux1Pipeline(Pipeline):
         self.distilled_guidance = self.components["transformer"].args.guidance_embeds
         self.kontext = self.pipeline_class == "FluxKontextPipeline"
         self.fill = self.pipeline_class == "FluxFillPipeline"
-        if self.kontext:
-            self.IMG2IMG_STRENGTH = None          # image= is the reference, never an init image
+        self.control = self.pipeline_class == "FluxControlPipeline"
+        if self.kontext or self.control:
+            self.IMG2IMG_STRENGTH = None          # image= is the reference / control image, never an init image
         if self.fill:
             self.IMG2IMG_STRENGTH = 1.0           # FluxFillPipeline's strength: the masked area from pure noise
 
     def check_images(self, names, images, strength):
+        if self.control:
+            if strength is not None or len(images) > 1:
+                raise MlxdiffError("image: FLUX.1 Depth / Canny take one control image (a depth or edge map) and no "
+                                   "strength; give one --image and leave --strength out")
+            return
         if self.fill and len(images) > 1:
             raise MlxdiffError(f"image: {len(images)} images; FLUX.1 Fill repaints one image; give one --image")
         if not self.kontext:
@@ -151,6 +161,8 @@ class Flux1Pipeline(Pipeline):
     def check_inputs(self, run):
         self.take_image_noise(run)
         self.take_mask(run)
+        if self.control and run.images:
+            self.size_of_image(run)
         given = [name for name in self.KONTEXT_ONLY if run.options[name] is not None]
         if given and not self.kontext:
             raise MlxdiffError(f"{given[0]}: an option of FLUX.1 Kontext only (FluxKontextPipeline); this FLUX.1 "
@@ -185,13 +197,20 @@ class Flux1Pipeline(Pipeline):
                                f"{run.image_names[0]} is {run.images[0].size[0]}x{run.images[0].size[1]}; the mask "
                                "must have the image's size")
         run.state["mask"] = masks[0]
+        self.size_of_image(run)
+
+    def size_of_image(self, run):
+        """Fill's and Control's output size when none is given: the image's, cut to a multiple of 16."""
         multiple = self.vae_scale_factor() * 2
         w, h = run.images[0].size
-        if run.width is None and run.height is None and w >= multiple and h >= multiple:   # the image's size
+        if run.width is None and run.height is None and w >= multiple and h >= multiple:
             run.width, run.height = w // multiple * multiple, h // multiple * multiple
 
     def check_run(self, run):
         self.check_image_noise(run)
+        if self.control and not run.images:
+            raise MlxdiffError("FLUX.1 Depth / Canny draw from a control image: give --image (image=) with the "
+                               "depth or edge map")
         if self.kontext:     # FluxKontextPipeline: the requested aspect at max_area pixels, cut to a multiple of 16
             area, multiple = run.options["max_area"] or self.KONTEXT_MAX_AREA, self.vae_scale_factor() * 2
             aspect = run.width / run.height
@@ -225,6 +244,7 @@ class Flux1Pipeline(Pipeline):
         h, w = run.height // factor, run.width // factor
         channels = self.components["vae"].args.latent_channels
         run.state.update(shape=(run.batch, channels, 2 * h, 2 * w), img_ids=latent_ids(h, w), ref_tokens=None,
+                         channels=None,
                          txt_ids=np.zeros((embeds.shape[1], 3), dtype=np.float32),
                          guidance=mx.full((run.batch,), run.guidance, dtype=mx.float32)
                          if targs.guidance_embeds else None)
@@ -239,6 +259,10 @@ class Flux1Pipeline(Pipeline):
                                "batch, (height/16) * (width/16), 4 * latent channels")
 
     def encode_images(self, run, vae, x):
+        if self.control:     # FluxControlPipeline: the control image's posterior sample, scaled, packed
+            pixels = image_inputs.to_array(image_inputs.resized(run.images[0].convert("RGB"), run.width, run.height))
+            run.state["channels"] = self.posterior_tokens(run, vae, pixels)
+            return x
         if self.kontext:     # the reference's latent mean, (z - shift) * scaling, packed, ids (1, row, col)
             (reference,) = run.state["reference"]
             mean, _ = image_inputs.encode_moments(vae, image_inputs.to_array(reference), self.dtype)
@@ -267,20 +291,28 @@ class Flux1Pipeline(Pipeline):
         shape, f = run.state["shape"], self.vae_scale_factor()
         pixels = image_inputs.to_array(image_inputs.resized(run.images[0], run.width, run.height))
         mask = fill_mask(run.state["mask"], run.width, run.height)                    # (H, W) of 0 / 1
-        noise = self.posterior_noise(run, shape)
-        mean, logvar = image_inputs.encode_moments(vae, pixels * (1 - mask), self.dtype)
-        z = mean.astype(mx.float32) + mx.exp(0.5 * logvar.astype(mx.float32)) * noise
-        masked = pack(vae.scale_latents(z).astype(mx.float32))
-        b, _, hh, ww = shape
+        masked = self.posterior_tokens(run, vae, pixels * (1 - mask))
+        _, _, hh, ww = shape
         patches = mask.reshape(1, hh, f, ww, f).transpose(0, 2, 4, 1, 3).reshape(1, f * f, hh, ww)
-        cond = mx.concatenate([masked, pack(mx.array(patches))], axis=-1)
-        run.state["fill"] = mx.broadcast_to(cond, (run.batch, *cond.shape[1:]))
+        patches = mx.broadcast_to(pack(mx.array(patches)), (run.batch, *pack(mx.array(patches)).shape[1:]))
+        run.state["channels"] = mx.concatenate([masked, patches], axis=-1)
         if run.strength < 1:
             init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                                  self.posterior_noise(run, shape))
             x = image_inputs.noised(mx.broadcast_to(pack(init), x.shape), x, run.sigmas[run.start])
-        mx.eval(x, run.state["fill"])
+        mx.eval(x, run.state["channels"])
         return x
+
+    def posterior_tokens(self, run, vae, pixels):
+        """Pixels -> a sample of their VAE posterior (image_noise, else the seed's second stream), (z - shift) *
+        scaling, packed and broadcast to the batch: (B, tokens, 4 x latent channels) float32."""
+        mean, logvar = image_inputs.encode_moments(vae, pixels, self.dtype)
+        z = mean.astype(mx.float32) + mx.exp(0.5 * logvar.astype(mx.float32)) * self.posterior_noise(
+            run, run.state["shape"])
+        tokens = pack(vae.scale_latents(z).astype(mx.float32))
+        tokens = mx.broadcast_to(tokens, (run.batch, *tokens.shape[1:]))
+        mx.eval(tokens)
+        return tokens
 
     def velocity(self, run, transformer, i, x):
         # diffusers: t in the latents' dtype, then / 1000 (bf16 runs round it as there)
@@ -289,8 +321,8 @@ class Flux1Pipeline(Pipeline):
         refs, n_img = st["ref_tokens"], x.shape[1]
         # Kontext's reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
         tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
-        if st.get("fill") is not None:     # Fill: the masked image and the mask ride on every token's channels
-            tokens = mx.concatenate([tokens, st["fill"].astype(self.dtype)], axis=-1)
+        if st.get("channels") is not None:     # Fill's masked image and mask, Control's image: on every token
+            tokens = mx.concatenate([tokens, st["channels"].astype(self.dtype)], axis=-1)
 
         def forward(name, embeds, pooled):
             return lambda: run.forward(name, lambda cache: transformer(
@@ -304,6 +336,8 @@ class Flux1Pipeline(Pipeline):
         return v_neg + run.options["true_cfg_scale"] * (v - v_neg)
 
     def images_note(self, run, seconds):
+        if self.control:
+            return f"control image {run.image_names[0]} at {run.width}x{run.height}, encoded in {seconds:.2f} s"
         if not self.kontext:
             return super().images_note(run, seconds)
         (reference,) = run.state["reference"]
