@@ -61,7 +61,7 @@ def case(name, folder, load_extra, gguf_layout=None, **run):
     np.save(f"{{out}}/{{name}}-latents-{{n}}-{{rank}}.npy", r.latents)
     r.image.save(f"{{out}}/{{name}}-image-{{n}}-{{rank}}.png")
     held = {{}}
-    for part in ("transformer", "text_encoder", "text_encoder_3"):
+    for part in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
         spec = pipe.components.get(part)
         if spec is None:
             continue
@@ -89,13 +89,14 @@ case("flux2_q4", {flux2!r}, dict(quantize={{"transformer": {{"bits": 4, "group_s
 case("flux2_gguf", {flux2_gguf!r}, dict(transformer={gguf!r}), **flux)
 case("flux2_gguf_affine", {flux2_gguf!r}, dict(transformer={gguf!r}), gguf_layout="affine", **flux)
 case("sd3", {sd3!r}, {{}}, prompt="a fox in the snow", width=32, height=48, steps=3, seed=4)
+case("flux1", {flux1!r}, {{}}, prompt="a fox in the snow", width=24, height=40, steps=2, seed=4)
 if n == 1:     # what the CLI test's command makes
     r = load({sd3!r}).generate("a red circle on a blue background", width=32, height=48, steps=2, seed=7,
                                 progress_bar=False)
     r.image.save(f"{{out}}/cli-single.png")
 """
 
-CASES = ("flux2", "flux2_q4", "flux2_gguf", "flux2_gguf_affine", "sd3")
+CASES = ("flux2", "flux2_q4", "flux2_gguf", "flux2_gguf_affine", "sd3", "flux1")
 
 
 def flux2_klein(root):
@@ -149,16 +150,32 @@ def sd35(root):
     return folder
 
 
+def flux1_dev(root):
+    """test_flux1_pipeline's tiny dev folder with a 4-head transformer (its T5 has 3 heads: it stays whole)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from test_flux1_pipeline import LATENT, flux1_components
+    from twins import randomize_
+    parts = flux1_components("dev", seed=5)
+    parts["transformer"] = randomize_(FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=44, pooled_projection_dim=36, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6)), seed=14, scale=0.15).eval()
+    folder = root / "flux1"
+    FluxPipeline(**parts).save_pretrained(str(folder))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, launcher):
     """Every case as one process and as two ranks (one script each, to start as few processes as possible):
     (folder of the outputs, the pipeline folders)."""
     from twins import H, TAPS, W
     root = tmp_path_factory.mktemp("tensor_parallel")
-    folders = {"flux2": flux2_klein(root / "klein"), "sd3": sd35(root)}
+    folders = {"flux2": flux2_klein(root / "klein"), "sd3": sd35(root), "flux1": flux1_dev(root)}
     folders["flux2_gguf"], gguf = flux2_klein_gguf(root / "klein_gguf")
     script = root / "run.py"
-    script.write_text(RUN.format(flux2=str(folders["flux2"]), sd3=str(folders["sd3"]), W=W, H=H, taps=tuple(TAPS),
+    script.write_text(RUN.format(flux2=str(folders["flux2"]), sd3=str(folders["sd3"]), flux1=str(folders["flux1"]),
+                                 W=W, H=H, taps=tuple(TAPS),
                                  flux2_gguf=str(folders["flux2_gguf"]), gguf=str(gguf)))
     out = root / "out"
     out.mkdir()
@@ -191,7 +208,8 @@ def test_two_ranks_equal_the_single_process_each_holding_half(runs, name):
         assert np.abs(rank_image - image).max() <= 1
         # FLUX.2's Qwen3 / Mistral text encoder splits too (models/text_llm.py), and SD3.5's T5 (models/t5.py);
         # SD3.5's CLIPs stay whole
-        parts = ("transformer", "text_encoder") if name.startswith("flux2") else ("transformer", "text_encoder_3")
+        parts = ("transformer", "text_encoder") if name.startswith("flux2") else ("transformer",) \
+            if name == "flux1" else ("transformer", "text_encoder_3")
         assert [p for p in held if held[p]["split"]] == list(parts)
         for part in parts:
             share, whole = held[part], whole_held[part]

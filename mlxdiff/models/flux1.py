@@ -209,6 +209,14 @@ FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_text_embed\..*|.
                             r"single_transformer_blocks\.\d+\.norm\.linear|norm_out\.linear|proj_out)")
 
 
+def check_shardable(args: ModelArgs, n: int) -> None:
+    """Whether Model.shard can split this config over n ranks (the heads and the MLP width), else one line; checked
+    when a tensor-parallel pipeline is loaded, before anything is read."""
+    from .sharding import check_divides
+    check_divides("FLUX.1 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
+    check_divides("FLUX.1 transformer: the MLP width", MLP_RATIO * args.width, n)
+
+
 class Model(nn.Module):
     """FluxTransformer2DModel.
 
@@ -287,6 +295,34 @@ class Model(nn.Module):
         if step_cache is not None:
             step_cache.remember(h[:, n_txt:] - x_head)
         return self.proj_out(self.norm_out(h[:, n_txt:], temb))
+
+    def shard(self, group):
+        """Tensor-parallel over `group` (mlxdiff/distributed.py; the layers: models/sharding.py), as flux2.Model.shard:
+        q/k/v, the feed-forward inputs and the single blocks' proj_mlp split by output rows, the attention and
+        feed-forward outputs by input columns (one all_sum each; a single block's proj_out in its [attention | MLP]
+        parts), the heads divided; modulations, embedders, norm_out and proj_out stay whole on every rank."""
+        from .sharding import shard_layer
+        n = group.size()
+        check_shardable(self.args, n)
+        for i, block in enumerate(self.transformer_blocks):
+            at, where = block.attn, f"transformer_blocks.{i}"
+            for name in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"):
+                setattr(at, name, shard_layer(getattr(at, name), "all-to-sharded", group, f"{where}.attn.{name}"))
+            at.to_out[0] = shard_layer(at.to_out[0], "sharded-to-all", group, f"{where}.attn.to_out.0")
+            at.to_add_out = shard_layer(at.to_add_out, "sharded-to-all", group, f"{where}.attn.to_add_out")
+            at.heads //= n
+            for name in ("ff", "ff_context"):
+                net = getattr(block, name).net
+                net[0].proj = shard_layer(net[0].proj, "all-to-sharded", group, f"{where}.{name}.net.0.proj")
+                net[2] = shard_layer(net[2], "sharded-to-all", group, f"{where}.{name}.net.2")
+        for i, block in enumerate(self.single_transformer_blocks):
+            at, where = block.attn, f"single_transformer_blocks.{i}"
+            for name in ("to_q", "to_k", "to_v"):
+                setattr(at, name, shard_layer(getattr(at, name), "all-to-sharded", group, f"{where}.attn.{name}"))
+            block.proj_mlp = shard_layer(block.proj_mlp, "all-to-sharded", group, f"{where}.proj_mlp")
+            block.proj_out = shard_layer(block.proj_out, "sharded-to-all", group, f"{where}.proj_out",
+                                         boundaries=(self.args.width,))
+            at.heads //= n
 
     def quant_predicate(self, path, module) -> bool:
         """Which layers may be quantized: not the embedders, the modulations or the output layers."""

@@ -106,7 +106,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     SGM names, or stable-diffusion.cpp's .gguf); `transformer` replaces its UNet; `vae` its VAE.
     `group`: an mx.distributed group of two ranks (mlx.launch) over which a run with classifier-free guidance splits
     its two forwards (guidance-parallel: each rank one of them, one exchange per step); None: one process.
-    `split`: with `group`, "guidance" (the default, above) or "tensor": the transformer (FLUX.2, SD3.5) sharded over
+    `split`: with `group`, "guidance" (the default, above) or "tensor": the transformer (FLUX.1, FLUX.2, SD3.5) sharded over
     the group's ranks, 2 or more (tensor-parallel: each rank holds about 1/N of its blocks' weights and computes
     1/N of their heads and feed-forward widths, two all_sums per block; every rank runs the whole job, text encoders
     and VAE whole; mlxdiff/distributed.py).
