@@ -27,6 +27,10 @@ Formats (what the tools write), told apart by their names:
   FLUX.2's single-block linear1 stays fused as in mlxdiff; its row ranges reach the LoRA through
   `LoRALinear.rows` (formats/quantized.linear_rows). FLUX.1's linear1 is q, k, v and the MLP in mlxdiff (models/
   flux1.py): its lora_B's rows go to the four layers (the MLP's four widths together).
+- DoRA as PEFT saves it (use_dora=True: a `<module>.lora_magnitude_vector` beside lora_A / lora_B), on linear
+  layers of any base form: each layer's m / ||W + scale B A|| (the norm of every output row of the changed weight,
+  W read off the base as base(I) - bias) scales what the layer gives and the LoRA's term, as PEFT's DoraLinearLayer
+  does. LyCORIS's DoRA (`dora_scale`), LoKr and LoHa are refused in one line.
 - XLabs (x-flux, FLUX.1): `double_blocks.N.processor.qkv_lora1|proj_lora1|qkv_lora2|proj_lora2.down|up.weight`
   (1: the image stream, 2: the text stream) and `single_blocks.N.processor.qkv_lora|proj_lora`, no alpha (scale 1),
   through models/flux1.py's table.
@@ -75,6 +79,7 @@ ROLES = (
     (".lora.down.weight", "A"), (".lora.up.weight", "B"),                   # diffusers' older attn-processor names
     (".lora_linear_layer.down.weight", "A"), (".lora_linear_layer.up.weight", "B"),
     (".alpha", "alpha"),
+    (".lora_magnitude_vector.weight", "m"), (".lora_magnitude_vector", "m"),   # PEFT's DoRA (use_dora=True)
 )
 # XLabs' FLUX.1 LoRAs: <block>.processor.{qkv,proj}_lora[12].{down,up}.weight, no alpha (scale 1); read only on
 # such module names, the endings being too common otherwise
@@ -82,7 +87,7 @@ XLABS_ROLES = ((".down.weight", "A"), (".up.weight", "B"))
 XLABS_MODULE = re.compile(r".*\.processor\.(qkv|proj)_lora[12]?$")
 # what a tensor name says the file is when it is not a plain LoRA
 NOT_LORA = (
-    (re.compile(r".*\.(dora_scale|lora_magnitude_vector)(\.weight)?$"), "a DoRA (magnitude vectors)"),
+    (re.compile(r".*\.dora_scale(\.weight)?$"), "a LyCORIS DoRA (dora_scale)"),
     (re.compile(r".*\.(lokr_|hada_|lycoris_).*|^lycoris_.*"), "a LyCORIS LoKr/LoHa"),
     (re.compile(r".*\.(lora_[AB]|lora_up|lora_down)\.bias$"), "a LoRA with bias terms"),
     (re.compile(r".*\.diff(_b)?$"), "a full weight difference"),
@@ -139,23 +144,40 @@ class LoRALinear(nn.Module):
     def __init__(self, base, adapters=()):
         super().__init__()
         self.base = base
-        self.lora_a = [a for a, _, _ in adapters]
-        self.lora_b = [b for _, b, _ in adapters]
-        self._scales = [float(s) for _, _, s in adapters]
-        self.freeze()
+        self.lora_a, self.lora_b, self._scales = [], [], []
+        self.lora_dora = []        # per adapter: DoRA's m / ||W + scale B A|| per output row, or None (plain LoRA)
+        for adapter in adapters:
+            self.add(*adapter)
 
     @property
     def weight(self):          # the base's (what a model reads its layer's output rows from)
         return self.base["weight"]
 
-    def add(self, a, b, scale):
+    def add(self, a, b, scale, dora=None):
         self.lora_a.append(a)
         self.lora_b.append(b)
         self._scales.append(float(scale))
+        self.lora_dora.append(dora)
         self.freeze()
 
     def adapters(self):
+        """[(A, B, scale)]: the low-rank terms (a DoRA's factor, when it has one, in lora_dora)."""
         return list(zip(self.lora_a, self.lora_b, self._scales))
+
+    def dora_factor(self, a, b, scale, magnitude):
+        """DoRA (PEFT's DoraLinearLayer): m / ||W + scale * B A||, the norm of each output row of the changed weight.
+        W is read off the base as base(I) - bias, whatever form the base keeps it in (quantized, a file's blocks, fp8),
+        one layer at a time."""
+        n = a.shape[1]
+        bias = self.base["bias"] if "bias" in self.base else None
+        eye = mx.eye(n, dtype=mx.float32)
+        w_t = self.base(eye.astype(b.dtype)).astype(mx.float32)          # (in, out) = W^T (+ bias)
+        if bias is not None:
+            w_t = w_t - bias.astype(mx.float32)
+        changed = w_t + scale * (a.astype(mx.float32).T @ b.astype(mx.float32).T)
+        factor = magnitude.astype(mx.float32) / mx.sqrt(mx.sum(changed * changed, axis=0))
+        mx.eval(factor)
+        return factor
 
     def _extra_repr(self):
         return f"{len(self._scales)} LoRA(s), ranks {[a.shape[0] for a in self.lora_a]}, scales {self._scales}"
@@ -163,12 +185,19 @@ class LoRALinear(nn.Module):
     def rows(self, start, stop):
         """The layer restricted to output rows start:stop (formats/quantized.linear_rows): the base's rows and B's."""
         return type(self)(linear_rows(self.base, start, stop),
-                          [(a, b[start:stop], s) for a, b, s in self.adapters()])
+                          [(a, b[start:stop], s, None if d is None else d[start:stop])
+                           for (a, b, s), d in zip(self.adapters(), self.lora_dora)])
 
     def __call__(self, x):
         y = self.base(x)
-        for a, b, s in zip(self.lora_a, self.lora_b, self._scales):
-            y = y + ((x @ a.T) * s).astype(y.dtype) @ b.T
+        bias = self.base["bias"] if "bias" in self.base and any(d is not None for d in self.lora_dora) else None
+        for a, b, s, d in zip(self.lora_a, self.lora_b, self._scales, self.lora_dora):
+            delta = ((x @ a.T) * s).astype(y.dtype) @ b.T
+            if d is None:
+                y = y + delta
+            else:      # PEFT: (f - 1) * (what the layer gave so far, less its bias) + f * the LoRA's term
+                f = d.astype(y.dtype)
+                y = y + (f - 1) * (y if bias is None else y - bias.astype(y.dtype)) + f * delta
         return y
 
 
@@ -181,7 +210,7 @@ class LoRAConv(LoRALinear):
     def __call__(self, x):
         y = self.base(x)
         stride, padding = self.base.stride, self.base.padding
-        for a, b, s in zip(self.lora_a, self.lora_b, self._scales):
+        for a, b, s in zip(self.lora_a, self.lora_b, self._scales):    # (no DoRA on convolutions: plan refuses it)
             y = y + (mx.conv2d(x, a, stride=stride, padding=padding) * s).astype(y.dtype) @ b.T
         return y
 
@@ -377,8 +406,7 @@ def _peft_config(path, meta, component="transformer"):
         if field in config and not ok(config[field]):
             raise MlxdiffError(f"{path}: its lora_adapter_metadata has {component}.{field} = "
                                f"{short(config[field], 60)}, which must be {what}; re-save the LoRA")
-    if config.get("use_dora"):
-        raise MlxdiffError(f"{path}: a DoRA (use_dora in its metadata); mlxdiff applies plain LoRAs only")
+    # use_dora: the file's lora_magnitude_vector tensors (plan checks that every layer has one)
     if config.get("target_modules") is None:
         raise MlxdiffError(f"{path}: its lora_adapter_metadata names no {component}.target_modules (the layers the "
                            "LoRA is on); re-save the LoRA")
@@ -468,7 +496,8 @@ def _entries(path, tensors):
                 raise MlxdiffError(f"{path}: {_short(slot[other][0])!r} has no lora_{role} partner (the file is "
                                    "incomplete)")
         if "A" not in slot:
-            raise MlxdiffError(f"{path}: {_short(slot['alpha'][0])!r} belongs to no LoRA layer")
+            extra = slot.get("alpha") or slot.get("m")
+            raise MlxdiffError(f"{path}: {_short(extra[0])!r} belongs to no LoRA layer")
     if any(c == "transformer" and UNET_LAYERS.search(m) for c, _, m in entries):   # kohya's lora_unet_, bare names
         entries = {("unet" if c == "transformer" else c, k, m): v for (c, k, m), v in entries.items()}
     return entries
@@ -640,7 +669,7 @@ def _check_values(path, planned, dtype):
     """Every factor finite and within `dtype`, and |scale| x rank x max|A| x max|B| (a bound on each element of the
     layer's weight change) too: a LoRA that passes cannot make a layer's output NaN or infinite by itself."""
     arrays = {}
-    for _, key_a, key_b, a, b, _, _ in planned:   # B whole (a fused layer's parts are row ranges of it)
+    for _, key_a, key_b, a, b, _, _, _ in planned:   # B whole (a fused layer's parts are row ranges of it)
         arrays.setdefault(key_a, a)
         arrays.setdefault(key_b, b)
     mags = _magnitudes(arrays.items())
@@ -654,7 +683,7 @@ def _check_values(path, planned, dtype):
         if m > top:
             raise MlxdiffError(f"{path}: LoRA tensor {_short(key)!r} has values beyond {name}'s range (|x| up to "
                                f"{m:.3g}); compute in float32 or bfloat16 (--dtype), or use another LoRA file")
-    for target, key_a, key_b, a, _, _, s in planned:
+    for target, key_a, key_b, a, _, _, s, _ in planned:
         bound = abs(s) * a.shape[0] * mags[key_a] * mags[key_b]
         if not bound <= top:
             raise MlxdiffError(f"{path}: layer {target!r}: scale {s:.3g} x {_short(key_a)!r} x {_short(key_b)!r} can "
@@ -669,7 +698,8 @@ def components(path) -> list:
 
 
 def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
-    """[(mlxdiff layer path, A, B, scale)] for the `component` part of one LoRA file on `model` (that component:
+    """[(mlxdiff layer path, A, B, scale, DoRA magnitude or None)] for the `component` part of one LoRA file on
+    `model` (that component:
     an mlxdiff transformer, or a CLIP / T5 encoder, of `arch`), every tensor checked: its layer exists and is
     linear, no layer is reached twice, the shapes fit, the metadata agrees, and every value is finite and keeps the
     layer's weight change within `dtype` (float32 when not given). The LoRA's tensors are read; the model's are not."""
@@ -727,6 +757,19 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             raise MlxdiffError(f"{path}: {_short(key_b)!r} has {b.shape[0]} rows; its layer {_short(module)!r} is "
                                f"{parts} layers here, which it cannot be split into")
         pieces = split_rows(b, parts) if parts > 1 else [b]
+        magnitude = slot.get("m", (None, None))[1]   # DoRA: one magnitude per output row, split as B's rows
+        if magnitude is not None:
+            magnitude = magnitude.reshape(-1)
+            if magnitude.shape[0] != b.shape[0] or stored[slot["m"][0]] not in FACTOR_DTYPES:
+                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r} {tuple(slot['m'][1].shape)} is not the DoRA "
+                                   f"magnitude of {_short(key_b)!r} (one float per its {b.shape[0]} output rows)")
+            if a.ndim == 4:
+                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r}: DoRA on a convolution; mlxdiff applies DoRA "
+                                   "to linear layers only: use the LoRA without its magnitude vectors")
+        if config is not None and config.get("use_dora") and magnitude is None:
+            raise MlxdiffError(f"{path}: {_short(key_a)!r} has no lora_magnitude_vector, but the file's metadata says "
+                               "use_dora; the file is incomplete")
+        m_pieces = (split_rows(magnitude, parts) if parts > 1 else [magnitude]) if magnitude is not None else None
         # a layer named by several consecutive parts takes their rows together (FLUX.1's linear1: q, k, v, then the
         # MLP's four widths)
         grouped = {}
@@ -754,7 +797,9 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
                     f"layer {target!r} ({dims[0]} in, {dims[1] * parts // len(indices)} out{kernel}); the LoRA is for "
                     "another model size")
             s = scale * _scale(path, slot, config, target, rank)
-            planned.append((target, key_a, key_b, factor, b, piece, s))
+            m = None if m_pieces is None else m_pieces[indices[0]] if len(indices) == 1 else \
+                mx.concatenate([m_pieces[j] for j in indices])
+            planned.append((target, key_a, key_b, factor, b, piece, s, m))
     namings = {}
     for slot in entries.values():
         for role in ("A", "B"):
@@ -766,7 +811,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     if config is not None:
         _coverage(path, config, layers, reached, component)
     _check_values(path, planned, dtype or mx.float32)
-    return [(target, a, piece, s) for target, _, _, a, _, piece, s in planned]
+    return [(target, a, piece, s, m) for target, _, _, a, _, piece, s, m in planned]
 
 
 def lora_nbytes(path) -> int:
@@ -802,15 +847,16 @@ def apply_loras(model, arch, loras, compute_dtype=None, component="transformer")
     for planned in plans:
         cast = {}
         wrapped = {}
-        for target, a, b, s in planned:
+        for target, a, b, s, m in planned:
             a = cast.setdefault(id(a), _cast(a, dtype))     # a fused layer's A is one array for its parts
             b = _cast(b, dtype)
             arrays += [a, b]
             layer = wrapped.get(target, modules[target])
-            if isinstance(layer, LoRALinear):
-                layer.add(a, b, s)
-            else:
-                layer = wrapped[target] = (LoRAConv if a.ndim == 4 else LoRALinear)(layer, [(a, b, s)])
+            if not isinstance(layer, LoRALinear):
+                layer = wrapped[target] = (LoRAConv if a.ndim == 4 else LoRALinear)(layer)
+            layer.add(a, b, s, None if m is None else layer.dora_factor(a, b, s, m))
+            if m is not None:
+                arrays.append(layer.lora_dora[-1])
         for target, layer in wrapped.items():
             _put(model, target, layer)
         modules = dict(model.named_modules())

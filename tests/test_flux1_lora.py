@@ -127,3 +127,37 @@ def test_xlabs_lora_matches_diffusers(lora_files, tmp_path):
     err = max_rel_err(result.latents, FluxPipeline._unpack_latents(ref, H, W, 2).numpy())
     print(f"xlabs: latents {err:.2e} from diffusers with the same file")
     assert err <= 1e-4
+
+
+def test_dora_matches_diffusers(lora_files, tmp_path):
+    """PEFT's DoRA (use_dora: a lora_magnitude_vector per layer) as diffusers saves it, against diffusers'
+    load_lora_weights (PEFT's DoraLinearLayer) on the same file: m / ||W + s B A|| per output row scales the layer's
+    output and the LoRA's term."""
+    from diffusers import FluxPipeline
+    folder, _ = lora_files
+    pipe = FluxPipeline.from_pretrained(str(folder))
+    base = pipe.transformer.state_dict()
+    g = torch.Generator().manual_seed(17)
+    tensors = {}
+    for layer in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.ff.net.2",
+                  "single_transformer_blocks.1.proj_mlp", "single_transformer_blocks.0.proj_out"):
+        weight = base[layer + ".weight"]
+        out, ins = weight.shape
+        tensors[f"transformer.{layer}.lora_A.weight"] = torch.randn(RANK, ins, generator=g) * 0.3
+        tensors[f"transformer.{layer}.lora_B.weight"] = torch.randn(out, RANK, generator=g) * 0.3
+        # a trained magnitude: the row norms of W moved, so the factor is not 1
+        tensors[f"transformer.{layer}.lora_magnitude_vector"] = weight.norm(dim=1) * (
+            1 + 0.3 * torch.randn(out, generator=g))
+    path = tmp_path / "flux1-dora.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    noise = packed_noise(8)
+    ref = reference(folder, path, noise, scale=0.9)
+    result = mlxdiff.load(str(folder), loras=[(str(path), 0.9)]).generate(
+        "a red fox in the snow", width=W, height=H, steps=3, guidance=3.5, latents=noise, progress_bar=False)
+    err = max_rel_err(result.latents, FluxPipeline._unpack_latents(ref, H, W, 2).numpy())
+    plain = {k: v for k, v in tensors.items() if "magnitude" not in k}
+    save_file({k: v.contiguous() for k, v in plain.items()}, str(tmp_path / "plain.safetensors"))
+    without = reference(folder, tmp_path / "plain.safetensors", noise, scale=0.9)
+    moved = max_rel_err(without.numpy(), ref.numpy())
+    print(f"dora: latents {err:.2e} from diffusers with the same file; the magnitudes move them {moved:.2e}")
+    assert err <= 1e-4 and moved > 100 * max(err, 1e-6)

@@ -646,7 +646,11 @@ def bad_files(root):
                          "text-encoder"),
         "no lora_B": ({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": a}, "no lora_B partner"),
         "not a LoRA": ({"transformer_blocks.0.attn.to_q.weight": b}, "not a LoRA tensor"),
-        "DoRA": ({**good, "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector": b[:, 0]}, "DoRA"),
+        # a DoRA is read (test_flux1_lora.py); one whose magnitude does not have the layer's rows is refused
+        "DoRA": ({**good, "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector": b[:-1, 0]},
+                 "is not the DoRA magnitude"),
+        "LyCORIS DoRA": ({**good, "transformer.transformer_blocks.0.attn.to_q.dora_scale": b[:, :1]},
+                         "a LyCORIS DoRA"),
     }
     return {name: (save(t, root / f"{name.replace(' ', '_')}.safetensors"), needle)
             for name, (t, needle) in files.items()}

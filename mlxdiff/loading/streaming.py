@@ -112,7 +112,7 @@ def _container(model, path):
 
 
 def _is_lora(path) -> bool:
-    return ".lora_a." in f".{path}" or ".lora_b." in f".{path}"
+    return any(f".{name}." in f".{path}" for name in ("lora_a", "lora_b", "lora_dora"))
 
 
 def _block_keys(block) -> set:
