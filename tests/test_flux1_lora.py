@@ -4,7 +4,6 @@ diffusers / PEFT's (`transformer.single_transformer_blocks.0.attn.to_q.lora_A`),
 the same LoRA loaded by load_lora_weights (in PEFT form: diffusers' own kohya and BFL converters hard-code FLUX.1's
 3072 width, so the fused files' reference is their split written as PEFT, the fused A shared by the parts)."""
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file

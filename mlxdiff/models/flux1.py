@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, positive
+from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..formats.quantized import concat_rows, split_rows
