@@ -24,7 +24,7 @@ from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix
 from ..formats.quantized import concat_rows, split_rows
 from ..pacing import pace
 from .embeddings import TextProjection, TimestepEmbedding, timestep_embedding
-from .flux2 import apply_rope, attention, clip_fp16, rope_tables, scaled_time
+from .flux2 import apply_rope, attention, cached_rope, clip_fp16, scaled_time
 from .fused import compiled_block, gated_residual, norm_modulate, norm_rope
 from .mmdit import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
 
@@ -243,22 +243,7 @@ class Model(nn.Module):
 
     def rope(self, img_ids, txt_ids):
         """cos, sin (L_txt + N_img, head_dim) float32 for [text; image], computed once per set of ids."""
-        import numpy as np
-        axes = len(self.args.axes_dims_rope)
-        ids = []
-        for name, x in (("txt_ids", txt_ids), ("img_ids", img_ids)):
-            x = np.asarray(x)
-            x = x[0] if x.ndim == 3 else x
-            if x.ndim != 2 or x.shape[-1] != axes:
-                raise MlxdiffError(f"{name} must be (tokens, {axes}) position ids, got shape {np.asarray(x).shape}")
-            ids.append(x)
-        ids = np.ascontiguousarray(np.concatenate(ids, axis=0))
-        key = (ids.shape, ids.dtype.str, ids.tobytes())
-        cached = self.__dict__.get("_rope_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, rope_tables(ids, self.args.axes_dims_rope, ROPE_THETA))
-            self.__dict__["_rope_cache"] = cached
-        return cached[1]
+        return cached_rope(self, img_ids, txt_ids, self.args.axes_dims_rope, ROPE_THETA)
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
                  guidance=None, after_block=None, step_cache=None, stream_dtype=None):

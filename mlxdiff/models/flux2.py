@@ -102,6 +102,27 @@ def rope_tables(ids, axes_dims, theta) -> tuple:
             mx.array(np.concatenate(sin, axis=1).astype(np.float32)))
 
 
+def cached_rope(model, img_ids, txt_ids, axes_dims, theta, at_least=False):
+    """rope_tables of [txt_ids; img_ids] ((tokens, axes) each; a batch axis is allowed and element 0 used, as
+    diffusers), computed once per set of ids and kept on `model` (the same ids at every step of a run: float64
+    numpy, ~5 ms at 4608 tokens). `at_least`: the ids may carry more axes than the table uses (FLUX.2's)."""
+    ids = []
+    for name, x in (("txt_ids", txt_ids), ("img_ids", img_ids)):
+        x = np.asarray(x)
+        x = x[0] if x.ndim == 3 else x
+        if x.ndim != 2 or (x.shape[-1] < len(axes_dims) if at_least else x.shape[-1] != len(axes_dims)):
+            raise MlxdiffError(f"{name} must be (batch, tokens, {len(axes_dims)}) position ids, got shape "
+                               f"{np.asarray(x).shape}")
+        ids.append(x)
+    ids = np.ascontiguousarray(np.concatenate(ids, axis=0))
+    key = (ids.shape, ids.dtype.str, ids.tobytes())
+    cached = model.__dict__.get("_rope_cache")
+    if cached is None or cached[0] != key:
+        cached = (key, rope_tables(ids, axes_dims, theta))
+        model.__dict__["_rope_cache"] = cached
+    return cached[1]
+
+
 @fused
 def apply_rope(x, cos, sin):
     """x (B, H, S, hd); pairs (x0, x1), (x2, x3), ... rotate: (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin).
@@ -381,22 +402,7 @@ class Model(nn.Module):
 
     def rope(self, img_ids, txt_ids):
         """cos, sin (L_txt + N_img, head_dim) for the joint sequence [text; image]."""
-        ids = []
-        for name, x in (("txt_ids", txt_ids), ("img_ids", img_ids)):
-            x = np.asarray(x)
-            x = x[0] if x.ndim == 3 else x
-            if x.ndim != 2 or x.shape[-1] < len(self.args.axes_dims_rope):
-                raise MlxdiffError(f"{name} must be (batch, tokens, {len(self.args.axes_dims_rope)}) position ids, "
-                                   f"got shape {np.asarray(x).shape}")
-            ids.append(x)
-        ids = np.ascontiguousarray(np.concatenate(ids, axis=0))
-        # the same ids at every step of a run: the tables are computed once (float64 numpy, ~5 ms at 4608 tokens)
-        key = (ids.shape, ids.dtype.str, ids.tobytes())
-        cached = self.__dict__.get("_rope_cache")
-        if cached is None or cached[0] != key:
-            cached = (key, rope_tables(ids, self.args.axes_dims_rope, self.args.rope_theta))
-            self.__dict__["_rope_cache"] = cached
-        return cached[1]
+        return cached_rope(self, img_ids, txt_ids, self.args.axes_dims_rope, self.args.rope_theta, at_least=True)
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, guidance=None,
                  after_block=None, step_cache=None, stream_dtype=None):
