@@ -3,6 +3,7 @@ trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_
 MLX peak of a block of work above what was live before it (mlx_peak_above_live)."""
 
 import gc
+import threading
 import json
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +17,9 @@ import mlx.core as mx
 
 class Peak:
     bytes = None
+
+
+STALL_SECONDS = 240     # mlx_peak_above_live's blocks take at most ~45 s on the 2-core CI machine
 
 
 @contextmanager
@@ -35,6 +39,14 @@ def mlx_peak_above_live():
     was_enabled = gc.isenabled()
     gc.disable()
     limit = mx.set_memory_limit(1)
+    # A watchdog: over its limit MLX's eval waits while any task is in flight, and one run of the suite stalled
+    # there for 15 minutes at full CPU after other tests in the same worker (gdb: eval_impl's wait loop). MLX
+    # releases the GIL in eval, so this thread can lift the limit, which ends the wait; the block then fails in
+    # one line instead of hanging the suite.
+    stalled = threading.Event()
+    watchdog = threading.Timer(STALL_SECONDS, lambda: (stalled.set(), mx.set_memory_limit(limit)))
+    watchdog.daemon = True
+    watchdog.start()
     try:
         mx.synchronize()
         mx.clear_cache()
@@ -45,9 +57,13 @@ def mlx_peak_above_live():
         mx.synchronize()
         peak.bytes = mx.get_peak_memory() - base
     finally:
+        watchdog.cancel()
         mx.set_memory_limit(limit)
         if was_enabled:
             gc.enable()
+    if stalled.is_set():
+        pytest.fail(f"MLX's eval stalled over the 1-byte memory limit for {STALL_SECONDS} s (a task of an earlier "
+                    "test still counted in flight?); the peak was not measured op by op")
 
 
 def max_rel_err(ours, ref) -> float:
