@@ -405,9 +405,9 @@ def is_original(names) -> bool:
     return any(_FLUX1_MARK.match(n) for n in names)
 
 
-def split_linear1(value, width: int) -> list:
+def split_linear1(value) -> list:
     """linear1's rows [q; k; v; mlp] -> the four parts, kept in the stored form (split into 3 + MLP_RATIO equal
-    pieces of `width` rows; the MLP's joined again)."""
+    pieces of the hidden size's rows; the MLP's joined again)."""
     pieces = split_rows(value, 3 + MLP_RATIO)
     return [pieces[0], pieces[1], pieces[2], concat_rows(pieces[3:])]
 
@@ -428,7 +428,7 @@ def original_to_diffusers(weights: dict) -> dict:
         if rows % (3 + MLP_RATIO):
             raise MlxdiffError(f"FLUX.1 original checkpoint: single_blocks.{m.group(1)}.linear1.{m.group(2)} has "
                                f"{rows} rows; expected 7 x the hidden size (q, k, v and the 4x MLP)")
-        for (name, _), part in zip(_LINEAR1_PARTS, split_linear1(value, rows // (3 + MLP_RATIO))):
+        for (name, _), part in zip(_LINEAR1_PARTS, split_linear1(value)):
             out[f"single_transformer_blocks.{m.group(1)}.{name}.{m.group(2)}"] = part
     return out
 

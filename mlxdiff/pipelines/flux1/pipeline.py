@@ -293,8 +293,8 @@ class Flux1Pipeline(Pipeline):
         mask = fill_mask(run.state["mask"], run.width, run.height)                    # (H, W) of 0 / 1
         masked = self.posterior_tokens(run, vae, pixels * (1 - mask))
         _, _, hh, ww = shape
-        patches = mask.reshape(1, hh, f, ww, f).transpose(0, 2, 4, 1, 3).reshape(1, f * f, hh, ww)
-        patches = mx.broadcast_to(pack(mx.array(patches)), (run.batch, *pack(mx.array(patches)).shape[1:]))
+        patches = pack(mx.array(mask.reshape(1, hh, f, ww, f).transpose(0, 2, 4, 1, 3).reshape(1, f * f, hh, ww)))
+        patches = mx.broadcast_to(patches, (run.batch, *patches.shape[1:]))
         run.state["channels"] = mx.concatenate([masked, patches], axis=-1)
         if run.strength < 1:
             init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
