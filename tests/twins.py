@@ -290,8 +290,9 @@ def flux1_to_bfl(sd, cfg):
         return torch.cat([shift, scale])
 
     out = {}
-    def linear(bfl, ours):
-        out[bfl + ".weight"], out[bfl + ".bias"] = sd[ours + ".weight"], sd[ours + ".bias"]
+    def linear(bfl, ours):     # a layer the model lacks (Chroma's pruned modulations) is left out
+        if ours + ".weight" in sd:
+            out[bfl + ".weight"], out[bfl + ".bias"] = sd[ours + ".weight"], sd[ours + ".bias"]
 
     linear("img_in", "x_embedder")
     linear("txt_in", "context_embedder")
@@ -303,8 +304,9 @@ def flux1_to_bfl(sd, cfg):
         linear("guidance_in.in_layer", "time_text_embed.guidance_embedder.linear_1")
         linear("guidance_in.out_layer", "time_text_embed.guidance_embedder.linear_2")
     linear("final_layer.linear", "proj_out")
-    out["final_layer.adaLN_modulation.1.weight"] = swap(sd["norm_out.linear.weight"])
-    out["final_layer.adaLN_modulation.1.bias"] = swap(sd["norm_out.linear.bias"])
+    if "norm_out.linear.weight" in sd:
+        out["final_layer.adaLN_modulation.1.weight"] = swap(sd["norm_out.linear.weight"])
+        out["final_layer.adaLN_modulation.1.bias"] = swap(sd["norm_out.linear.bias"])
     for i in range(cfg["num_layers"]):
         o, d = f"double_blocks.{i}.", f"transformer_blocks.{i}."
         linear(o + "img_mod.lin", d + "norm1.linear")
@@ -330,4 +332,21 @@ def flux1_to_bfl(sd, cfg):
         linear(o + "linear2", d + "proj_out")
         out[o + "norm.query_norm.scale"] = sd[d + "attn.norm_q.weight"]
         out[o + "norm.key_norm.scale"] = sd[d + "attn.norm_k.weight"]
+    return out
+
+
+def chroma_to_original(sd, cfg):
+    """diffusers ChromaTransformer2DModel -> lodestones' original Chroma names: FLUX.1's BFL names of the blocks
+    (flux1_to_bfl, which leaves out the pruned modulation layers) and the approximator's; the test-side inverse of
+    diffusers' convert_chroma_transformer_checkpoint_to_diffusers (validated against it in test_chroma.py)."""
+    out = flux1_to_bfl(sd, {**cfg, "guidance_embeds": False})
+    g = "distilled_guidance_layer."
+    for kind in ("weight", "bias"):
+        for proj in ("in_proj", "out_proj"):
+            out[f"{g}{proj}.{kind}"] = sd[f"{g}{proj}.{kind}"]
+        for i in range(cfg["approximator_layers"]):
+            out[f"{g}layers.{i}.in_layer.{kind}"] = sd[f"{g}layers.{i}.linear_1.{kind}"]
+            out[f"{g}layers.{i}.out_layer.{kind}"] = sd[f"{g}layers.{i}.linear_2.{kind}"]
+    for i in range(cfg["approximator_layers"]):
+        out[f"{g}norms.{i}.scale"] = sd[f"{g}norms.{i}.weight"]
     return out

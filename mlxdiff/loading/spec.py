@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..formats import is_coreml, is_gguf, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.keymaps import strip_prefix
-from ..models import clip, flux1, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
+from ..models import chroma, clip, flux1, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
 from ..models.protocol import Architecture
 from .build import build
 from .quantize import parameter_nbytes, setting
@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "UNet2DConditionModel": unet,
     "T5EncoderModel": t5,
     "FluxTransformer2DModel": flux1,
+    "ChromaTransformer2DModel": chroma,
     "Flux2Transformer2DModel": flux2,
     "AutoencoderKLFlux2": vae_flux2,
     "Mistral3ForConditionalGeneration": text_llm,

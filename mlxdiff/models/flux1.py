@@ -145,17 +145,18 @@ class Attention(nn.Module):
     def _heads(self, x):
         return x.reshape(*x.shape[:2], self.heads, self.head_dim)
 
-    def __call__(self, x, cos, sin, context=None):
+    def __call__(self, x, cos, sin, context=None, mask=None):
+        """mask: a key mask over the joint sequence (models/chroma.py's text padding), None for FLUX.1."""
         q, k, v = (self._heads(f(x)) for f in (self.to_q, self.to_k, self.to_v))
         if context is None:
             out = attention(norm_rope([(q, self.norm_q)], cos, sin, apply_rope),
-                            norm_rope([(k, self.norm_k)], cos, sin, apply_rope), v)
+                            norm_rope([(k, self.norm_k)], cos, sin, apply_rope), v, mask)
             return pace(out)
         cq, ck, cv = (self._heads(f(context)) for f in (self.add_q_proj, self.add_k_proj, self.add_v_proj))
         joint = pace(norm_rope([(cq, self.norm_added_q), (q, self.norm_q)], cos, sin, apply_rope),
                      norm_rope([(ck, self.norm_added_k), (k, self.norm_k)], cos, sin, apply_rope),
                      mx.concatenate([cv, v], axis=1))
-        out = pace(attention(*joint))
+        out = pace(attention(*joint, mask))
         n_txt = context.shape[1]
         return self.to_out[0](out[:, n_txt:]), self.to_add_out(out[:, :n_txt])
 
@@ -412,10 +413,11 @@ def split_linear1(value) -> list:
     return [pieces[0], pieces[1], pieces[2], concat_rows(pieces[3:])]
 
 
-def original_to_diffusers(weights: dict) -> dict:
-    """BFL names -> diffusers names (lazy: nothing is read)."""
+def original_to_diffusers(weights: dict, check=True) -> dict:
+    """BFL names -> diffusers names (lazy: nothing is read). check=False: for Chroma's blocks (models/chroma.py),
+    which have these names but none of the modulation layers that mark a FLUX.1 file."""
     weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
-    if not is_original(weights):
+    if check and not is_original(weights):
         raise MlxdiffError("not a FLUX.1 original checkpoint: no vector_in / double_blocks.N.img_mod / "
                            "single_blocks.N.modulation keys")
     out = {}
@@ -464,7 +466,7 @@ def fused_shapes(dim, double, single) -> dict:
     return out
 
 
-def config_from_original(weights: dict) -> dict:
+def config_from_original(weights: dict, check=True) -> dict:
     """The diffusers config of a BFL-named FLUX.1 checkpoint (dev, schnell, Krea, Kontext, Fill), from its names and
     shapes: D and in_channels from img_in [D, C] (Fill: 384), joint_attention_dim from txt_in, the pooled size from
     vector_in, guidance_embeds = guidance_in present (dev: yes, schnell: no), the block counts from the indices,
@@ -472,7 +474,7 @@ def config_from_original(weights: dict) -> dict:
     (head_dim) is in the weights; BFL's split is (16, 56, 56) for 128, head_dim / 8 then the rest halved."""
     from .flux2 import check_fused_rows
     weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
-    if not is_original(weights):
+    if check and not is_original(weights):     # check=False: Chroma's blocks (no vector_in: no pooled size)
         raise MlxdiffError("not a FLUX.1 original checkpoint: no vector_in / double_blocks.N.img_mod / "
                            "single_blocks.N.modulation keys")
     dim, in_channels = _shape(weights, "img_in.weight")
@@ -499,7 +501,7 @@ def config_from_original(weights: dict) -> dict:
         "attention_head_dim": head_dim,
         "num_attention_heads": dim // head_dim,
         "joint_attention_dim": _shape(weights, "txt_in.weight")[1],
-        "pooled_projection_dim": _shape(weights, "vector_in.in_layer.weight")[1],
+        "pooled_projection_dim": _shape(weights, "vector_in.in_layer.weight")[1] if check else None,
         "guidance_embeds": "guidance_in.in_layer.weight" in weights,
         "axes_dims_rope": [first, (head_dim - first) // 2, (head_dim - first) // 2],
     }

@@ -223,9 +223,10 @@ def clip_fp16(x):
     return mx.clip(x, -65504, 65504) if x.dtype == mx.float16 else x
 
 
-def attention(q, k, v):
-    """q, k (B, H, S, hd), normalised and RoPE'd (norm_rope), v (B, S, H, hd) -> SDPA (no mask) -> (B, S, H*hd)."""
-    out = fused_attention(q, k, v.transpose(0, 2, 1, 3), q.shape[-1] ** -0.5)
+def attention(q, k, v, mask=None):
+    """q, k (B, H, S, hd), normalised and RoPE'd (norm_rope), v (B, S, H, hd) -> SDPA -> (B, S, H*hd); mask: a key
+    mask (fused.attention), None for FLUX.2 and FLUX.1."""
+    out = fused_attention(q, k, v.transpose(0, 2, 1, 3), q.shape[-1] ** -0.5, mask)
     b, _, s, _ = out.shape
     return out.transpose(0, 2, 1, 3).reshape(b, s, -1)
 
@@ -553,8 +554,10 @@ _FLUX1_KEY = re.compile(r"vector_in\.|double_blocks\.\d+\.(img|txt)_mod\.|single
 
 
 def is_original(names) -> bool:
-    """Whether tensor names are BFL's (with or without the prefix), as opposed to diffusers'."""
-    return any(re.match(_P + r"(img_in\.weight$|double_blocks\.|single_blocks\.)", n) for n in names)
+    """Whether tensor names are BFL's (with or without the prefix), as opposed to diffusers'; a Chroma file's
+    (FLUX.1 blocks under the same names, and a distilled_guidance_layer, which FLUX.2 does not have) are not."""
+    return (any(re.match(_P + r"(img_in\.weight$|double_blocks\.|single_blocks\.)", n) for n in names)
+            and not any(re.match(_P + r"distilled_guidance_layer\.", n) for n in names))
 
 
 def is_previous_generation(names) -> bool:

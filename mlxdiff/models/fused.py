@@ -119,8 +119,9 @@ def scale_shift(x, scale, shift):
 CPU_SCORE_BYTES = 256 << 20   # on the CPU, attention runs in query chunks whose score matrix stays below this
 
 
-def attention(q, k, v, scale):
-    """mx.fast.scaled_dot_product_attention(q, k, v, scale), (B, H, S, hd), no mask. On the CPU MLX's SDPA holds
+def attention(q, k, v, scale, mask=None):
+    """mx.fast.scaled_dot_product_attention(q, k, v, scale, mask), (B, H, S, hd); mask None or a key mask that
+    broadcasts to (B, 1, 1, S_k) (boolean: True attends), so query chunks share it. On the CPU MLX's SDPA holds
     the whole B x H x S x S float32 score matrix (klein-4B at 1024x1024: 2 GB; a FLUX.2 reference image doubles S),
     so there the queries go in chunks of rows whose scores stay under CPU_SCORE_BYTES, each chunk paced
     (mlxdiff/pacing.py) so that only about one chunk's scores are alive (chained with mx.depends instead, 83 of
@@ -129,8 +130,8 @@ def attention(q, k, v, scale):
     b, h, s, _ = q.shape
     rows = max(1, CPU_SCORE_BYTES // max(1, b * h * k.shape[2] * 4))
     if mx.default_device() != mx.cpu or rows >= s:
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
-    parts = [pacing.pace(mx.fast.scaled_dot_product_attention(q[:, :, r:r + rows], k, v, scale=scale))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    parts = [pacing.pace(mx.fast.scaled_dot_product_attention(q[:, :, r:r + rows], k, v, scale=scale, mask=mask))
              for r in range(0, s, rows)]
     return mx.concatenate(parts, axis=2)
 

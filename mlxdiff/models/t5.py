@@ -184,8 +184,8 @@ class T5Attention(nn.Module):
         b, n, _ = x.shape
         heads = lambda t: t.reshape(b, n, self.num_heads, -1).transpose(0, 2, 1, 3)
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
-        # T5 folds the scale into its weights: no 1/sqrt(d). The bias is added to the scores; no padding mask
-        # (the SD3 pipeline passes none).
+        # T5 folds the scale into its weights: no 1/sqrt(d). The bias (with a padding mask when one is given) is
+        # added to the scores.
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0, mask=position_bias)
         return self.o(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
@@ -283,7 +283,9 @@ class Model(nn.Module):
         self.shared = nn.Embedding(args.vocab_size, args.d_model)
         self.encoder = T5Stack(args)
 
-    def __call__(self, input_ids):
+    def __call__(self, input_ids, attention_mask=None):
+        """attention_mask: (B, L) of 0 / 1 or None; the 0 tokens are left out as keys, as transformers' T5 does
+        with it (Chroma passes the tokenizer's; SD3 and FLUX.1 pass none)."""
         input_ids = mx.array(input_ids)
         if input_ids.ndim == 1:
             input_ids = input_ids[None]
@@ -291,6 +293,9 @@ class Model(nn.Module):
         x = self.shared(input_ids).astype(dtype)
         # block 0 computes the bias; every block reuses it
         bias = self.encoder.block[0].layer[0].SelfAttention.position_bias(input_ids.shape[-1], dtype)
+        if attention_mask is not None:     # transformers: (1 - mask) * the dtype's min, added to the bias
+            keep = mx.array(attention_mask).reshape(input_ids.shape[0], 1, 1, -1)
+            bias = bias + (1 - keep.astype(dtype)) * mx.finfo(dtype).min
         for block in self.encoder.block:
             x = block(x, bias, dtype)
         return self.encoder.final_layer_norm(x, dtype)

@@ -231,14 +231,18 @@ class Flux1Pipeline(Pipeline):
     def encode_settings(self, run):
         return repr(run.negative_prompt), run.options["max_sequence_length"]
 
-    def prepare_latents(self, run, latents):
-        cond, targs = run.conditioning, self.components["transformer"].args
+    def check_conditioning(self, cond, targs):
         embeds = cond.prompt_embeds
         if embeds.shape[-1] != targs.joint_attention_dim or cond.pooled_prompt_embeds.shape[-1] != \
                 targs.pooled_projection_dim:
             raise MlxdiffError(f"the text encoders give {embeds.shape[-1]} T5 and {cond.pooled_prompt_embeds.shape[-1]}"
                                f" pooled CLIP features but the transformer takes {targs.joint_attention_dim} and "
                                f"{targs.pooled_projection_dim}; the encoders and transformer do not belong together")
+
+    def prepare_latents(self, run, latents):
+        cond, targs = run.conditioning, self.components["transformer"].args
+        embeds = cond.prompt_embeds
+        self.check_conditioning(cond, targs)
         run.batch = embeds.shape[0]
         factor = self.vae_scale_factor() * self.patch_size
         h, w = run.height // factor, run.width // factor
