@@ -1,10 +1,17 @@
 """Shared test helpers: the error measure used by every parity test, seeded randomisation of torch models, the round
 trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_model_fixture, load_ours), and the
-MLX peak of a block of work above what was live before it (mlx_peak_above_live)."""
+MLX peak of a block of work above what was live before it (mlx_peak_above_live), measured in a fresh process
+(in_fresh_process)."""
 
+import base64
+import functools
 import gc
-import threading
 import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +27,31 @@ class Peak:
 
 
 STALL_SECONDS = 240     # mlx_peak_above_live's blocks take at most ~45 s on the 2-core CI machine
+_CHILD = "MLXDIFF_TEST_FRESH_PROCESS"
+
+
+def in_fresh_process(test):
+    """Runs the test in a new Python process (its arguments pickled), failing with the child's last lines.
+
+    For the tests that measure with mlx_peak_above_live: after other tests in the same pytest-xdist worker, MLX's
+    eval over the 1-byte limit waited forever in two CI runs (a task of an earlier test still counted in flight);
+    a fresh process holds no earlier test's tasks, threads or cached buffers, so the peak is the block's alone."""
+    @functools.wraps(test)
+    def run(*args, **kwargs):
+        if os.environ.get(_CHILD):
+            return test(*args, **kwargs)
+        payload = base64.b64encode(pickle.dumps((args, kwargs))).decode()
+        code = (f"import sys, pickle, base64; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import {test.__module__} as m; a, k = pickle.loads(base64.b64decode({payload!r})); "
+                f"m.{test.__name__}(*a, **k)")
+        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, _CHILD: "1"}, capture_output=True,
+                              text=True, timeout=STALL_SECONDS + 300)
+        sys.stdout.write(proc.stdout)
+        if proc.returncode:
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+            pytest.fail(f"{test.__name__} failed in its fresh process (exit {proc.returncode}):\n{tail}",
+                        pytrace=False)
+    return run
 
 
 @contextmanager
@@ -34,7 +66,9 @@ def mlx_peak_above_live():
     outputs allocated. That run-ahead depends on thread timing: test_vae_tiling's one-tile decode read 16.42 MB in
     CI's failing run and 17.7-18.2 MB in runs here without the limit, 6.31 MiB in every run under it (`python -m
     pytest -n 0 -s tests/test_vae_tiling.py -k bounded_by_the_tile` prints it). The peak measured is the graph's.
-    Policies installed inside the block that set no limit of their own keep it."""
+    Policies installed inside the block that set no limit of their own keep it. Only in a test marked
+    in_fresh_process."""
+    assert os.environ.get(_CHILD), "mlx_peak_above_live measures only in a test decorated with @in_fresh_process"
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()

@@ -12,7 +12,7 @@ from mlxdiff.loading.build import build
 from mlxdiff.models import flux2
 from mlxdiff.policy import RunPolicy, installed
 
-from helpers import mlx_peak_above_live
+from helpers import in_fresh_process, mlx_peak_above_live
 
 CONFIG = dict(patch_size=1, in_channels=32, num_layers=2, num_single_layers=2, attention_head_dim=64,
               num_attention_heads=4, joint_attention_dim=96, timestep_guidance_channels=64, mlp_ratio=3.0,
@@ -65,6 +65,7 @@ def _measured(weights):
     return (first[0], first[1], min(first[2], second[2]), first[3])
 
 
+@in_fresh_process
 def test_float32_norm_scales_keep_bf16_activations_and_memory():
     bf16_out, bf16_dtypes, bf16_peak, _ = _measured(_weights(mx.bfloat16))
     out, dtypes, peak, model = _measured(_weights(mx.float32))

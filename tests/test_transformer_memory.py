@@ -16,7 +16,7 @@ from mlxdiff.models import flux2
 from mlxdiff.pipelines.base import evaluate_each_block
 from mlxdiff.policy import RunPolicy, installed
 
-from helpers import mlx_peak_above_live
+from helpers import in_fresh_process, mlx_peak_above_live
 
 N_IMG, N_TXT = 1024, 256
 ARGS = dict(num_layers=2, num_single_layers=2, attention_head_dim=64, num_attention_heads=16,
@@ -35,6 +35,7 @@ def _inputs(n_img, n_txt, in_channels, joint):
     return img, txt, img_ids, txt_ids
 
 
+@in_fresh_process
 def test_mid_size_forward_peak_is_weights_plus_activations():
     args = flux2.ModelArgs(**ARGS)
     model = flux2.Model(args)

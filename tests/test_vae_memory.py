@@ -15,14 +15,15 @@ from mlxdiff.models import vae, vae_flux2
 from mlxdiff.pipelines.base import decode_array
 from mlxdiff.policy import RunPolicy, installed
 
-from helpers import mlx_peak_above_live
+from helpers import in_fresh_process, mlx_peak_above_live
 
 SIZE = 384
 
 
-@pytest.mark.parametrize("arch", [vae, vae_flux2], ids=["sd3", "flux2"])
-def test_decode_peak_is_activations_plus_one_band(arch):
-    config = vae.SD3_CONFIG if arch is vae else vae_flux2.FLUX2_CONFIG
+@pytest.mark.parametrize("name", ["sd3", "flux2"])
+@in_fresh_process
+def test_decode_peak_is_activations_plus_one_band(name):
+    arch, config = (vae, vae.SD3_CONFIG) if name == "sd3" else (vae_flux2, vae_flux2.FLUX2_CONFIG)
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = mx.float32

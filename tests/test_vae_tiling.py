@@ -8,7 +8,7 @@ import pytest
 import mlxdiff  # noqa: F401
 import mlx.core as mx
 
-from helpers import load_ours, max_rel_err, mlx_peak_above_live, randomize_
+from helpers import load_ours, max_rel_err, in_fresh_process, mlx_peak_above_live, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import vae, vae_flux2
 
@@ -171,6 +171,7 @@ def decode_peak(model, z, **kw):
     return peak.bytes, out
 
 
+@in_fresh_process
 def test_tiled_decode_memory_is_bounded_by_the_tile():
     """SD3's layout at half its widths (3 levels of 64/128/256 channels, 16 latent channels, 32 groups): a 32x32
     latent (128x128 image) decoded whole and in 8x8 latent tiles (32x32 pixels, 5x5 tiles with the overlap).
