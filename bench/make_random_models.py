@@ -4,6 +4,7 @@
     python bench/make_random_models.py sd3.5-large [--out DIR] [--device cuda]      # 8.1 B-parameter MMDiT
     python bench/make_random_models.py klein-4b [--out DIR] [--device cuda]
     python bench/make_random_models.py flux2-dev [--out DIR] [--device cuda] [--text-layers 30]
+    python bench/make_random_models.py flux1-dev | flux1-tiny [--out DIR] [--device cuda]   # tiny: CPU chain test
     python bench/make_random_models.py sdxl | sd1.5 [--out DIR] [--device cuda]
 
 flux2-dev writes every component but the transformer's weights (only its config.json): its denoiser is the random
@@ -256,8 +257,62 @@ def unet_family(out: Path, xl=True):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
+def flux1_dev(out: Path, tiny=False):
+    """FLUX.1-dev (12 B transformer, CLIP-L, T5-XXL v1.1, the 16-channel FLUX.1 VAE); tiny=True: the same layout at a
+    tiny config (a whole-chain test on the CPU; its transformer's dims are multiples of 256 for the K-quant GGUFs)."""
+    import json
+    import torch
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    sys.path.insert(0, str(ROOT))
+    from mlxdiff.tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
+
+    torch.set_default_dtype(torch.bfloat16)
+    if tiny:
+        tr = dict(num_layers=1, num_single_layers=1, num_attention_heads=2, joint_attention_dim=64,
+                  pooled_projection_dim=32)
+        clip = dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2, num_attention_heads=2)
+        t5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+        vae = dict(block_out_channels=(32, 32, 32, 32), layers_per_block=1, norm_num_groups=8)
+    else:
+        tr = dict(num_layers=19, num_single_layers=38, num_attention_heads=24, joint_attention_dim=4096,
+                  pooled_projection_dim=768)
+        clip = dict(hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
+                    num_attention_heads=12)
+        t5 = dict(d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64)
+        vae = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+    builders = {
+        "transformer": lambda: FluxTransformer2DModel(
+            patch_size=1, in_channels=64, out_channels=None, attention_head_dim=128, guidance_embeds=True,
+            axes_dims_rope=(16, 56, 56), **tr),
+        "vae": lambda: AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False, sample_size=1024, force_upcast=True, **vae),
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(
+            vocab_size=49408, max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406,
+            eos_token_id=49407, pad_token_id=1, **clip)),
+        "text_encoder_2": lambda: T5EncoderModel(T5Config(
+            vocab_size=32128, feed_forward_proj="gated-gelu", relative_attention_num_buckets=32,
+            relative_attention_max_distance=128, layer_norm_epsilon=1e-6, **t5)),
+    }
+    save_components(out, builders)
+    bundled_clip_tokenizer("<|endoftext|>").save_pretrained(str(out / "tokenizer"))
+    bundled_t5_tokenizer().save_pretrained(str(out / "tokenizer_2"))
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+                                    ).save_pretrained(str(out / "scheduler"))
+    index = {"_class_name": "FluxPipeline", "_diffusers_version": "0.42.1",
+             "transformer": ["diffusers", "FluxTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+             "text_encoder": ["transformers", "CLIPTextModel"], "text_encoder_2": ["transformers", "T5EncoderModel"],
+             "tokenizer": ["transformers", "CLIPTokenizer"], "tokenizer_2": ["transformers", "T5TokenizerFast"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"], "image_encoder": [None, None],
+             "feature_extractor": [None, None]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+
+
 MODELS = {"sdxl": unet_family, "sd1.5": lambda out: unet_family(out, xl=False), "sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
-          "flux2-dev": flux2_dev}
+          "flux2-dev": flux2_dev, "flux1-dev": flux1_dev, "flux1-tiny": lambda out: flux1_dev(out, tiny=True)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

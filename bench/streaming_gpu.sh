@@ -4,7 +4,8 @@
 # encoder as the folder's bf16 (18.5 B parameters; no disk here for a 4-bit copy beside both), the VAE. One process
 # per run (bench/streaming_gpu.py run), each under `python -m mlxdiff.footprint run` (NVML, the whole process):
 # resident (no limit), --memory-limit 8 and 4 (LIMITS; LIMITS= skips FLUX.2); then the latents and images compared,
-# and the GGUF's read rate. SD_LIMITS="none 6": SD3.5 Large in bf16 the same way.
+# and the GGUF's read rate. SD_LIMITS="none 6": SD3.5 Large in bf16 the same way. F1_LIMITS="none 8" (F1_SIZE=1024):
+# FLUX.1-dev as the bf16 folder, a Q8_0 and a Q4_K_S GGUF (bench/flux1_dev_gguf.py) the same way; LIMITS= alone.
 # Run on the GPU machine after the device recipe's activate step; logs in $LOGS.
 set -u
 cd "$(dirname "$0")/.."
@@ -31,6 +32,48 @@ if [ -n "${SD_LIMITS:-}" ]; then   # SD3.5 Large in bf16 (8.1 B MMDiT, T5-XXL): 
     [ "$limit" = none ] || python3 bench/streaming_gpu.py compare "$L/run_sdl_none" "$L/run_sdl_$limit" \
       > "$L/compare_sdl_$limit.txt" 2>&1
   done
+fi
+if [ -n "${F1_LIMITS:-}" ]; then   # FLUX.1-dev: bf16 folder, Q8_0 and Q4_K_S GGUFs; F1_LIMITS="none 8", F1_SIZE=1024
+  f1size=${F1_SIZE:-1024}
+  # disk: folder ~33.7 GB (transformer 23.8 GB of it, T5-XXL 9.5, CLIP-L + VAE 0.4), GGUFs 12.7 + 6.8 GB
+  need_gb() { local n=0; [ -f /tmp/f1/model_index.json ] || n=$((n + 34)); [ -f /tmp/f1-Q8_0.gguf ] || n=$((n + 13))
+              [ -f /tmp/f1-Q4_K_S.gguf ] || n=$((n + 7)); echo $n; }
+  free_gb() { df -B1G --output=avail /tmp | tail -1 | tr -d ' '; }
+  echo "FLUX.1 disk: need ~$(need_gb) GB more, $(free_gb) GB free on /tmp" | tee -a "$L/disk_f1.txt"
+  [ -f /tmp/f1/model_index.json ] || python3 bench/make_random_models.py flux1-dev --out /tmp/f1 --device cuda \
+    > "$L/make_flux1-dev.txt" 2>&1
+  stamp make_f1
+  du -sh /tmp/f1/* >> "$L/disk_f1.txt" 2>&1
+  if ls /tmp/f1/transformer/*.safetensors > /dev/null 2>&1; then   # bf16 runs first: the GGUF runs need only CLIP/T5/VAE
+    for limit in $F1_LIMITS; do
+      extra=(); [ "$limit" = none ] || extra=(--memory-limit "$limit")
+      run "f1_bf16_$limit" /tmp/f1 --size "$f1size" "${extra[@]}"
+    done
+  fi
+  if [ "$(free_gb)" -lt "$(( $(need_gb) + 2 ))" ]; then   # no room for the GGUFs: drop the bf16 transformer's weights
+    echo "deleting /tmp/f1/transformer weights (config.json kept)" | tee -a "$L/disk_f1.txt"
+    rm -f /tmp/f1/transformer/*.safetensors /tmp/f1/transformer/*.index.json
+  fi
+  for q in Q8_0 Q4_K_S; do
+    [ -f "/tmp/f1-$q.gguf" ] || python3 bench/flux1_dev_gguf.py write "/tmp/f1-$q.gguf" --type "$q" \
+      > "$L/make_f1_$q.txt" 2>&1
+    stamp "gguf_f1_$q"
+  done
+  { ls -l /tmp/f1-*.gguf /tmp/f1/transformer /tmp/f1/text_encoder_2; df -h /tmp; } >> "$L/disk_f1.txt" 2>&1
+  python3 bench/streaming_gpu.py rate /tmp/f1-Q8_0.gguf > "$L/rate_f1_gguf.txt" 2>&1
+  for q in Q8_0 Q4_K_S; do
+    for limit in $F1_LIMITS; do
+      extra=(); [ "$limit" = none ] || extra=(--memory-limit "$limit")
+      run "f1_${q}_$limit" /tmp/f1 --transformer "/tmp/f1-$q.gguf" --size "$f1size" "${extra[@]}"
+    done
+  done
+  for v in bf16 Q8_0 Q4_K_S; do
+    for limit in $F1_LIMITS; do
+      [ "$limit" = none ] || [ ! -d "$L/run_f1_${v}_none" ] || python3 bench/streaming_gpu.py compare \
+        "$L/run_f1_${v}_none" "$L/run_f1_${v}_$limit" > "$L/compare_f1_${v}_$limit.txt" 2>&1
+    done
+  done
+  stamp f1_done
 fi
 [ -n "${LIMITS-x}" ] || { stamp JOB-DONE; exit 0; }
 [ -f /tmp/dev/model_index.json ] || python3 bench/make_random_models.py flux2-dev --out /tmp/dev --device cuda \
