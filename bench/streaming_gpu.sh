@@ -44,7 +44,8 @@ if [ -n "${F1_LIMITS:-}" ]; then   # FLUX.1-dev: bf16 folder, Q8_0 and Q4_K_S GG
     > "$L/make_flux1-dev.txt" 2>&1
   stamp make_f1
   du -sh /tmp/f1/* >> "$L/disk_f1.txt" 2>&1
-  if ls /tmp/f1/transformer/*.safetensors > /dev/null 2>&1; then   # bf16 runs first: the GGUF runs need only CLIP/T5/VAE
+  variants=" ${F1_VARIANTS:-bf16 Q8_0 Q4_K_S} "   # which of the three to run (F1_VARIANTS="bf16 Q4_K_S")
+  if [[ $variants == *" bf16 "* ]] && ls /tmp/f1/transformer/*.safetensors > /dev/null 2>&1; then   # bf16 runs first: the GGUF runs need only CLIP/T5/VAE
     for limit in $F1_LIMITS; do
       extra=(); [ "$limit" = none ] || extra=(--memory-limit "$limit")
       run "f1_bf16_$limit" /tmp/f1 --size "$f1size" "${extra[@]}"
@@ -55,13 +56,15 @@ if [ -n "${F1_LIMITS:-}" ]; then   # FLUX.1-dev: bf16 folder, Q8_0 and Q4_K_S GG
     rm -f /tmp/f1/transformer/*.safetensors /tmp/f1/transformer/*.index.json
   fi
   for q in Q8_0 Q4_K_S; do
+    [[ $variants == *" $q "* ]] || continue
     [ -f "/tmp/f1-$q.gguf" ] || python3 bench/flux1_dev_gguf.py write "/tmp/f1-$q.gguf" --type "$q" \
       > "$L/make_f1_$q.txt" 2>&1
     stamp "gguf_f1_$q"
   done
   { ls -l /tmp/f1-*.gguf /tmp/f1/transformer /tmp/f1/text_encoder_2; df -h /tmp; } >> "$L/disk_f1.txt" 2>&1
-  python3 bench/streaming_gpu.py rate /tmp/f1-Q8_0.gguf > "$L/rate_f1_gguf.txt" 2>&1
+  python3 bench/streaming_gpu.py rate /tmp/f1-*.gguf > "$L/rate_f1_gguf.txt" 2>&1
   for q in Q8_0 Q4_K_S; do
+    [[ $variants == *" $q "* ]] || continue
     for limit in $F1_LIMITS; do
       extra=(); [ "$limit" = none ] || extra=(--memory-limit "$limit")
       run "f1_${q}_$limit" /tmp/f1 --transformer "/tmp/f1-$q.gguf" --size "$f1size" "${extra[@]}"
