@@ -41,7 +41,9 @@ def in_fresh_process(test):
         if os.environ.get(_CHILD):
             return test(*args, **kwargs)
         payload = base64.b64encode(pickle.dumps((args, kwargs))).decode()
-        code = (f"import sys, pickle, base64; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        # mlxdiff first, as conftest does: it preloads OpenBLAS before mlx loads (without it mlx-cpu's matmuls
+        # are ~50x slower and a block can outlast the watchdog)
+        code = (f"import sys, pickle, base64; sys.path.insert(0, {str(Path(__file__).parent)!r}); import mlxdiff; "
                 f"import {test.__module__} as m; a, k = pickle.loads(base64.b64decode({payload!r})); "
                 f"m.{test.__name__}(*a, **k)")
         proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, _CHILD: "1"}, capture_output=True,
