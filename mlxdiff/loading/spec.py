@@ -15,7 +15,8 @@ from typing import Callable
 
 from ..formats import is_coreml, is_gguf, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.keymaps import strip_prefix
-from ..models import chroma, clip, flux1, flux2, mmdit, t5, text_llm, unet, vae, vae_flux2
+from ..models import (chroma, clip, flux1, flux2, mmdit, qwenimage, t5, text_llm, unet, vae, vae_flux2, vae_qwenimage,
+                      zimage)
 from ..models.protocol import Architecture
 from .build import build
 from .quantize import parameter_nbytes, setting
@@ -30,8 +31,11 @@ ARCHITECTURES = {
     "T5EncoderModel": t5,
     "FluxTransformer2DModel": flux1,
     "ChromaTransformer2DModel": chroma,
+    "QwenImageTransformer2DModel": qwenimage,
     "Flux2Transformer2DModel": flux2,
+    "ZImageTransformer2DModel": zimage,
     "AutoencoderKLFlux2": vae_flux2,
+    "AutoencoderKLQwenImage": vae_qwenimage,
     "Mistral3ForConditionalGeneration": text_llm,
     "Qwen3ForCausalLM": text_llm,
 }

@@ -1,0 +1,260 @@
+"""Qwen-Image transformer: diffusers' QwenImageTransformer2DModel (models/transformers/transformer_qwenimage.py) in
+MLX.
+
+Qwen-Image (and Qwen-Image-Edit / Edit-Plus, which share it) is a 60-block dual-stream MMDiT: every block keeps an
+image and a text stream, each with its own adaLN-Zero modulation (Linear(silu(temb)) -> shift, scale, gate for the
+attention and for the GELU feed-forward), and one joint attention over [text; image] with RMS-normed q/k. The
+attention and the feed-forward are FLUX.1's (models/flux1.py Attention, models/mmdit.py FeedForward; the same
+diffusers names); what differs: no single-stream blocks, no pooled vector, the text features RMS-normed (txt_norm)
+before txt_in, the timestep sinusoid scaled by 1000 inside the embedding (Timesteps(scale=1000)), a key mask over the
+padded text, and the RoPE's positions (QwenEmbedRope, `positions` below): image rows and columns centred on 0, the
+frame axis the index of the image in the sequence, the text on the diagonal after the largest image's half-size.
+
+ComfyUI's `qwen_image_*.safetensors` files carry diffusers' names under `model.diffusion_model.` (diffusers'
+single-file loader maps them with the identity), so they need no key map: a ComponentSpec with that prefix reads them.
+"""
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, one_of
+from ..errors import MlxdiffError
+from ..pacing import pace
+from .embeddings import TimestepEmbedding, timestep_embedding
+from .flux1 import Attention, modulate
+from .flux2 import clip_fp16, rope_tables
+from .fused import compiled_block, gated_residual
+from .mmdit import AdaLayerNormContinuous, FeedForward, Modulation
+
+ROPE_THETA = 10000       # QwenEmbedRope(theta=10000): fixed in diffusers, not a config key
+EPS = 1e-6               # every norm of the model (qk RMSNorms, txt_norm and the affine-free LayerNorms)
+MLP_RATIO = 4            # FeedForward's mult: fixed in diffusers
+MAX_POSITION = 4096      # QwenEmbedRope's tables cover positions -4096..4095 per axis
+
+
+@dataclass
+class ModelArgs(CheckedArgs):
+    # defaults: Qwen/Qwen-Image transformer/config.json (diffusers' class defaults)
+    patch_size: int = 2
+    in_channels: int = 64
+    out_channels: int | None = 16            # None: same as in_channels
+    num_layers: int = 60
+    attention_head_dim: int = 128
+    num_attention_heads: int = 24
+    joint_attention_dim: int = 3584
+    guidance_embeds: bool = False            # builds nothing in diffusers (its guidance path is unused)
+    axes_dims_rope: tuple[int, ...] = (16, 56, 56)
+    # the variants' switches (Qwen-Image-Edit-2511's zero_cond_t, Qwen-Image-Layered's two): not supported yet
+    zero_cond_t: bool = False
+    use_additional_t_cond: bool = False
+    use_layer3d_rope: bool = False
+
+    WHAT = "Qwen-Image transformer config"
+    LIMITS = {
+        "patch_size": between(1, 16),
+        "in_channels": between(1, MAX_WIDTH),
+        "out_channels": between(1, MAX_WIDTH),
+        "num_layers": between(1, MAX_LAYERS),
+        "attention_head_dim": between(1, MAX_HEAD_DIM),
+        "num_attention_heads": between(1, MAX_HEADS),
+        "joint_attention_dim": between(1, MAX_WIDTH),
+        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(3, 3)),    # (frame, height, width) position axes
+        "zero_cond_t": one_of(False),
+        "use_additional_t_cond": one_of(False),
+        "use_layer3d_rope": one_of(False),
+    }
+    RULES = (
+        Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
+             and not any(d % 2 for d in a.axes_dims_rope),
+             lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}"),
+        Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim <= MAX_WIDTH,
+             lambda a: f"num_attention_heads * attention_head_dim (the width) must be at most {MAX_WIDTH}"),
+    )
+
+    def __post_init__(self):
+        self.axes_dims_rope = tuple(self.axes_dims_rope)
+
+    @property
+    def width(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
+# -- positions -------------------------------------------------------------------------------------------------------
+
+def image_shapes(img_shapes) -> tuple:
+    """The (frame, height, width) token grids of the image sequence, in order: a list of 3-tuples, or diffusers'
+    per-batch-row form (a list of such lists), whose first row is used for the whole batch (as QwenEmbedRope)."""
+    shapes = img_shapes
+    if isinstance(shapes, (list, tuple)) and shapes and isinstance(shapes[0], (list, tuple)) \
+            and shapes[0] and isinstance(shapes[0][0], (list, tuple)):
+        shapes = shapes[0]
+    if isinstance(shapes, (list, tuple)) and len(shapes) == 3 and all(isinstance(v, (int, np.integer))
+                                                                     for v in shapes):
+        shapes = [shapes]
+    try:
+        out = tuple(tuple(int(v) for v in s) for s in shapes)
+    except (TypeError, ValueError):
+        raise MlxdiffError(f"img_shapes must be a list of (frame, height, width) token grids, got {img_shapes!r}")
+    if not out or any(len(s) != 3 or min(s) < 1 for s in out):
+        raise MlxdiffError(f"img_shapes must be a list of (frame, height, width) token grids, got {img_shapes!r}")
+    return out
+
+
+def positions(shapes, n_txt: int) -> np.ndarray:
+    """QwenEmbedRope's positions (scale_rope=True) as (L_txt + N_img, 3) ids for [text; image]: image i of grid
+    (f, h, w) has frames i..i+f-1, rows -(h - h//2)..h//2 - 1 and columns -(w - w//2)..w//2 - 1 (centred); the text
+    tokens j = 0.. sit at m + j on all three axes, m = the largest h//2 or w//2 of the images."""
+    grids = []
+    for i, (f, h, w) in enumerate(shapes):
+        frame, row, col = np.meshgrid(np.arange(f) + i, np.arange(h) - (h - h // 2), np.arange(w) - (w - w // 2),
+                                      indexing="ij")
+        grids.append(np.stack([frame, row, col], axis=-1).reshape(-1, 3))
+    start = max(max(h // 2, w // 2) for _, h, w in shapes)
+    if start + n_txt > MAX_POSITION or max(max(h, w) for _, h, w in shapes) > MAX_POSITION \
+            or len(shapes) + max(f for f, _, _ in shapes) > MAX_POSITION:
+        raise MlxdiffError(f"img_shapes {list(shapes)} with {n_txt} text tokens reach past Qwen-Image's "
+                           f"{MAX_POSITION} RoPE positions")
+    text = np.repeat((start + np.arange(n_txt))[:, None], 3, axis=1)
+    return np.concatenate([text] + grids, axis=0)
+
+
+# -- blocks ----------------------------------------------------------------------------------------------------------
+
+class TimestepProjEmbeddings(nn.Module):
+    """QwenTimestepProjEmbeddings: MLP(sinusoid_256(1000 t)), the sinusoid cast to the compute dtype first."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.timestep_embedder = TimestepEmbedding(256, dim)
+
+    def __call__(self, timestep, dtype):
+        t = timestep_embedding(timestep, 256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)
+        return self.timestep_embedder(t.astype(dtype))
+
+
+def modulations(mod_layer, temb, dim) -> tuple:
+    """img_mod / txt_mod (Sequential(SiLU, Linear)): Linear(silu(temb)) -> the attention's and the feed-forward's
+    (shift, scale, gate), each (B, D)."""
+    chunks = mx.split(mod_layer[1](nn.silu(temb)), 6, axis=-1)
+    return Modulation(*chunks[:3]), Modulation(*chunks[3:])
+
+
+class TransformerBlock(nn.Module):
+    """QwenImageTransformerBlock: adaLN-Zero per stream, joint attention over [text; image], a GELU feed-forward per
+    stream; both streams clipped to float16's range in float16."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int):
+        super().__init__()
+        self.dim = dim
+        self.img_mod = [nn.SiLU(), nn.Linear(dim, 6 * dim)]
+        self.txt_mod = [nn.SiLU(), nn.Linear(dim, 6 * dim)]
+        self.attn = Attention(dim, heads, head_dim, joint=True)
+        self.img_mlp = FeedForward(dim, MLP_RATIO)
+        self.txt_mlp = FeedForward(dim, MLP_RATIO)
+
+    def __call__(self, x, context, temb, cos, sin, mask):
+        img1, img2 = modulations(self.img_mod, temb, self.dim)
+        txt1, txt2 = modulations(self.txt_mod, temb, self.dim)
+        attn_out, context_attn_out = self.attn(modulate(x, img1), cos, sin, context=modulate(context, txt1),
+                                               mask=mask)
+        x = gated_residual(x, img1.gate[:, None], attn_out)
+        context = gated_residual(context, txt1.gate[:, None], context_attn_out)
+        x = pace(gated_residual(x, img2.gate[:, None], self.img_mlp(modulate(x, img2))))
+        context = pace(gated_residual(context, txt2.gate[:, None], self.txt_mlp(modulate(context, txt2))))
+        return clip_fp16(context), clip_fp16(x)
+
+
+# embedders, the modulations and the output layers stay in full precision (loading/quantize.py)
+FULL_PRECISION = re.compile(r"(img_in|txt_in|txt_norm|time_text_embed\..*|transformer_blocks\.\d+\.(img|txt)_mod\.1|"
+                            r"norm_out\.linear|proj_out)")
+
+
+class Model(nn.Module):
+    """QwenImageTransformer2DModel.
+
+    __call__(hidden_states (B, N_img, C) packed 2x2 latents (Edit / Edit-Plus: the noisy latents, then each reference
+    image's), encoder_hidden_states (B, L_txt, J) Qwen2.5-VL features, timestep (B,) = sigma in [0, 1] (the
+    pipeline's t / 1000; scaled by 1000 inside the embedding, as diffusers), img_shapes: the (frame, height, width)
+    token grid of each image in hidden_states, in order ([(1, H/16, W/16)] for Qwen-Image; the target's, then every
+    reference's for Edit-Plus), encoder_hidden_states_mask (B, L_txt) of 0 / 1 or None: the text tokens that take
+    part as keys (the pipeline's padding mask)) -> (B, N_img, patch^2 * C_out).
+
+    Against diffusers' forward: the same names and meanings; img_shapes may also be diffusers' per-batch-row list of
+    lists, of which (as diffusers) the first row serves the whole batch. Not taken: guidance (diffusers' path for it
+    cannot run), attention_kwargs, controlnet_block_samples, additional_t_cond (Qwen-Image-Layered) and
+    return_dict; txt_seq_lens (older diffusers' argument) is not needed: the RoPE covers the padded text length, as
+    diffusers 0.42 does. `after_block(context, x)`: the caller's memory policy, called after every block;
+    step_cache and stream_dtype as flux1.Model.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.compute_dtype = mx.float32
+        dim, heads, head_dim = args.width, args.num_attention_heads, args.attention_head_dim
+        self.time_text_embed = TimestepProjEmbeddings(dim)
+        self.txt_norm = nn.RMSNorm(args.joint_attention_dim, eps=EPS)
+        self.img_in = nn.Linear(args.in_channels, dim)
+        self.txt_in = nn.Linear(args.joint_attention_dim, dim)
+        self.transformer_blocks = [TransformerBlock(dim, heads, head_dim) for _ in range(args.num_layers)]
+        self.norm_out = AdaLayerNormContinuous(dim, dim)
+        self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * (args.out_channels or args.in_channels))
+
+    def rope(self, img_shapes, n_txt):
+        """cos, sin (L_txt + N_img, head_dim) float32 for [text; image], computed once per (shapes, text length)."""
+        shapes = image_shapes(img_shapes)
+        key = (shapes, n_txt)
+        cached = self.__dict__.get("_rope_cache")
+        if cached is None or cached[0] != key:
+            cached = (key, rope_tables(positions(shapes, n_txt), self.args.axes_dims_rope, ROPE_THETA))
+            self.__dict__["_rope_cache"] = cached
+        return cached[1]
+
+    def __call__(self, hidden_states, encoder_hidden_states, timestep, img_shapes, encoder_hidden_states_mask=None,
+                 after_block=None, step_cache=None, stream_dtype=None):
+        dtype = self.compute_dtype
+        stream = stream_dtype or dtype
+        b, n_img = hidden_states.shape[:2]
+        n_txt = encoder_hidden_states.shape[1]
+        cos, sin = self.rope(img_shapes, n_txt)
+        if cos.shape[0] != n_txt + n_img:
+            raise MlxdiffError(f"img_shapes {list(image_shapes(img_shapes))} cover {cos.shape[0] - n_txt} image "
+                               f"tokens but hidden_states has {n_img}")
+        mask = None
+        if encoder_hidden_states_mask is not None:     # keys only: a padded text token's output is never read
+            if tuple(encoder_hidden_states_mask.shape) != (b, n_txt):
+                raise MlxdiffError(f"encoder_hidden_states_mask has shape {tuple(encoder_hidden_states_mask.shape)}; "
+                                   f"expected (batch, text tokens) = ({b}, {n_txt})")
+            keys = mx.concatenate([encoder_hidden_states_mask.astype(mx.bool_), mx.ones((b, n_img), dtype=mx.bool_)],
+                                  axis=1)
+            mask = keys[:, None, None, :]
+        timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
+        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
+        x = self.img_in(hidden_states.astype(dtype)).astype(stream)
+        context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype))).astype(stream)
+        for i, block in enumerate(self.transformer_blocks):
+            x_in = x
+            context, x = compiled_block(block, x, context, temb, cos, sin, mask)
+            if after_block:
+                after_block(context, x)
+            if i == 0 and step_cache is not None:
+                reused = step_cache.reuse(x - x_in)     # only the image stream reaches the output
+                if reused is not None:
+                    return self.proj_out(self.norm_out(x + reused, temb))
+                x_head = x
+        if step_cache is not None:
+            step_cache.remember(x - x_head)
+        return self.proj_out(self.norm_out(x, temb))
+
+    def quant_predicate(self, path, module) -> bool:
+        """Which layers may be quantized: not the embedders, the modulations or the output layers."""
+        return not FULL_PRECISION.fullmatch(path)
+
+    def sanitize(self, weights: dict) -> dict:
+        """diffusers names and layouts are this module's own (no convolutions): nothing to change."""
+        return dict(weights)
