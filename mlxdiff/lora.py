@@ -30,7 +30,19 @@ Formats (what the tools write), told apart by their names:
 - DoRA as PEFT saves it (use_dora=True: a `<module>.lora_magnitude_vector` beside lora_A / lora_B), on linear
   layers of any base form: each layer's m / ||W + scale B A|| (the norm of every output row of the changed weight,
   W read off the base as base(I) - bias) scales what the layer gives and the LoRA's term, as PEFT's DoraLinearLayer
-  does. LyCORIS's DoRA (`dora_scale`), LoKr and LoHa are refused in one line.
+  does. LyCORIS's / kohya's DoRA (`<module>.dora_scale` beside lora_down / lora_up or LoHa / LoKr factors) is the
+  same magnitude, read as LyCORIS's wd_on_out (its default) stores it: (out, 1) (a convolution's (out, 1, 1, 1)); a
+  per-input-column dora_scale (wd_on_out=False, (1, in)) is refused. At user scale 1 this is LyCORIS's
+  apply_weight_decompose (lycoris/modules/lokr.py, loha.py; its + eps on the norm aside); at other scales mlxdiff
+  keeps PEFT's rule (the norm of W + scale dW), where LyCORIS and ComfyUI blend the decomposed weight linearly.
+  Nothing is fused into the weights, so a quantized / GGUF / fp8 base stays as it is: its W is read once through
+  the layer itself (base(I) - bias) for the norm.
+- LyCORIS's LoHa (`hada_w1_a`, `hada_w1_b`, `hada_w2_a`, `hada_w2_b`) and LoKr (`lokr_w1` or `lokr_w1_a` /
+  `lokr_w1_b`, `lokr_w2` or `lokr_w2_a` / `lokr_w2_b`), with `.alpha`, in any of the namings above (PEFT's
+  LoHaConfig / LoKrConfig write the same factor names): each layer's factors become one exact low-rank pair (A, B)
+  with B A = the layer's weight change (`_lycoris` says the math and its sources), then go the LoRA path, on any
+  base and on the UNet's convolutions (their w1_b / w2_b flattened as PyTorch's (rows, in x kh x kw)). Their Tucker
+  forms (`hada_t1` / `hada_t2`, `lokr_t2`) are refused in one line.
 - XLabs (x-flux, FLUX.1): `double_blocks.N.processor.qkv_lora1|proj_lora1|qkv_lora2|proj_lora2.down|up.weight`
   (1: the image stream, 2: the text stream) and `single_blocks.N.processor.qkv_lora|proj_lora`, no alpha (scale 1),
   through models/flux1.py's table.
@@ -48,7 +60,9 @@ component it has layers for (Pipeline.load_lora).
 
 Refused, each in one line naming the file and the key: a name that reaches no layer of its component, a shape that
 does not fit the layer, a LoRA of another architecture (SD3 on FLUX.2, FLUX.1, an SD/SDXL UNet), text-encoder
-LoRAs for FLUX.2's LLM encoders, DoRA, LoKr/LoHa, LoCon's Tucker form (lora_mid), LoRA biases; one layer reached twice from one file (two namings
+LoRAs for FLUX.2's LLM encoders, DoRA on a convolution, LyCORIS's Tucker forms (lora_mid, hada_t1, lokr_t2),
+LoHa / LoKr factors that are no pair or whose product does not fit the layer, LoRA biases; one layer reached twice
+from one file (two namings
 of the same layer), and a component's layers named two ways in one file (prefixes or lora_A / lora_down styles
 mixed: each tool reads such a file its own way); factors stored other than float32 / float16 / bfloat16; a tensor
 holding NaN or infinity, or factors and scale whose product leaves the compute dtype's range (every LoRA tensor is
@@ -84,11 +98,17 @@ ROLES = (
 # XLabs' FLUX.1 LoRAs: <block>.processor.{qkv,proj}_lora[12].{down,up}.weight, no alpha (scale 1); read only on
 # such module names, the endings being too common otherwise
 XLABS_ROLES = ((".down.weight", "A"), (".up.weight", "B"))
+# LyCORIS's LoHa / LoKr factors (also PEFT's LoHaConfig / LoKrConfig names) and kohya/LyCORIS's DoRA magnitude;
+# _lycoris turns a layer's LoHa / LoKr factors into one exact low-rank pair (A, B)
+LYCORIS_FACTORS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b",
+                   "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+LYCORIS_ROLES = tuple((f".{f}{w}", f) for f in LYCORIS_FACTORS for w in (".weight", "")) + \
+    ((".dora_scale.weight", "dora"), (".dora_scale", "dora"))
 XLABS_MODULE = re.compile(r".*\.processor\.(qkv|proj)_lora[12]?$")
 # what a tensor name says the file is when it is not a plain LoRA
 NOT_LORA = (
-    (re.compile(r".*\.dora_scale(\.weight)?$"), "a LyCORIS DoRA (dora_scale)"),
-    (re.compile(r".*\.(lokr_|hada_|lycoris_).*|^lycoris_.*"), "a LyCORIS LoKr/LoHa"),
+    (re.compile(r".*\.(hada_t[12]|lokr_t[12])(\.weight)?$"), "a LyCORIS LoHa/LoKr in Tucker form (hada_t1 / lokr_t2)"),
+    (re.compile(r".*\.lycoris_.*|^lycoris_.*"), "a LyCORIS (lycoris_ names)"),
     (re.compile(r".*\.(lora_[AB]|lora_up|lora_down)\.bias$"), "a LoRA with bias terms"),
     (re.compile(r".*\.diff(_b)?$"), "a full weight difference"),
     (re.compile(r".*\.lora_mid\.weight$"), "a LyCORIS LoCon in Tucker form (lora_mid)"),
@@ -448,7 +468,7 @@ def _names_module(value, name) -> bool:
 
 def _split_name(name):
     """tensor name -> (component, naming kind, module name, role), or None when the name is no LoRA tensor's."""
-    for ending, role in ROLES + XLABS_ROLES:
+    for ending, role in ROLES + LYCORIS_ROLES + XLABS_ROLES:
         if name.endswith(ending):
             module = name[:-len(ending)]
             if (ending, role) in XLABS_ROLES and not XLABS_MODULE.fullmatch(module):
@@ -467,6 +487,8 @@ def _naming(name):
     if any(name.endswith(ending) for ending, _ in XLABS_ROLES) and \
             XLABS_MODULE.fullmatch(name.rsplit(".", 2)[0]):
         style = "xlabs"
+    elif any(name.endswith(ending) for ending, _ in LYCORIS_ROLES):
+        style = 1         # LyCORIS's factors: kohya's lora_down / lora_up style
     else:
         style = next(i // 2 for i, (ending, _) in enumerate(ROLES) if name.endswith(ending))
     return next(prefix for prefix, _, _ in PREFIXES if name.startswith(prefix)), style
@@ -479,7 +501,7 @@ def _entries(path, tensors):
         for pattern, what in NOT_LORA:
             if pattern.match(name):
                 raise MlxdiffError(f"{path}: {what} file (tensor {_short(name)!r}); mlxdiff applies plain LoRAs "
-                                   "(lora_A/lora_B or lora_down/lora_up) only")
+                                   "(lora_A/lora_B or lora_down/lora_up), LoHa and LoKr (without Tucker) only")
         parsed = _split_name(name)
         if parsed is None:
             raise MlxdiffError(f"{path}: tensor {_short(name)!r} is not a LoRA tensor (expected <module>.lora_A.weight"
@@ -491,6 +513,13 @@ def _entries(path, tensors):
                                f"layer {_short(module)!r} in two namings; keep one")
         slot[role] = (name, tensors[name])
     for slot in entries.values():
+        if any(role in slot for role in LYCORIS_FACTORS):
+            _lycoris(path, slot)
+        if "dora" in slot:
+            if "m" in slot:
+                raise MlxdiffError(f"{path}: {_short(slot['dora'][0])!r} and {_short(slot['m'][0])!r} are both DoRA "
+                                   "magnitudes of one layer; keep one")
+            slot["m"] = slot.pop("dora")
         for role, other in (("A", "B"), ("B", "A")):
             if role not in slot and other in slot:
                 raise MlxdiffError(f"{path}: {_short(slot[other][0])!r} has no lora_{role} partner (the file is "
@@ -501,6 +530,102 @@ def _entries(path, tensors):
     if any(c == "transformer" and UNET_LAYERS.search(m) for c, _, m in entries):   # kohya's lora_unet_, bare names
         entries = {("unet" if c == "transformer" else c, k, m): v for (c, k, m), v in entries.items()}
     return entries
+
+
+def _low_rank(m):
+    """(U, V) with U @ V = m, the inner size min(rows, cols): one of them an identity."""
+    rows, cols = m.shape
+    return (mx.eye(rows), m) if rows <= cols else (m, mx.eye(cols))
+
+
+def _kron_factors(u1, u2):
+    """kron(u1, u2) of two matrices (numpy's / torch's order), as LyCORIS's make_kron builds it."""
+    return (u1[:, None, :, None] * u2[None, :, None, :]).reshape(u1.shape[0] * u2.shape[0],
+                                                                 u1.shape[1] * u2.shape[1])
+
+
+def _lycoris(path, slot):
+    """A LyCORIS LoHa / LoKr layer (also PEFT's LoHaConfig / LoKrConfig factors) as one exact low-rank pair, in
+    place: slot["A"] (R, in [x kh x kw, flattened]) and slot["B"] (out, R) with B @ A = the weight change, its
+    alpha / rank folded into B (the slot's alpha dropped), in float32 (the factors' products are not rounded).
+
+    The math, as LyCORIS's own modules and PEFT compute it (read, not copied):
+    - LoHa (lycoris/modules/loha.py LohaModule.get_weight -> functional/loha.py diff_weight;
+      peft/tuners/loha/layer.py LoHaLayer.get_delta_weight): dW = (w1_a @ w1_b) * (w2_a @ w2_b) * alpha / r,
+      r = w1_b's rows (LohaModule.make_module_from_state_dict: lora_dim). Its pair: B's columns w1_a[:, i] * w2_a[:, j],
+      A's rows w1_b[i] * w2_b[j] (rank r1 x r2), exactly the Hadamard product.
+    - LoKr (lycoris/modules/lokr.py LokrModule.get_weight -> functional/lokr.py make_kron;
+      peft/tuners/lokr/layer.py LoKrLayer.get_delta_weight -> make_kron): dW = kron(w1, w2) * scale, w1 = lokr_w1
+      or lokr_w1_a @ lokr_w1_b, w2 = lokr_w2 or lokr_w2_a @ lokr_w2_b; scale = alpha / r with r the decomposed
+      factor's rank (w1_a's columns, else w2_a's: LokrModule.make_module_from_state_dict), and 1 when both factors
+      are whole (LokrModule.__init__: "use scale = 1", alpha ignored). Its pair: kron(U1, U2), kron(V1, V2) of each
+      factor's own pair (w = U @ V: its a / b factors, or the whole matrix and an identity).
+    One scale, as PEFT, ComfyUI and the formula above apply it (LyCORIS's get_diff_weight multiplies get_weight's
+    already-scaled weight by the scale once more; mlxdiff does not follow that).
+    A pair whose rank would reach min(out, in) is the weight change itself and an identity. A convolution's w1_b /
+    w2_b / lokr_w2 are (rows, in x kh x kw) flattened as PyTorch's weight (plan reshapes A to the layer's kernel).
+    """
+    roles = [r for r in LYCORIS_FACTORS if r in slot]
+    keys = [slot[r][0] for r in roles]
+    for other in ("A", "B"):
+        if other in slot:
+            raise MlxdiffError(f"{path}: {_short(slot[other][0])!r} and {_short(keys[0])!r}: a plain LoRA and LyCORIS "
+                               "factors on one layer; keep one")
+
+    def get(role):
+        return slot[role][1].astype(mx.float32) if role in slot else None
+
+    def flat(m):
+        return m.reshape(m.shape[0], -1) if m is not None and m.ndim > 2 else m
+
+    def bad(what):
+        shapes = ", ".join(f"{_short(slot[r][0])!r} {tuple(slot[r][1].shape)}" for r in roles)
+        return MlxdiffError(f"{path}: {shapes}: {what}")
+    alpha = None
+    if "alpha" in slot:
+        key, value = slot.pop("alpha")
+        if value.size != 1:
+            raise MlxdiffError(f"{path}: {_short(key)!r} must be one number, got shape {tuple(value.shape)}")
+        alpha = float(value.reshape(-1)[0].astype(mx.float32).item())
+        if not (math.isfinite(alpha) and alpha > 0):
+            raise MlxdiffError(f"{path}: {_short(key)!r} is {alpha:g}, not a positive number; re-save the LoRA")
+    if roles[0].startswith("hada_"):
+        if len(roles) != 4:
+            raise bad("not a LoHa (it needs hada_w1_a, hada_w1_b, hada_w2_a and hada_w2_b)")
+        w1a, w1b, w2a, w2b = (get(r) for r in LYCORIS_FACTORS[:4])
+        w1b, w2b = flat(w1b), flat(w2b)
+        if any(m.ndim != 2 for m in (w1a, w2a)) or w1a.shape[1] != w1b.shape[0] or w2a.shape[1] != w2b.shape[0] \
+                or w1a.shape[0] != w2a.shape[0] or w1b.shape[1] != w2b.shape[1] or 0 in w1a.shape + w2a.shape:
+            raise bad("not a LoHa (w1_a: out x r1, w1_b: r1 x in, w2_a: out x r2, w2_b: r2 x in)")
+        scale = 1.0 if alpha is None else alpha / w1b.shape[0]
+        b = (w1a[:, :, None] * w2a[:, None, :]).reshape(w1a.shape[0], -1)
+        a = (w1b[:, None, :] * w2b[None, :, :]).reshape(-1, w1b.shape[1])
+    else:
+        sides = []
+        for i in ("1", "2"):
+            whole, fa, fb = get(f"lokr_w{i}"), get(f"lokr_w{i}_a"), get(f"lokr_w{i}_b")
+            if (whole is None) == (fa is None and fb is None) or (fa is None) != (fb is None):
+                raise bad(f"not a LoKr (it needs lokr_w{i}, or lokr_w{i}_a and lokr_w{i}_b)")
+            if whole is not None:
+                whole = flat(whole) if i == "2" else whole
+                if whole.ndim != 2 or 0 in whole.shape:
+                    raise bad(f"lokr_w{i} is not a matrix")
+                sides.append((*_low_rank(whole), None))
+            else:
+                fb = flat(fb) if i == "2" else fb
+                if fa.ndim != 2 or fb.ndim != 2 or fa.shape[1] != fb.shape[0] or 0 in fa.shape + fb.shape:
+                    raise bad(f"lokr_w{i}_a and lokr_w{i}_b are not a pair (rows x r, r x cols)")
+                sides.append((fa, fb, fa.shape[1]))
+        (u1, v1, r1), (u2, v2, r2) = sides
+        rank = r1 if r1 is not None else r2
+        scale = 1.0 if rank is None else (alpha / rank if alpha is not None else 1.0)
+        b, a = _kron_factors(u1, u2), _kron_factors(v1, v2)
+    if a.shape[0] >= min(b.shape[0], a.shape[1]):      # no smaller than the change itself
+        b, a = _low_rank(b @ a)
+    slot["A"] = (keys[-1], a)
+    slot["B"] = (keys[0], b * scale)
+    slot["factors"] = keys
+    slot["form"] = "LoHa" if roles[0].startswith("hada_") else "LoKr"
 
 
 def _other_architecture(entries, family):
@@ -743,7 +868,10 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             raise MlxdiffError(f"{path}: {_short(key_a)!r} {tuple(a.shape)} and {_short(key_b)!r} {tuple(b.shape)} "
                                "are not a LoRA pair (A: rank x in, B: out x rank; a convolution's: A rank x in x kh "
                                "x kw, B out x rank x 1 x 1)")
-        for key in (key_a, key_b):
+        if "factors" in slot and config is not None:
+            raise MlxdiffError(f"{path}: {_short(key_a)!r}: LyCORIS LoHa / LoKr factors with PEFT LoraConfig metadata "
+                               "(lora_adapter_metadata); the file is inconsistent, re-save it without the metadata")
+        for key in slot.get("factors", (key_a, key_b)):
             if stored[key] not in FACTOR_DTYPES:
                 raise MlxdiffError(f"{path}: {_short(key)!r} is {stored[key]}; LoRA factors are float32, float16 or "
                                    "bfloat16: re-save the LoRA in one of them")
@@ -759,6 +887,11 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         pieces = split_rows(b, parts) if parts > 1 else [b]
         magnitude = slot.get("m", (None, None))[1]   # DoRA: one magnitude per output row, split as B's rows
         if magnitude is not None:
+            if slot["m"][0].endswith((".dora_scale", ".dora_scale.weight")) and magnitude.ndim >= 2 and \
+                    magnitude.shape[0] == 1 < magnitude.shape[1]:
+                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r} {tuple(magnitude.shape)} is not one magnitude "
+                                   f"per output row ({b.shape[0]} x 1: LyCORIS's wd_on_out, its default); a dora_scale "
+                                   "per input column (wd_on_out=False) is not applied: re-train with wd_on_out")
             magnitude = magnitude.reshape(-1)
             if magnitude.shape[0] != b.shape[0] or stored[slot["m"][0]] not in FACTOR_DTYPES:
                 raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r} {tuple(slot['m'][1].shape)} is not the DoRA "
@@ -784,6 +917,9 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             piece = pieces[indices[0]] if len(indices) == 1 else mx.concatenate([pieces[j] for j in indices])
             piece = transform(piece) if transform else piece
             factor = a
+            if conv is not None and "factors" in slot and a.ndim == 2 and conv[2] != (1, 1) and \
+                    a.shape[1] == conv[0] * conv[2][0] * conv[2][1]:   # LoHa / LoKr: PyTorch's flattened kernel
+                a = a.reshape(a.shape[0], conv[0], *conv[2])
             if conv is not None:   # A as the down convolution, OHWI (a 1x1 convolution's may be a matrix)
                 factor = (a if a.ndim == 4 else a[:, :, None, None]).transpose(0, 2, 3, 1)
                 fits = factor.shape[1:3] == conv[2] and factor.shape[3] == conv[0] and piece.shape[0] == conv[1]
@@ -791,6 +927,14 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             else:
                 fits = a.ndim == 2 and a.shape[1] == dims[0] and piece.shape[0] == dims[1]
                 kernel = ""
+            if not fits and "factors" in slot:
+                shapes = ", ".join(f"{_short(k.rsplit('.', 1)[-1])} {tuple(tensors[k].shape)}"
+                                   for k in slot["factors"])
+                raise MlxdiffError(
+                    f"{path}: {_short(key_a.rsplit('.', 1)[0])!r}: its {slot['form']} factors ({shapes}) make a "
+                    f"{b.shape[0]} x {slot['A'][1].shape[1]} weight change, which does not fit layer {target!r} "
+                    f"({dims[0]} in{kernel and f' x {conv[2][0]} x {conv[2][1]}'}, {dims[1] * parts // len(indices)} "
+                    "out); the LoRA is for another model size")
             if not fits:
                 raise MlxdiffError(
                     f"{path}: {_short(key_a)!r}: shapes A {tuple(a.shape)}, B {tuple(slot['B'][1].shape)} do not fit "

@@ -224,3 +224,32 @@ def same_delta(ours, ref, tol=1e-5):
         if not err <= tol * top:
             return f"{name}: weight change differs by {err:.3g} (largest {top:.3g})"
     return None
+
+
+# -- LyCORIS / kohya naming of PEFT adapters (tests/test_lycoris.py) -----------------------------------------------
+
+_LYCORIS_ENDINGS = {"lora_A.weight": "lora_down.weight", "lora_B.weight": "lora_up.weight",
+                    "lora_magnitude_vector": "dora_scale", "lora_magnitude_vector.weight": "dora_scale"}
+
+
+def to_lycoris(state, alpha, prefix="lora_unet_") -> dict:
+    """A PEFT adapter's state dict (get_peft_model_state_dict of a LoHaConfig / LoKrConfig / LoraConfig(use_dora)
+    model: `<module>.hada_w1_a`, `.lokr_w1`, `.lora_A.weight`, `.lora_magnitude_vector`, ...) in the names LyCORIS
+    and kohya write (`lora_unet_<module, dots as underscores>.hada_w1_a`, `.lokr_w1`, `.lora_down.weight`,
+    `.dora_scale` as (out, 1): LyCORIS's wd_on_out), with one `.alpha` per module."""
+    import torch
+    out = {}
+    for key, value in state.items():
+        for ending, ours in _LYCORIS_ENDINGS.items():
+            if key.endswith("." + ending):
+                module, role = key[:-len(ending) - 1], ours
+                break
+        else:
+            module, role = key.rsplit(".", 1)
+        value = value.detach().float()
+        if role == "dora_scale":
+            value = value.reshape(-1, 1)
+        name = prefix + module.replace(".", "_")
+        out[f"{name}.{role}"] = value
+        out[f"{name}.alpha"] = torch.tensor(float(alpha))
+    return out

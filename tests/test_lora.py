@@ -649,8 +649,8 @@ def bad_files(root):
         # a DoRA is read (test_flux1_lora.py); one whose magnitude does not have the layer's rows is refused
         "DoRA": ({**good, "transformer.transformer_blocks.0.attn.to_q.lora_magnitude_vector": b[:-1, 0]},
                  "is not the DoRA magnitude"),
-        "LyCORIS DoRA": ({**good, "transformer.transformer_blocks.0.attn.to_q.dora_scale": b[:, :1]},
-                         "a LyCORIS DoRA"),
+        "LyCORIS DoRA": ({**good, "transformer.transformer_blocks.0.attn.to_q.dora_scale": b[:1, :]},
+                         "wd_on_out"),
     }
     return {name: (save(t, root / f"{name.replace(' ', '_')}.safetensors"), needle)
             for name, (t, needle) in files.items()}
