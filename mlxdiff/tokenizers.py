@@ -261,14 +261,15 @@ def tokenize_dev(tokenizer, prompts, max_sequence_length=512, system_message=SYS
     return np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32)
 
 
-def tokenize_klein(tokenizer, prompts, max_sequence_length=512):
+def tokenize_klein(tokenizer, prompts, max_sequence_length=512, enable_thinking=False):
     """Flux2KleinPipeline's tokenization: per prompt, the user message alone through the chat template
     (add_generation_prompt=True, enable_thinking=False), then tokenizer(padding="max_length", truncation=True), on the
-    tokenizer's padding_side (right for Qwen2Tokenizer)."""
+    tokenizer's padding_side (right for Qwen2Tokenizer). ZImagePipeline's is the same with enable_thinking=True."""
     require_chat_template(tokenizer)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                           add_generation_prompt=True, enable_thinking=False) for p in prompts]
+                                           add_generation_prompt=True, enable_thinking=enable_thinking)
+             for p in prompts]
     ids, mask = [], []
     for text in texts:
         enc = tokenizer(text, padding="max_length", truncation=True, max_length=max_sequence_length)

@@ -1,0 +1,145 @@
+"""Z-Image (text-to-image), following diffusers' ZImagePipeline (pipelines/z_image/pipeline_z_image.py).
+
+    encode:  Qwen3 through mlx-lm, the user message through the chat template with enable_thinking=True, padded to
+             max_sequence_length (512); the features are hidden_states[-2] (the output of the next-to-last layer,
+             no final norm), with the tokenizer's mask: the transformer takes each row's valid tokens only
+    denoise: the Z-Image DiT on the unpacked latents (B, C, H/8, W/8) (it patchifies them itself), timestep
+             (1000 - t) / 1000, velocity = minus its output; flow-match Euler over sigmas linspace(1, 1/N, N)
+             shifted by mu from the image token count (the scheduler's dynamic shifting); classifier-free guidance
+             whenever guidance > 0, as diffusers: pos + g * (pos - neg), against the negative prompt ("" by default)
+    decode:  latents / scaling_factor + shift_factor, the AutoencoderKL
+
+Defaults are ZImagePipeline's own (50 steps, guidance 5.0, 1024 x 1024); Z-Image-Turbo is run with steps=8 or 9
+and guidance=0 (no CFG). cfg_truncation and cfg_normalization stay at diffusers' defaults (off).
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
+from ... import schedulers
+from ...arguments import check_generate
+from ...errors import MlxdiffError
+from ...tokenizers import tokenize_klein
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning, named as diffusers names it. Arrays are MLX; `as_numpy()` converts them. The masks are
+    (B, L) of 0 / 1: the valid (non-padding) tokens, the only ones the transformer reads."""
+    prompt_embeds: mx.array
+    prompt_attention_mask: mx.array
+    negative_prompt_embeds: mx.array | None = None
+    negative_prompt_attention_mask: mx.array | None = None
+
+    as_numpy = as_numpy
+
+
+class ZImagePipeline(Pipeline):
+    """`generate(..., guidance=)`: the CFG scale (default 5.0; 0: one forward a step, no negative prompt).
+    `max_sequence_length`: the prompt's tokens (default 512). `latents`: the noise in diffusers' layout (B, C, H/8,
+    W/8). Text-to-image only."""
+    family = "zimage"
+    patch_size = 2      # the transformer's 2x2 patches: sizes are multiples of 16
+    OPTIONS = {"max_sequence_length": None}
+    STEP_CACHE = False
+
+    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
+        super().__init__(sources, dtype, keep, policy, group)
+        self.tokenizer = self.tokenizers["tokenizer"]
+
+    def defaults(self):
+        return {"steps": 50, "guidance": 5.0}         # ZImagePipeline's
+
+    def default_size(self):
+        return 1024
+
+    def _encode(self, prompts, max_sequence_length):
+        ids, mask = tokenize_klein(self.tokenizer, prompts, max_sequence_length, enable_thinking=True)
+        with self.use(self.components["text_encoder"]) as encoder:
+            embeds = encoder(mx.array(ids), mx.array(mask))
+            mx.eval(embeds)
+        return embeds, mx.array(mask)
+
+    def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=True,
+                      max_sequence_length=None) -> Conditioning:
+        """prompt_embeds (B, L, hidden) padded to max_sequence_length with their mask (diffusers' list of each row's
+        valid tokens is prompt_embeds[i][mask[i] > 0]); with CFG the negative prompt's too ("" by default)."""
+        check_generate(prompt=prompt, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length)
+        max_sequence_length = max_sequence_length or 512
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        embeds, mask = self._encode(prompts, max_sequence_length)
+        if not do_classifier_free_guidance:
+            return Conditioning(embeds, mask)
+        if negative_prompt is None:
+            negs = [""] * len(prompts)
+        else:
+            negs = [negative_prompt] if isinstance(negative_prompt, str) else list(negative_prompt)
+        if len(negs) != len(prompts):
+            raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
+        neg_embeds, neg_mask = self._encode(negs, max_sequence_length)
+        return Conditioning(embeds, mask, neg_embeds, neg_mask)
+
+    # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
+    def check_images(self, names, images, strength):
+        if images:
+            raise MlxdiffError("image: Z-Image here is text-to-image only (ZImagePipeline); leave image= out")
+
+    def img2img_start(self, steps, strength):
+        raise MlxdiffError("Z-Image here is text-to-image only")
+
+    def uses_cfg(self, run):
+        return run.guidance > 0        # ZImagePipeline.do_classifier_free_guidance
+
+    def encode(self, run):
+        return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
+                                  max_sequence_length=run.options["max_sequence_length"])
+
+    def encode_settings(self, run):
+        return (repr(run.negative_prompt), run.options["max_sequence_length"])
+
+    def prepare_latents(self, run, latents):
+        embeds, targs = run.conditioning.prompt_embeds, self.components["transformer"].args
+        if embeds.shape[-1] != targs.cap_feat_dim:
+            raise MlxdiffError(f"the text encoder gives {embeds.shape[-1]} features per token but the transformer's "
+                               f"cap_feat_dim is {targs.cap_feat_dim}; the encoder and transformer do not belong "
+                               "together")
+        run.batch = embeds.shape[0]
+        factor = self.vae_scale_factor()
+        h, w = run.height // factor, run.width // factor
+        run.state["shape"] = (run.batch, targs.in_channels, h, w)
+        run.sigmas, run.timesteps = zimage_sigmas(run.steps, (h // self.patch_size) * (w // self.patch_size),
+                                                  self.scheduler_config)
+        return initial_latents(latents, run.state["shape"], run.seed, "diffusers' layout: batch, latent channels, "
+                               "height/8, width/8")
+
+    def velocity(self, run, transformer, i, x):
+        t = np.float32(run.timesteps[i])
+        t = mx.full((run.batch,), (np.float32(1000) - t) / np.float32(1000), dtype=mx.float32)
+        c, tokens = run.conditioning, x.astype(self.dtype)
+
+        def forward(name, embeds, mask):
+            return run.forward(name, lambda cache: transformer(
+                tokens, t, embeds, mask, after_block=evaluate_each_block,
+                stream_dtype=self.stream_dtype)).astype(mx.float32)
+        if not run.cfg:
+            return -forward("cond", c.prompt_embeds, c.prompt_attention_mask)
+        neg, pos = guidance_pair(self.group,
+                                 lambda: forward("uncond", c.negative_prompt_embeds, c.negative_prompt_attention_mask),
+                                 lambda: forward("cond", c.prompt_embeds, c.prompt_attention_mask))
+        return -(pos + run.guidance * (pos - neg))
+
+
+def zimage_sigmas(steps, image_seq_len, scheduler_config=None):
+    """ZImagePipeline's schedule: sigmas linspace(1, 1/N, N) (get_default_z_image_sigmas) through the scheduler with
+    mu = calculate_shift(image_seq_len) (used where the config shifts dynamically, else its static shift) ->
+    (sigmas [N + 1] with the terminal 0, timesteps [N]) float32."""
+    config = schedulers.scheduler_config(scheduler_config)
+    mu = schedulers.calculate_shift(image_seq_len, config["base_image_seq_len"], config["max_image_seq_len"],
+                                    config["base_shift"], config["max_shift"])
+    sigmas = np.linspace(1.0, 1 / steps, steps, dtype=np.float32)
+    return schedulers.set_timesteps(config, steps, sigmas=sigmas, mu=mu)
