@@ -147,6 +147,12 @@ ARCHITECTURES = (
      ("FLUX.2", "FLUX.1")),
     (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"), ("SD3",)),
     (re.compile(r"(^|[._])(norm1_context|ff_context[._]net|ff[._]net|norm1[._]linear)([._]|$)"), ("SD3", "FLUX.1")),
+    # Z-Image's (diffusers' and the original names): its refiners, caption / patch embedders, and the main blocks'
+    # attention, SwiGLU and modulation under layers.N (SD3's t_embedder / final_layer and FLUX's x_embedder are not
+    # telling)
+    (re.compile(r"(^|[._])(noise_refiner|context_refiner|cap_embedder|all_x_embedder|all_final_layer|"
+                r"layers[._]\d+[._](attention[._](qkv|out|to_[qkv]|to_out|q_norm|k_norm|norm_[qk])|"
+                r"feed_forward[._]w[123]|adaLN_modulation))([._]|$)"), ("Z-Image",)),
 )
 # A denoiser LoRAs apply to says so on its architecture module (models/protocol.LoRADenoiser): LORA_NAME (what
 # messages call it), LORA_ARCHITECTURE (its label in ARCHITECTURES above), lora_original_rules(args) (its
@@ -969,8 +975,9 @@ def check(spec, path, scale=1.0, dtype=None):
     is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
     and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
     if spec.name in DENOISERS and not takes_loras(spec.arch):
-        raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (SD3.5's, FLUX.2's "
-                           f"and the SD 1.x / SDXL UNet: models/protocol.LoRADenoiser), not {spec.arch.__name__}")
+        raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (the SD3.5, FLUX.1, "
+                           f"Chroma, FLUX.2 and Z-Image transformers and the SD 1.x / SDXL UNet: "
+                           f"models/protocol.LoRADenoiser), not {spec.arch.__name__}")
     plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
 
 

@@ -18,19 +18,7 @@ TEXT = dict(hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_atten
 
 
 @pytest.fixture(scope="module")
-def registered():
-    """The Z-Image record in pipelines.FAMILIES for these tests, where the registry does not hold it yet (its line in
-    FAMILIES waits for models/zimage.py's LoRA protocol, which test_architecture_protocol asks of every denoiser)."""
-    import mlxdiff.pipelines as pipelines
-    from mlxdiff.pipelines import zimage
-    with pytest.MonkeyPatch.context() as mp:
-        if zimage.FAMILY not in pipelines.FAMILIES:
-            mp.setattr(pipelines, "FAMILIES", (*pipelines.FAMILIES, zimage.FAMILY))
-        yield
-
-
-@pytest.fixture(scope="module")
-def zimage_tiny(tmp_path_factory, registered):
+def zimage_tiny(tmp_path_factory):
     """A tiny ZImagePipeline: Qwen3 40 wide (3 layers, so hidden_states[-2] is layer 2's output), a transformer 64
     wide (2 heads of 32, RoPE axes 8, 12, 12; 2 main blocks, 1 of each refiner) over 4 latent channels, a 2-level
     AutoencoderKL with Z-Image's scaling and shift, a dynamic-shift flow-match scheduler; saved and read back."""

@@ -427,6 +427,27 @@ ORIGINAL_KEYMAP = [
     (_P + _A + r"k_norm\.weight", r"\1.attention.norm_k.weight"),
 ]
 _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
+
+# LoRAs (lora.py, the protocol's LoRADenoiser)
+LORA_NAME = "Z-Image transformer"
+LORA_ARCHITECTURE = "Z-Image"     # its label in lora.ARCHITECTURES
+# original-named LoRA layers (musubi-tuner / kohya / ComfyUI: attention.qkv fused, attention.out, x_embedder,
+# final_layer) -> mlxdiff's, as ORIGINAL_KEYMAP maps the base weights: a fused qkv's lora_B rows split into to_q,
+# to_k, to_v (its lora_A shared). The block name and index are separate groups, so that kohya's underscore-folded
+# names (layers_0_attention_qkv) expand to dotted paths too. Every other name is diffusers' own.
+_B = r"(noise_refiner|context_refiner|layers)\.(\d+)\."
+_LORA_RULES = compile_rules([
+    (_P + r"x_embedder\.weight", "all_x_embedder.2-1.weight"),
+    (_P + r"final_layer\.linear\.weight", "all_final_layer.2-1.linear.weight"),
+    (_P + r"final_layer\.adaLN_modulation\.1\.weight", "all_final_layer.2-1.adaLN_modulation.1.weight"),
+    (_P + _B + r"attention\.qkv\.weight", tuple(rf"\1.\2.attention.to_{c}.weight" for c in "qkv")),
+    (_P + _B + r"attention\.out\.weight", r"\1.\2.attention.to_out.0.weight"),
+])
+
+
+def lora_original_rules(args) -> list:
+    return _LORA_RULES
+
 # Z-Image's own tensors (its pad tokens, the modulation without a SiLU before it: Lumina 2's is adaLN_modulation.1),
 # and what only the original naming has
 _ZIMAGE_MARK = re.compile(_P + r"(x_pad_token|cap_pad_token|(layers|noise_refiner)\.\d+\.adaLN_modulation\.0\.weight)")
