@@ -23,7 +23,7 @@ from ..pacing import pace
 from . import flux1
 from .embeddings import TextProjection, timestep_embedding
 from .flux2 import clip_fp16, scaled_time
-from .fused import compiled_block, gated_residual, norm_modulate
+from .fused import compiled_block, double_stream, gated_residual, norm_modulate
 from .mmdit import FeedForward
 
 EPS = flux1.EPS
@@ -193,18 +193,13 @@ class Model(flux1.Model):
         x = self.x_embedder(hidden_states.astype(dtype)).astype(stream)
         context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
         img_at, txt_at = 3 * n_single, 3 * n_single + 6 * n_double
-        for i, block in enumerate(self.transformer_blocks):
-            x_in = x
-            block_mod = mx.concatenate([mod[:, img_at + 6 * i:img_at + 6 * i + 6],
-                                        mod[:, txt_at + 6 * i:txt_at + 6 * i + 6]], axis=1)
-            context, x = compiled_block(block, x, context, block_mod, cos, sin, mask)
-            if after_block:
-                after_block(context, x)
-            if i == 0 and step_cache is not None:
-                reused = step_cache.reuse(x - x_in)
-                if reused is not None:
-                    return self.output(x + reused, mod)
-                x_head = x
+        def block_args(i):   # the block's image and text modulation vectors, side by side
+            return (mx.concatenate([mod[:, img_at + 6 * i:img_at + 6 * i + 6],
+                                    mod[:, txt_at + 6 * i:txt_at + 6 * i + 6]], axis=1), cos, sin, mask)
+        context, x, x_head, reused = double_stream(self.transformer_blocks, x, context, block_args, after_block,
+                                                   step_cache)
+        if reused is not None:
+            return self.output(x + reused, mod)
         h = mx.concatenate([context, x], axis=1)
         for i, block in enumerate(self.single_transformer_blocks):
             h = compiled_block(block, h, mod[:, 3 * i:3 * i + 3], cos, sin, mask)

@@ -25,7 +25,7 @@ from ..formats.quantized import concat_rows, split_rows
 from ..pacing import pace
 from .embeddings import TextProjection, TimestepEmbedding, timestep_embedding
 from .flux2 import apply_rope, attention, cached_rope, clip_fp16, scaled_time
-from .fused import compiled_block, gated_residual, norm_modulate, norm_rope
+from .fused import compiled_block, double_stream, gated_residual, norm_modulate, norm_rope
 from .mmdit import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
 
 ROPE_THETA = 10000       # FluxPosEmbed(theta=10000): fixed in diffusers, not a config key
@@ -263,16 +263,10 @@ class Model(nn.Module):
                                     pooled_projections.astype(dtype))
         x = self.x_embedder(hidden_states.astype(dtype)).astype(stream)
         context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
-        for i, block in enumerate(self.transformer_blocks):
-            x_in = x
-            context, x = compiled_block(block, x, context, temb, cos, sin)
-            if after_block:
-                after_block(context, x)
-            if i == 0 and step_cache is not None:
-                reused = step_cache.reuse(x - x_in)     # only the image stream reaches the output
-                if reused is not None:
-                    return self.proj_out(self.norm_out(x + reused, temb))
-                x_head = x
+        context, x, x_head, reused = double_stream(self.transformer_blocks, x, context, lambda i: (temb, cos, sin),
+                                                   after_block, step_cache)
+        if reused is not None:
+            return self.proj_out(self.norm_out(x + reused, temb))
         h = mx.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
             h = compiled_block(block, h, temb, cos, sin)

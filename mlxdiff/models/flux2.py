@@ -25,8 +25,8 @@ from ..formats.quantized import linear_rows
 from ..pacing import pace
 from ..policy import current
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .fused import (attention as fused_attention, compiled_block, cuda_kernels, fused, gated_residual, norm_modulate,
-                    norm_rope)
+from .fused import (attention as fused_attention, compiled_block, cuda_kernels, double_stream, fused, gated_residual,
+                    norm_modulate, norm_rope)
 
 
 @dataclass
@@ -427,16 +427,10 @@ class Model(nn.Module):
 
         x = self.x_embedder(hidden_states.astype(dtype)).astype(stream)
         context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
-        for i, block in enumerate(self.transformer_blocks):
-            x_in = x
-            context, x = compiled_block(block, x, context, mod_img, mod_txt, cos, sin)
-            if after_block:
-                after_block(context, x)
-            if i == 0 and step_cache is not None:
-                reused = step_cache.reuse(x - x_in)     # only the image stream reaches the output
-                if reused is not None:
-                    return self.proj_out(self.norm_out(x + reused, temb))
-                x_head = x
+        context, x, x_head, reused = double_stream(self.transformer_blocks, x, context,
+                                                   lambda i: (mod_img, mod_txt, cos, sin), after_block, step_cache)
+        if reused is not None:
+            return self.proj_out(self.norm_out(x + reused, temb))
         h = mx.concatenate([context, x], axis=1)
         for block in self.single_transformer_blocks:
             h = compiled_block(block, h, mod_single, cos, sin)

@@ -80,6 +80,27 @@ def compiled_block(block, *args):
     return cache[key](*flat)
 
 
+
+def double_stream(blocks, x, context, args_of, after_block=None, step_cache=None):
+    """The double-stream blocks in order, `context, x = block(x, context, *args_of(i))` each through
+    compiled_block, with after_block(context, x) after each and the first-block cache's decision after the first
+    (pipelines/step_cache.py). Returns (context, x, head, reused): `reused` is the cached residual of the rest of the
+    model when the cache reuses it (x is then the first block's output and no later block ran), else None; `head`
+    is the image stream after the first block, which step_cache.remember subtracts."""
+    head = None
+    for i, block in enumerate(blocks):
+        x_in = x
+        context, x = compiled_block(block, x, context, *args_of(i))
+        if after_block:
+            after_block(context, x)
+        if i == 0 and step_cache is not None:
+            reused = step_cache.reuse(x - x_in)     # only the image stream reaches the output
+            if reused is not None:
+                return context, x, x, reused
+            head = x
+    return context, x, head, None
+
+
 def through(block, fn, *args):
     """fn(block, *args), for a computation that reads a block's parts rather than calling it (text_llm's blind
     rows): a block the loader wraps (loading/streaming.StreamedBlock, whose weights are in memory only during a

@@ -28,7 +28,7 @@ from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .flux1 import Attention, modulate
 from .flux2 import clip_fp16, rope_tables
-from .fused import compiled_block, gated_residual
+from .fused import double_stream, gated_residual
 from .mmdit import AdaLayerNormContinuous, FeedForward, Modulation
 
 ROPE_THETA = 10000       # QwenEmbedRope(theta=10000): fixed in diffusers, not a config key
@@ -237,16 +237,10 @@ class Model(nn.Module):
         temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
         x = self.img_in(hidden_states.astype(dtype)).astype(stream)
         context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype))).astype(stream)
-        for i, block in enumerate(self.transformer_blocks):
-            x_in = x
-            context, x = compiled_block(block, x, context, temb, cos, sin, mask)
-            if after_block:
-                after_block(context, x)
-            if i == 0 and step_cache is not None:
-                reused = step_cache.reuse(x - x_in)     # only the image stream reaches the output
-                if reused is not None:
-                    return self.proj_out(self.norm_out(x + reused, temb))
-                x_head = x
+        context, x, x_head, reused = double_stream(self.transformer_blocks, x, context,
+                                                   lambda i: (temb, cos, sin, mask), after_block, step_cache)
+        if reused is not None:
+            return self.proj_out(self.norm_out(x + reused, temb))
         if step_cache is not None:
             step_cache.remember(x - x_head)
         return self.proj_out(self.norm_out(x, temb))

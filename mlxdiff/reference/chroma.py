@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import device as _device, free, noise, phase
+from .common import device as _device, loaded_two_ways, noise, phase
 
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
@@ -40,22 +40,8 @@ def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, wi
         return dict(prompt_embeds=pe, prompt_attention_mask=pm > 0, negative_prompt_embeds=ne,
                     negative_prompt_attention_mask=nm > 0)
 
-    if mode == "as_is":
-        with phase("load", device):
-            pipe = ChromaPipeline.from_pretrained(model, torch_dtype=dtype, **denoiser()).to(device)
-        with phase("encode", device):
-            cond = encode(pipe)
-    elif mode == "sequential":
-        with phase("encode", device):
-            enc = ChromaPipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype).to(device)
-            cond = encode(enc)
-            del enc
-            free(device)
-        with phase("load", device):
-            pipe = ChromaPipeline.from_pretrained(model, text_encoder=None, tokenizer=None, torch_dtype=dtype,
-                                                  **denoiser()).to(device)
-    else:
-        raise SystemExit(f"mlxdiff.reference.chroma: unknown mode {mode!r}; expected as_is or sequential")
+    pipe, cond = loaded_two_ways(ChromaPipeline, model, mode, device, dtype, encode, ("text_encoder", "tokenizer"),
+                                 denoiser)
     with phase("denoise", device):
         with torch.no_grad():
             out = pipe(**cond, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,

@@ -42,6 +42,31 @@ def free(device):
         torch.mps.empty_cache()
 
 
+def loaded_two_ways(pipeline_class, model, mode, device, dtype, encode, encoders, denoiser=None, ):
+    """The pipeline to denoise with and `encode(pipe)`'s result, the two ways the references run (their docstrings):
+    as_is loads everything and encodes; sequential encodes with a pipeline of the encoders alone (transformer and
+    VAE left out), frees it, then loads one without `encoders` (component names) to denoise and decode.
+    `denoiser()`: from_pretrained keywords replacing the denoiser (a transformer file)."""
+    kwargs = denoiser() if denoiser else {}
+    if mode == "as_is":
+        with phase("load", device):
+            pipe = pipeline_class.from_pretrained(model, torch_dtype=dtype, **kwargs).to(device)
+        with phase("encode", device):
+            return pipe, encode(pipe)
+    if mode == "sequential":
+        with phase("encode", device):
+            enc = pipeline_class.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype).to(device)
+            cond = encode(enc)
+            enc.remove_all_hooks()
+            del enc
+            free(device)
+        with phase("load", device):
+            pipe = pipeline_class.from_pretrained(model, torch_dtype=dtype, **{name: None for name in encoders},
+                                                  **kwargs).to(device)
+        return pipe, cond
+    raise SystemExit(f"{pipeline_class.__name__} reference: unknown mode {mode!r}; expected as_is or sequential")
+
+
 def synchronize(device):
     import torch
     if device == "cuda":

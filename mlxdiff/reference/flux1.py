@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import device as _device, free, noise, phase
+from .common import device as _device, loaded_two_ways, noise, phase
 
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
@@ -41,23 +41,8 @@ def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, wi
             pe, pp, _ = pipe.encode_prompt(prompt, None, device=device, **encode_kw)
         return pe, pp
 
-    if mode == "as_is":
-        with phase("load", device):
-            pipe = FluxPipeline.from_pretrained(model, torch_dtype=dtype, **denoiser()).to(device)
-        with phase("encode", device):
-            pe, pp = encode(pipe)
-    elif mode == "sequential":
-        with phase("encode", device):
-            enc = FluxPipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype).to(device)
-            pe, pp = encode(enc)
-            enc.remove_all_hooks()
-            del enc
-            free(device)
-        with phase("load", device):
-            pipe = FluxPipeline.from_pretrained(model, text_encoder=None, text_encoder_2=None, tokenizer=None,
-                                                tokenizer_2=None, torch_dtype=dtype, **denoiser()).to(device)
-    else:
-        raise SystemExit(f"mlxdiff.reference.flux1: unknown mode {mode!r}; expected as_is or sequential")
+    pipe, (pe, pp) = loaded_two_ways(FluxPipeline, model, mode, device, dtype, encode,
+                                     ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), denoiser)
     with phase("denoise", device):
         with torch.no_grad():
             out = pipe(prompt_embeds=pe, pooled_prompt_embeds=pp, height=height, width=width,

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import device as _device, free, noise, phase
+from .common import device as _device, loaded_two_ways, noise, phase
 
 
 def options(model) -> dict:
@@ -61,23 +61,8 @@ def run(model, mode="as_is", prompt="a photo of a fox in the snow", width=None, 
             npe = pipe.encode_prompt("", device=device, **opts["encode"])[0] if cfg else None
         return pe, npe
 
-    if mode == "as_is":
-        with phase("load", device):
-            pipe = Pipeline.from_pretrained(model, torch_dtype=dtype, **denoiser()).to(device)
-        with phase("encode", device):
-            pe, npe = encode(pipe)
-    elif mode == "sequential":
-        with phase("encode", device):
-            enc = Pipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype).to(device)
-            pe, npe = encode(enc)
-            enc.remove_all_hooks()
-            del enc
-            free(device)
-        with phase("load", device):
-            pipe = Pipeline.from_pretrained(model, text_encoder=None, tokenizer=None, torch_dtype=dtype,
-                                            **denoiser()).to(device)
-    else:
-        raise SystemExit(f"mlxdiff.reference.flux2: unknown mode {mode!r}; expected as_is or sequential")
+    pipe, (pe, npe) = loaded_two_ways(Pipeline, model, mode, device, dtype, encode, ("text_encoder", "tokenizer"),
+                                      denoiser)
 
     factor = pipe.vae_scale_factor * 2   # VAE factor x the 2x2 patchify
     latents = noise((1, pipe.transformer.config.in_channels, height // factor, width // factor), seed, dtype)

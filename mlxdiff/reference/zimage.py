@@ -9,7 +9,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import device as _device, free, noise, phase
+from .common import device as _device, loaded_two_ways, noise, phase
 
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
@@ -27,22 +27,7 @@ def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, wi
             pe, ne = pipe.encode_prompt(prompt, device=device, do_classifier_free_guidance=guidance > 0)
         return dict(prompt_embeds=pe, negative_prompt_embeds=ne if guidance > 0 else None)
 
-    if mode == "as_is":
-        with phase("load", device):
-            pipe = ZImagePipeline.from_pretrained(model, torch_dtype=dtype).to(device)
-        with phase("encode", device):
-            cond = encode(pipe)
-    elif mode == "sequential":
-        with phase("encode", device):
-            enc = ZImagePipeline.from_pretrained(model, transformer=None, vae=None, torch_dtype=dtype).to(device)
-            cond = encode(enc)
-            del enc
-            free(device)
-        with phase("load", device):
-            pipe = ZImagePipeline.from_pretrained(model, text_encoder=None, tokenizer=None,
-                                                  torch_dtype=dtype).to(device)
-    else:
-        raise SystemExit(f"mlxdiff.reference.zimage: unknown mode {mode!r}; expected as_is or sequential")
+    pipe, cond = loaded_two_ways(ZImagePipeline, model, mode, device, dtype, encode, ("text_encoder", "tokenizer"))
     with phase("denoise", device):
         with torch.no_grad():
             out = pipe(**cond, height=height, width=width, num_inference_steps=steps, guidance_scale=guidance,
