@@ -1,0 +1,105 @@
+"""Chroma takes FLUX.1's LoRAs (its blocks are FLUX.1's under the same names): kohya's fused names
+(`lora_unet_double_blocks_0_img_attn_qkv`, a single block's linear1 whole), BFL / ComfyUI's original names and
+diffusers / PEFT's, against diffusers' ChromaPipeline with the LoRA loaded by its own load_lora_weights (in PEFT
+form: the fused files' reference is their split written as PEFT, the fused A shared by the parts). A LoRA layer
+Chroma does not have (FLUX.1's per-block modulation, which Chroma's approximator replaces) is refused in one line."""
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import mlxdiff
+from helpers import max_rel_err
+from mlxdiff.errors import MlxdiffError
+from test_chroma_pipeline import H, W, chroma_tiny, diffusers_prompt, packed_noise  # noqa: F401  (the fixture)
+
+RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5
+PROMPT, NEGATIVE, SEQUENCE = "a red fox in the snow", "blurry", 40
+
+
+@pytest.fixture(scope="module")
+def lora_files(chroma_tiny, tmp_path_factory):  # noqa: F811
+    """One LoRA in three namings: the first double block's image qkv and proj, the second's text MLP, every single
+    block's linear1 and linear2."""
+    folder, pipe = chroma_tiny
+    root = tmp_path_factory.mktemp("chroma_lora")
+    cfg = pipe.transformer.config
+    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    g = torch.Generator().manual_seed(11)
+    kohya, original, peft = {}, {}, {}
+
+    def lora(kohya_name, bfl_name, ins, parts):
+        """parts: [(diffusers layer, rows)]: one shared A, B's rows split over the parts."""
+        a = torch.randn(RANK, ins, generator=g) * 0.3
+        b = torch.randn(sum(r for _, r in parts), RANK, generator=g) * 0.3
+        kohya[f"lora_unet_{kohya_name}.lora_down.weight"] = a
+        kohya[f"lora_unet_{kohya_name}.lora_up.weight"] = b
+        kohya[f"lora_unet_{kohya_name}.alpha"] = torch.tensor(ALPHA)
+        original[f"diffusion_model.{bfl_name}.lora_A.weight"] = a
+        original[f"diffusion_model.{bfl_name}.lora_B.weight"] = b * (ALPHA / RANK)   # no alpha in this naming
+        start = 0
+        for layer, rows in parts:
+            peft[f"transformer.{layer}.lora_A.weight"] = a
+            peft[f"transformer.{layer}.lora_B.weight"] = b[start:start + rows] * (ALPHA / RANK)
+            start += rows
+
+    d0 = "transformer_blocks.0.attn."
+    lora("double_blocks_0_img_attn_qkv", "double_blocks.0.img_attn.qkv", dim,
+         [(d0 + "to_q", dim), (d0 + "to_k", dim), (d0 + "to_v", dim)])
+    lora("double_blocks_0_img_attn_proj", "double_blocks.0.img_attn.proj", dim, [(d0 + "to_out.0", dim)])
+    lora("double_blocks_1_txt_mlp_0", "double_blocks.1.txt_mlp.0", dim,
+         [("transformer_blocks.1.ff_context.net.0.proj", 4 * dim)])
+    for i in range(cfg.num_single_layers):
+        s = f"single_transformer_blocks.{i}."
+        lora(f"single_blocks_{i}_linear1", f"single_blocks.{i}.linear1", dim,
+             [(s + "attn.to_q", dim), (s + "attn.to_k", dim), (s + "attn.to_v", dim), (s + "proj_mlp", 4 * dim)])
+        lora(f"single_blocks_{i}_linear2", f"single_blocks.{i}.linear2", 5 * dim, [(s + "proj_out", dim)])
+    files = {}
+    for name, tensors in (("kohya", kohya), ("original", original), ("peft", peft)):
+        files[name] = root / f"chroma-{name}-lora.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(files[name]))
+    modulation = root / "flux1-modulation-lora.safetensors"      # a FLUX.1 LoRA that also trains img_mod
+    save_file({**{k: v.clone().contiguous() for k, v in kohya.items()},
+               "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight": torch.zeros(RANK, dim),
+               "lora_unet_double_blocks_0_img_mod_lin.lora_up.weight": torch.zeros(6 * dim, RANK)}, str(modulation))
+    files["modulation"] = modulation
+    return folder, files
+
+
+def reference_latents(folder, lora, noise, scale):
+    from diffusers import ChromaPipeline
+    pipe = ChromaPipeline.from_pretrained(str(folder))
+    pipe.load_lora_weights(str(lora), adapter_name="test")
+    pipe.set_adapters(["test"], [scale])
+    pe, pm = diffusers_prompt(pipe, PROMPT)
+    ne, nm = diffusers_prompt(pipe, NEGATIVE)
+    latents = pipe(prompt_embeds=pe, prompt_attention_mask=pm, negative_prompt_embeds=ne,
+                   negative_prompt_attention_mask=nm, num_inference_steps=3, guidance_scale=4.0, height=H, width=W,
+                   latents=torch.from_numpy(noise), output_type="latent").images
+    return pipe._unpack_latents(latents, H, W, pipe.vae_scale_factor).numpy()
+
+
+@pytest.mark.parametrize("naming", ["kohya", "original", "peft"])
+def test_chroma_lora_matches_diffusers(lora_files, naming):
+    folder, files = lora_files
+    noise = packed_noise(5)
+    ref = reference_latents(folder, files["peft"], noise, scale=0.8)
+    kw = dict(negative_prompt=NEGATIVE, steps=3, guidance=4.0, width=W, height=H, latents=noise,
+              max_sequence_length=SEQUENCE, progress_bar=False)
+    result = mlxdiff.load(str(folder), loras=[(str(files[naming]), 0.8)]).generate(PROMPT, **kw)
+    plain = mlxdiff.load(str(folder)).generate(PROMPT, **kw)
+    err, moved = max_rel_err(result.latents, ref), max_rel_err(plain.latents, ref)
+    print(f"Chroma LoRA ({naming}): latents {err:.2e} from diffusers with the LoRA; the LoRA moves them {moved:.2e}")
+    assert err <= 1e-4
+    assert moved > 1e-2
+
+
+def test_a_layer_chroma_lacks_is_one_line(lora_files):
+    folder, files = lora_files
+    with pytest.raises(MlxdiffError) as e:
+        mlxdiff.load(str(folder), loras=[str(files["modulation"])]).generate(
+            PROMPT, steps=1, width=W, height=H, max_sequence_length=SEQUENCE, progress_bar=False)
+    message = str(e.value)
+    print(message)
+    assert "\n" not in message and "img_mod" in message, message
