@@ -149,11 +149,11 @@ def check_stored_values(files, prefix="") -> None:
     float8 ones decoded, hold a NaN or an infinity: one line naming the file and the tensor as stored. Only tensors
     under `prefix` (a single file's component). A few MB of a real model are read; check_finite does the same at
     build time for every format, after the casts."""
-    from ..formats import is_coreml, is_gguf
+    from ..formats import format_of
     from ..formats.safetensors import CHECK_WHOLE_ELEMENTS, check_safetensors, finite_flags, first_false, \
         load_safetensors
     for path in files:
-        if is_gguf(path) or is_coreml(path):   # a Core ML package: check_finite checks it once built
+        if format_of(path, header=False).converts:   # checked as read (GGUF) or once built (a Core ML package)
             continue
         info = check_safetensors(path)
         small = [k for k, (_, shape) in info.items()

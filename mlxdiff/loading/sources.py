@@ -16,8 +16,7 @@ from pathlib import Path
 from ..config_checks import (MAX_IMAGE_SIZE, MAX_POSITIONS, CheckedArgs, Limit, Rule, between, json_type, one_of,
                              positive, show)
 from ..errors import MlxdiffError
-from ..formats import (PACKAGE_WHATS, check_weight_file, is_coreml, is_gguf, open_weights, safetensors as st,
-                       tensor_shapes)
+from ..formats import check_weight_file, format_of, open_weights, safetensors as st, tensor_shapes
 from ..formats.keymaps import strip_prefix
 from ..models import text_llm
 from .spec import ARCHITECTURES, ComponentSpec   # also reached as sources.ComponentSpec
@@ -54,7 +53,7 @@ def transformer_from_file(path, arch, base_config=None, base_where=None) -> Comp
     `model.diffusion_model.` prefix, or with diffusers names. The config comes from the file's shapes
     (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
     folder's transformer config (`base_where` names it); diffusers-named files need that folder config."""
-    if is_coreml(path):   # a Core ML package (formats/coreml.py): an SD UNet converted by coremltools
+    if format_of(path, header=False).targets:   # a Core ML package (formats/coreml.py): an SD UNet from coremltools
         from .spec import coreml_component
         return coreml_component(check_weight_file(path, "transformer file"), arch, base_config, base_where)
     path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
@@ -89,10 +88,9 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
     against `taps` here, before anything is read."""
     path = check_weight_file(not_a_folder(path, "text encoder file"), "text encoder file")
     shapes = tensor_shapes(path)
-    metadata = None   # a GGUF's metadata: its hyperparameters, read typed and bounded by text_llm.gguf_values
-    if is_gguf(path):
-        from ..formats.gguf import check_gguf
-        metadata = check_gguf(path).metadata
+    fmt = format_of(path, header=False)
+    # a GGUF's metadata: its hyperparameters, read typed and bounded by text_llm.gguf_values
+    metadata = fmt.metadata(path) if fmt.metadata else None
     try:
         config = text_llm.config_from_file(shapes, metadata, base_config, expected)
     except MlxdiffError as e:   # the inference knows tensors, not files
@@ -116,7 +114,8 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
 def not_a_folder(path, what) -> Path:
     """A path given as a file must not be a folder (check_weight_file would only say "not found")."""
     path = Path(path)
-    if path.is_dir() and not (is_coreml(path) and what in PACKAGE_WHATS):   # a Core ML package is a folder
+    fmt = format_of(path, header=False)
+    if path.is_dir() and not (fmt.folder and what in fmt.only_as):   # a Core ML package is a folder
         raise MlxdiffError(f"{path}: is a folder; the {what} must be one .safetensors or .gguf file")
     return path
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
-from ..formats import is_coreml, is_gguf, loaded_nbytes, open_weights, tensor_nbytes
+from ..formats import format_of, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.keymaps import strip_prefix
 from ..models import (chroma, clip, flux1, flux2, mmdit, qwenimage, t5, text_llm, unet, vae, vae_flux2, vae_qwenimage,
                       zimage)
@@ -38,6 +38,8 @@ ARCHITECTURES = {
     "AutoencoderKLQwenImage": vae_qwenimage,
     "Mistral3ForConditionalGeneration": text_llm,
     "Qwen3ForCausalLM": text_llm,
+    "Qwen2_5_VLForConditionalGeneration": text_llm,   # Qwen-Image's (its language model only)
+    "Qwen3Model": text_llm,                   # Tongyi-MAI's Z-Image folders name their Qwen3 so
 }
 # config.json key that marks mlxdiff's own format: weights saved in the module's names and layouts (no sanitize)
 NATIVE_KEY = "_mlxdiff_native"
@@ -88,7 +90,8 @@ class ComponentSpec:
         file tensors as stand-ins that read nothing (formats.open_weights), for the blocks streamed later."""
         weights = {}
         for f in self.files:
-            if is_coreml(f):   # a Core ML package: its traced names mapped onto the model's (formats/coreml.py)
+            fmt = format_of(f, header=False)
+            if fmt.targets:   # a Core ML package: its traced names mapped onto the model's (formats/coreml.py)
                 weights.update(open_weights(f, compute_dtype, names=names, standins=bool(standins),
                                             **self.diffusers_targets()))
             elif standins:
@@ -100,7 +103,7 @@ class ComponentSpec:
                     weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen - standins))
             else:
                 chosen = names
-                if chosen is None and self.prefix and is_gguf(f):   # one component of a whole-model GGUF (sd.cpp):
+                if chosen is None and self.prefix and fmt.converts:   # one component of a whole-model GGUF (sd.cpp):
                     chosen = {n for n in tensor_nbytes(f) if n.startswith(self.prefix)}   # convert only its tensors
                 weights.update(open_weights(f, compute_dtype, self.gguf_layout, names=chosen))
         if self.prefix:
@@ -142,9 +145,10 @@ class ComponentSpec:
         `quantize` bits or setting to estimate), the exact size of the model built lazily: safetensors are mapped,
         not read, so nothing is read. GGUF weights are already quantized: their size in the layout they load in
         (from the header)."""
-        if any(is_coreml(f) for f in self.files) and not (self.quantize if quantize is None else quantize):
+        stored_as = [format_of(f, header=False) for f in self.files]
+        if any(fmt.targets for fmt in stored_as) and not (self.quantize if quantize is None else quantize):
             return sum(loaded_nbytes(f, **self.diffusers_targets()) for f in self.files) + self.lora_nbytes()
-        if any(is_gguf(f) for f in self.files):
+        if any(fmt.kept_quantized for fmt in stored_as):
             total = sum(loaded_nbytes(f, compute_dtype, self.gguf_layout) for f in self.files)
             if getattr(self.arch, "reads_stored", None) is None:
                 return total + self.lora_nbytes()

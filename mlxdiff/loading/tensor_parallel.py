@@ -4,7 +4,7 @@ between the lazy build and materializing, and counts a rank's share for the memo
 from dataclasses import dataclass, replace
 
 from ..errors import MlxdiffError
-from ..formats import is_gguf
+from ..formats import format_of
 from .quantize import parameter_nbytes, setting
 from .spec import ComponentSpec
 
@@ -22,8 +22,8 @@ def shardable(spec, group) -> bool:
     encoder of models/text_llm.py) and its config divides, its file is not GGUF (a GGUF encoder's split is not
     tested yet: it stays whole) and it has no LoRA. Otherwise every rank holds it whole (generate's rank line says
     which components are split)."""
-    return (hasattr(spec.arch, "shards_evenly") and not any(is_gguf(f) for f in spec.files) and not spec.loras
-            and spec.arch.shards_evenly(spec.args, group.size()))
+    return (hasattr(spec.arch, "shards_evenly") and all(format_of(f, header=False).shards for f in spec.files)
+            and not spec.loras and spec.arch.shards_evenly(spec.args, group.size()))
 
 
 @dataclass
@@ -52,7 +52,7 @@ class TensorParallelSpec(ComponentSpec):
     def loaded_nbytes(self, quantize=None, compute_dtype=None) -> int:
         """This rank's bytes: those of the sharded model, built lazily (nothing read). GGUF files (their build
         converts what it reads): the whole model's bytes, a bound."""
-        if any(is_gguf(f) for f in self.files):
+        if any(format_of(f, header=False).converts for f in self.files):
             return super().loaded_nbytes(quantize, compute_dtype)
         spec = replace(self, quantize=self.quantize if quantize is None else setting(quantize), loras=())
         model = spec.build(compute_dtype, check=False)

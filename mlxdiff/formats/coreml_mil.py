@@ -1,0 +1,276 @@
+"""A Core ML package's bytes, read without coremltools: the protobuf of its MIL program, the MIL data types and
+the weight blob file (formats/coreml.py reads the weights through these; coreml_weights.py decodes them).
+
+The layout (coremltools 9, mlmodel/format/MIL.proto, mlmodel/src/MILBlob/Blob/StorageFormat.hpp):
+- `X.mlpackage/Manifest.json` names the root item, normally `Data/com.apple.CoreML/model.mlmodel`: a protobuf
+  CoreML.Specification.Model whose field 502 is the MIL program. It is read here with a small protobuf wire-format
+  reader and the field numbers below (a protobuf's field numbers are its compatibility contract), so no generated
+  modules and no coremltools at run time.
+- Weights are values of `const` ops or inputs of `constexpr_*` ops, either immediate (in the protobuf) or a
+  BlobFileValue (file `@model_path/weights/weight.bin`, offset): the blob file is a 64-byte header (u32 count,
+  u32 version = 2) then 64-aligned pairs of a 64-byte blob_metadata (u32 sentinel 0xDEADBEEF, u32 dtype, u64 size,
+  u64 data offset, u64 padding bits) and the data. A value's offset points at its metadata.
+- Sub-byte values (uint1/2/3/4/6, int4) are one little-endian bit string: element i at bits n*i .. n*i+n-1, the
+  low bits of a byte first (MILBlob/SubByteTypes.cpp), padded to whole bytes.
+"""
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import MlxdiffError
+
+# -- protobuf wire format ------------------------------------------------------------------------------------------
+
+MODEL_PROGRAM = 502      # Model.mlProgram
+MODEL_VERSION = 1        # Model.specificationVersion
+# MIL.proto field numbers, per message
+PROGRAM = dict(functions=2)
+FUNCTION = dict(opset=2, blocks=3)
+BLOCK = dict(operations=3)
+OPERATION = dict(type=1, inputs=2, outputs=3, blocks=4, attributes=5)
+NAMED_TYPE = dict(name=1, type=2)
+VALUE = dict(type=2, immediate=3, blob=5)
+
+
+class _Bad(Exception):
+    """A malformed protobuf or blob; read() turns it into one MlxdiffError line naming the file."""
+
+
+def _varint(buf, i, end):
+    shift = value = 0
+    while True:
+        if i >= end or shift > 63:
+            raise _Bad("truncated or overlong varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(buf, span=None):
+    """{field number: [values]} of one message in buf[start:end]: ints for varints and fixed fields, (start, end)
+    spans for length-delimited ones (submessages, strings, bytes, packed arrays)."""
+    start, end = span or (0, len(buf))
+    out = {}
+    i = start
+    while i < end:
+        key, i = _varint(buf, i, end)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(buf, i, end)
+        elif wire == 2:
+            size, i = _varint(buf, i, end)
+            if size > end - i:
+                raise _Bad("a field runs past its message")
+            value, i = (i, i + size), i + size
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            if i + n > end:
+                raise _Bad("truncated fixed-size field")
+            value, i = bytes(buf[i:i + n]), i + n
+        else:
+            raise _Bad(f"unsupported wire type {wire}")
+        out.setdefault(number, []).append(value)
+    return out
+
+
+def _one(fields, number, default=None):
+    values = fields.get(number)
+    return values[-1] if values else default
+
+
+def _text(buf, span):
+    try:
+        return bytes(buf[span[0]:span[1]]).decode("utf-8")
+    except (UnicodeDecodeError, TypeError):
+        raise _Bad("a name is not UTF-8 text") from None
+
+
+def _map(buf, spans, value_fn):
+    """A protobuf map<string, V>: its entries (key = 1, value = 2)."""
+    out = {}
+    for span in spans or ():
+        entry = _fields(buf, span)
+        key = _text(buf, _one(entry, 1, (0, 0)))
+        out[key] = value_fn(_one(entry, 2, (0, 0)))
+    return out
+
+
+# -- MIL data types ------------------------------------------------------------------------------------------------
+
+# MIL.proto DataType -> (numpy dtype, bits, MILBlob BlobDataType); sub-byte types unpack to uint8 (int4: int8)
+DTYPES = {
+    10: (np.float16, 16, 1), 11: (np.float32, 32, 2), 31: (np.uint8, 8, 3), 21: (np.int8, 8, 4),
+    22: (np.int16, 16, 6), 32: (np.uint16, 16, 7), 25: (np.int8, 4, 8), 37: (np.uint8, 1, 9), 36: (np.uint8, 2, 10),
+    35: (np.uint8, 4, 11), 39: (np.uint8, 3, 12), 38: (np.uint8, 6, 13), 23: (np.int32, 32, 14),
+    33: (np.uint32, 32, 15),
+}
+SIGNED_SUB_BYTE = {25}
+DTYPE_NAMES = {1: "bool", 2: "string", 10: "fp16", 11: "fp32", 12: "fp64", 13: "bf16", 21: "int8", 22: "int16",
+               23: "int32", 24: "int64", 25: "int4", 31: "uint8", 32: "uint16", 33: "uint32", 34: "uint64",
+               35: "uint4", 36: "uint2", 37: "uint1", 38: "uint6", 39: "uint3", 40: "fp8e4m3", 41: "fp8e5m2"}
+BLOB_SENTINEL = 0xDEADBEEF
+BLOB_ALIGN = 64
+
+
+def unpack_bits(packed: np.ndarray, nbits: int, count: int, signed: bool = False) -> np.ndarray:
+    """The first `count` n-bit elements of a little-endian bit string (uint8 bytes) as uint8 (int8 if signed)."""
+    packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+    if nbits == 8:
+        out = packed[:count].copy()
+    elif 8 % nbits == 0:                                   # 1, 2, 4 bits: whole elements per byte
+        per = 8 // nbits
+        shifts = np.arange(0, 8, nbits, dtype=np.uint8)
+        out = ((packed[:, None] >> shifts) & ((1 << nbits) - 1)).reshape(-1)[:count]
+    else:                                                  # 3, 6 bits: an element may straddle two bytes
+        start = np.arange(count, dtype=np.int64) * nbits
+        byte, shift = start >> 3, (start & 7).astype(np.uint16)
+        two = np.concatenate([packed, np.zeros(1, np.uint8)]).astype(np.uint16)
+        out = (((two[byte] | (two[byte + 1] << 8)) >> shift) & ((1 << nbits) - 1)).astype(np.uint8)
+    if signed:                                             # two's complement n-bit values
+        out = out.astype(np.int16)
+        out = np.where(out >= 1 << (nbits - 1), out - (1 << nbits), out).astype(np.int8)
+    return out
+
+
+class _Blobs:
+    """weight.bin: checked once, each value read by the offset of its metadata."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+        except OSError as e:
+            raise MlxdiffError(f"{path}: cannot read the weight file ({e.strerror or e}); re-download the model") from None
+        if self.data.size < BLOB_ALIGN:
+            raise self.bad("it is shorter than its 64-byte header")
+        count, version = struct.unpack_from("<II", self.data, 0)
+        if version != 2:
+            raise self.bad(f"storage version {version}; only MIL blob storage version 2 is read")
+        self.count = count
+
+    def bad(self, what):
+        return MlxdiffError(f"{self.path}: {what}; the weight file is truncated or damaged, re-download or "
+                            "re-export the Core ML package")
+
+    def read(self, offset: int, dtype_code: int, count: int) -> np.ndarray:
+        np_dtype, bits, blob_type = DTYPES[dtype_code]
+        if offset % BLOB_ALIGN or offset + BLOB_ALIGN > self.data.size:
+            raise self.bad(f"blob offset {offset} is outside the weight file ({self.data.size} bytes) or misaligned")
+        sentinel, kind, size, data_offset, padding = struct.unpack_from("<IIQQQ", self.data, offset)
+        if sentinel != BLOB_SENTINEL:
+            raise self.bad(f"no blob metadata at offset {offset} (sentinel {sentinel:#x})")
+        if kind != blob_type:
+            raise self.bad(f"blob at offset {offset} holds data type {kind}, the program says {blob_type}")
+        need = math.ceil(count * bits / 8)
+        if size != need:
+            raise self.bad(f"blob at offset {offset} has {size} bytes, its {count} {DTYPE_NAMES[dtype_code]} values "
+                           f"need {need}")
+        if data_offset < offset + BLOB_ALIGN or data_offset + size > self.data.size:
+            raise self.bad(f"blob data at {data_offset}..{data_offset + size} runs past the weight file "
+                           f"({self.data.size} bytes)")
+        raw = self.data[data_offset:data_offset + size]
+        if bits < 8:
+            return unpack_bits(raw, bits, count, dtype_code in SIGNED_SUB_BYTE)
+        return np.frombuffer(raw, dtype=np.dtype(np_dtype).newbyteorder("<"), count=count).astype(np_dtype,
+                                                                                                  copy=False)
+
+
+# -- the program ---------------------------------------------------------------------------------------------------
+
+class _Value:
+    """A typed value of the program: dtype code, shape, and either a blob offset or immediate TensorValue fields."""
+
+    def __init__(self, buf, span):
+        f = _fields(buf, span)
+        self.dtype, self.shape, self.blob, self.immediate = None, None, None, None
+        vtype = _fields(buf, _one(f, VALUE["type"], (0, 0)))
+        if 1 in vtype:                                     # ValueType.tensorType
+            tt = _fields(buf, vtype[1][-1])
+            self.dtype = _one(tt, 1, 0)
+            dims = []
+            for d in tt.get(3, ()):
+                dim = _fields(buf, d)
+                if 1 not in dim:
+                    raise _Bad("a weight has a dynamic dimension")
+                dims.append(_one(_fields(buf, dim[1][-1]), 1, 0))
+            self.shape = tuple(dims)
+        if VALUE["blob"] in f:
+            bf = _fields(buf, f[VALUE["blob"]][-1])
+            self.blob = (_text(buf, _one(bf, 1, (0, 0))), _one(bf, 2, 0))
+        elif VALUE["immediate"] in f:
+            imm = _fields(buf, f[VALUE["immediate"]][-1])
+            if 1 in imm:                                   # ImmediateValue.tensor
+                self.immediate = _fields(buf, imm[1][-1])
+        self.buf = buf
+
+
+class _Op:
+    def __init__(self, buf, span):
+        f = _fields(buf, span)
+        self.type = _text(buf, _one(f, OPERATION["type"], (0, 0)))
+        self.inputs = _map(buf, f.get(OPERATION["inputs"]), lambda s: self._bindings(buf, s))
+        self.attributes = _map(buf, f.get(OPERATION["attributes"]), lambda s: _Value(buf, s))
+        self.outputs = []
+        for o in f.get(OPERATION["outputs"], ()):
+            nt = _fields(buf, o)
+            self.outputs.append(_text(buf, _one(nt, NAMED_TYPE["name"], (0, 0))))
+        self.blocks = f.get(OPERATION["blocks"], [])
+
+    @staticmethod
+    def _bindings(buf, span):
+        out = []
+        for b in _fields(buf, span).get(1, ()):
+            bf = _fields(buf, b)
+            out.append(_text(buf, bf[1][-1]) if 1 in bf else _Value(buf, _one(bf, 2, (0, 0))))
+        return out
+
+
+def _operations(buf, block_span):
+    for span in _fields(buf, block_span).get(BLOCK["operations"], ()):
+        op = _Op(buf, span)
+        yield op
+        for inner in op.blocks:                            # control flow: weights may sit in nested blocks
+            yield from _operations(buf, inner)
+
+
+def _model_file(path: Path) -> Path:
+    """The model.mlmodel of an .mlpackage folder (its Manifest.json's root item, else the usual place)."""
+    if path.suffix == ".mlmodelc" or (path / "model.mil").exists():
+        raise MlxdiffError(f"{path}: a compiled Core ML model (.mlmodelc) is not read; use the .mlpackage it was "
+                           "compiled from (Apple's repositories ship both)")
+    if not path.is_dir():
+        raise MlxdiffError(f"{path}: not a Core ML package (expected an .mlpackage folder with "
+                           "Data/com.apple.CoreML/model.mlmodel)")
+    default = path / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    manifest = path / "Manifest.json"
+    if manifest.is_file():
+        try:
+            info = json.loads(manifest.read_text())
+            entry = info["itemInfoEntries"][info["rootModelIdentifier"]]
+            candidate = (path / "Data" / entry["path"]).resolve()
+            if candidate.is_relative_to(path.resolve()) and candidate.is_file():
+                return candidate
+        except (ValueError, KeyError, TypeError, OSError):
+            pass                                           # a bad manifest: try the usual place
+    if not default.is_file():
+        raise MlxdiffError(f"{path}: not a Core ML package (no Data/com.apple.CoreML/model.mlmodel); pass the "
+                           ".mlpackage folder coremltools saved")
+    return default
+
+
+def _guard(path, fn):
+    try:
+        return fn()
+    except _Bad as e:
+        raise MlxdiffError(f"{path}: {e}; the Core ML package is damaged or not one coremltools made, "
+                           "re-export or re-download it") from None
+    except (IndexError, KeyError, TypeError, ValueError, OverflowError, struct.error, MemoryError) as e:  # unforeseen
+        raise MlxdiffError(f"{path}: unreadable Core ML program ({type(e).__name__}: {e}); re-export or "
+                           "re-download it") from None
