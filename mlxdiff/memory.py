@@ -297,21 +297,51 @@ def decide(policy: RunPolicy, model) -> RunPolicy:
                           conv_band=conv_band_bytes(policy), cache_limit=cache_limit_for(policy))
 
 
+def outside_mlx_bytes() -> int:
+    """On a GPU, what this process holds beyond MLX's buffers (the CUDA context, the libraries' workspaces; on Metal
+    the interpreter's heap too): its device memory (process_memory) less MLX's active and cached bytes, now. 0 on the
+    CPU, where a memory limit bounds MLX's bytes, and where the process's memory cannot be read."""
+    if mx.default_device() == mx.cpu:
+        return 0
+    held = process_memory()
+    held = held["gpu"] if held["gpu"] is not None else held["footprint"] if sys.platform == "darwin" else None
+    return max(0, held - mx.get_active_memory() - mx.get_cache_memory()) if held else 0
+
+
+def device_cache_bytes() -> int:
+    """The buffer cache a GPU phase keeps (cache_limit_for: GPU_CACHE_BYTES), which a memory limit must leave room
+    for; 0 on the CPU (mlx-cpu keeps only small buffers)."""
+    return 0 if mx.default_device() == mx.cpu else GPU_CACHE_BYTES
+
+
+def whole_load_reserve(budget) -> int:
+    """On a GPU, the room a component loaded whole must leave in the budget for its phase's activations and the
+    buffer cache: what a streamed one keeps (loading/streaming.py's reserve: half the budget, at most 3 GiB). Without
+    it a GGUF that just fits the limit ran over it (FLUX.1-dev Q4_K_S under --memory-limit 8: 9.75 GiB of the
+    process, bench/RESULTS.md). 0 on the CPU, where the limit bounds the weights and activations MLX holds."""
+    return 0 if mx.default_device() == mx.cpu else int(min(0.5 * budget, 3 * GB))
+
+
 def check_fits(spec, policy: RunPolicy, compute_dtype=None):
     """Before a component loads: the spec to load. A GGUF component whose default layout does not fit the budget
     (the memory limit, else the free memory) but whose raw blocks do (formats/gguf.py: the file's own size, decoded a
     layer at a time) gets the raw layout, unless the spec (or MLXDIFF_GGUF_LAYOUT, through the policy) fixes one. One
     that does not fit at all gets `stream_budget`: its blocks are then streamed from the file
-    (loading/streaming.py), which refuses, in one line saying what would fit, a budget too small even for that."""
+    (loading/streaming.py), which refuses, in one line saying what would fit, a budget too small even for that.
+    On a GPU the limit is the whole process's: what it holds outside MLX is taken off the budget first, and a
+    component loaded whole leaves whole_load_reserve for its phase."""
     budget = [b for b in (policy.memory_limit, available_bytes()) if b]
     if not budget:
         return spec
-    need, budget = spec.loaded_nbytes(compute_dtype=compute_dtype), min(budget)
-    if need <= budget:
+    budget = min(budget)
+    if policy.memory_limit is not None and budget == policy.memory_limit:
+        budget -= outside_mlx_bytes()
+    need = spec.loaded_nbytes(compute_dtype=compute_dtype)
+    if need + whole_load_reserve(budget) <= budget:
         return spec
     if any(is_gguf(f) for f in spec.files) and spec.gguf_layout is None:
         raw = replace(spec, gguf_layout="raw")
-        if raw.loaded_nbytes(compute_dtype=compute_dtype) <= budget:
+        if raw.loaded_nbytes(compute_dtype=compute_dtype) + whole_load_reserve(budget) <= budget:
             return raw
     return replace(spec, stream_budget=int(budget))
 

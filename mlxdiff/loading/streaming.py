@@ -36,10 +36,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
 from ..errors import MlxdiffError
-from ..formats import loaded_nbytes, tensor_nbytes, tensor_ranges
-from ..formats.gguf import reuse_headers
+from ..formats import loaded_nbytes, reuse_headers, tensor_nbytes, tensor_ranges
 from ..formats.quantized import flatten_quantized
-from ..memory import GB, fit_hint, fmt_gb
+from ..memory import GB, device_cache_bytes, fit_hint, fmt_gb
 from .build import check_finite, in_model_names, keep_activations_in
 
 BLOCK_NAME = re.compile(r"(?:^|\.)[A-Za-z_]\w*\.(\d+)\.")
@@ -201,11 +200,11 @@ def plan(spec, model, compute_dtype, budget, native=False):
     reserve = min(RESERVE_SHARE * budget, RESERVE_BYTES)
     known = getattr(model, "activation_bytes", None)
     if known is not None:
-        reserve = min(reserve, known(compute_dtype) + KNOWN_ACTIVATIONS_ALLOWANCE)
+        reserve = min(reserve, known(compute_dtype) + KNOWN_ACTIVATIONS_ALLOWANCE + device_cache_bytes())
     room = budget - reserve - floor
     if room < 0:
         if known is not None:
-            smallest = floor + known(compute_dtype) + KNOWN_ACTIVATIONS_ALLOWANCE
+            smallest = floor + known(compute_dtype) + KNOWN_ACTIVATIONS_ALLOWANCE + device_cache_bytes()
         else:
             smallest = 2 * floor if floor <= RESERVE_BYTES else floor + RESERVE_BYTES
         raise MlxdiffError(f"{spec.name}: a memory limit of {fmt_gb(budget)} cannot hold even its streamed form "
@@ -281,7 +280,7 @@ class BlockStream:
         self.compute_dtype, self.native = compute_dtype, native
         self.next_of = {g.key: groups[(i + 1) % len(groups)] for i, g in enumerate(groups)}
         self.read_ahead = ReadAhead()
-        self.headers = {}      # each GGUF header parsed once (formats/gguf.reuse_headers)
+        self.headers = {}      # each GGUF header parsed once (formats.reuse_headers)
         self.checked = set()
         self.reset()
 
