@@ -8,6 +8,7 @@ between images (--keep auto).
 """
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text
@@ -58,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--prediction-type", choices=("epsilon", "v_prediction"), default=None,
                    help="SD 2.x single files: what the UNet predicts (the file does not say)")
     p.add_argument("--mask", default=None, metavar="FILE",
-                   help="FLUX.1 Fill: the mask of --image (white: repaint, black: keep), of the image's size")
+                   help="inpainting: the mask of --image (white: repaint, black: keep); FLUX.1 Fill's of the "
+                        "image's size, others resized to the output size")
     p.add_argument("--true-cfg-scale", type=float, default=None, metavar="S",
                    help="FLUX.1: true classifier-free guidance against --negative-prompt when above 1 (two forwards "
                         "a step; --guidance stays the embedded guidance)")
@@ -141,8 +143,24 @@ def job_bar(total, enabled):
     return tqdm(total=total, desc="generate", unit="step")
 
 
-def generate(args, written) -> int:
-    # everything that can be checked without the model is checked before anything is read
+@dataclass
+class Job:
+    """What the command asks for, checked before any model is read."""
+    prompts: list | None
+    seeds: list
+    count: int
+    outputs: list
+    quantize: object
+    layers: object
+    text_encoder: object
+    text_encoders: object
+    loras: list
+    image_names: list
+    images: list
+
+
+def checked_job(args) -> Job:
+    """Everything that can be checked without the model, checked before anything is read."""
     prompts = [check_text("prompt", args.prompt, lists=False)] if args.prompt is not None else None
     if args.prompts_file is not None:
         if prompts is not None:
@@ -155,94 +173,100 @@ def generate(args, written) -> int:
     if count > MAX_IMAGES:
         raise MlxdiffError(f"{count} images (prompts x seeds): at most {MAX_IMAGES} in one command")
     outputs = [check_writable(o) for o in output_names(check_png_name(args.output), count)]
-    quantize, layers = parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers)
     text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
-    loras = parse_loras(args.lora)
     image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
+    if args.mask is not None and not images:
+        raise MlxdiffError(f"--mask {args.mask}: a mask says where to repaint an image; give --image FILE too, or "
+                           "leave --mask out")
     check_number("memory_limit", args.memory_limit)
     from .pipelines.step_cache import parse as parse_step_cache
     parse_step_cache(args.cache)
+    return Job(prompts, seeds, count, outputs, parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers),
+               text_encoder, text_encoders, parse_loras(args.lora), image_names, images)
 
-    from .distributed import check_same_job, job_group, share
+
+def chosen_model(job: Job, args):
+    """--model, or the embedded default (and its prompt when none is given) when neither a model nor a transformer
+    file is (with --transformer: a family read from files alone)."""
     model = args.model
-    if model is None and args.transformer is None:   # with --transformer: FLUX.2 from files alone
+    if model is None and args.transformer is None:
         from . import default_model
         model = default_model.folder()
         print(f"mlxdiff: using the embedded default model {model}")
         print(f"mlxdiff: {default_model.NOTICE}")
-        if prompts is None:
-            prompts = [default_model.PROMPT]
+        if job.prompts is None:
+            job.prompts = [default_model.PROMPT]
             print(f"mlxdiff: prompt: {default_model.PROMPT}")
-    prompts = prompts or ["a red circle on a blue background"]
-    t0 = time.perf_counter()
-    group = job_group()       # started by mlx.launch (mlxdiff/distributed.py)
-    if group is not None:
-        check_same_job(group, repr(sorted(vars(args).items())))
-    guidance_group = group if args.split == "guidance" else None
-    tensor_group = group if args.split == "tensor" else None      # every rank makes every image, together
-    shared = guidance_group or tensor_group
-    from .pipelines import load as load_pipeline     # mlxdiff.load with split= (checked there as by mlxdiff.load)
+    job.prompts = job.prompts or ["a red circle on a blue background"]
+    return model
+
+
+def run_options(args, pipe, job: Job):
+    """(generate()'s keywords, the strength the run uses, the steps): the family's own options given only when set
+    (a family without one refuses it in one line), the image's size where the image sets it."""
     from .pipelines.family import check_options
-    pipe = load_pipeline(model, group=shared, split=args.split if shared else None, transformer=args.transformer,
-                         dtype=args.dtype, quantize=quantize, text_encoder=text_encoder, text_encoders=text_encoders,
-                         vae=args.vae, tokenizer=args.tokenizer, matmul=args.matmul, loras=loras,
-                         prediction_type=args.prediction_type, keep=args.keep or ("auto" if count > 1 else "none"),
-                         memory_limit=args.memory_limit)
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
-    if layers is not None:
-        options["skip_guidance_layers"] = layers
+    if job.layers is not None:
+        options["skip_guidance_layers"] = job.layers
     if args.cache is not None:
         pipe.new_step_cache(args.cache)      # this family takes it: checked before anything is read
         options["cache"] = args.cache
-    for name in ("scheduler", "clip_skip", "true_cfg_scale", "mask"):   # family options: given only when set (others
-                                                                # refuse them)
+    for name in ("scheduler", "clip_skip", "true_cfg_scale", "mask"):
         value = getattr(args, name)
         if value is not None:
             if name not in pipe.OPTIONS:
                 check_options(pipe.family, {name: value})
             options[name] = value
     strength = args.strength
-    if images:
-        pipe.check_images(image_names, images, strength)     # how this family takes them, before any load
-        options.update(image=images, strength=strength)
-        strength = pipe.IMG2IMG_STRENGTH if strength is None else strength
-        if strength is None or "mask" in options:     # references, an image to repaint: the size is the image's
+    if job.images:
+        pipe.check_images(job.image_names, job.images, strength)     # how this family takes them, before any load
+        options.update(image=job.images, strength=strength)
+        strength = pipe.default_strength(options) if strength is None else strength
+        if strength is None or "mask" in options or pipe.SIZE_OF_IMAGE:   # references, an image to repaint, an
+                                                                          # init image that sizes: the image's size
             options.update(width=args.width, height=args.height)
+    return options, strength, steps
+
+
+def png_metadata(args, pipe, job: Job, model, options, strength) -> dict:
+    """What every PNG of the job records (the prompt, seed and size are added per image)."""
+    given = {name: getattr(args, name) for name in ("scheduler", "cache", "true_cfg_scale", "mask")}
     base = {"negative_prompt": args.negative_prompt or "", "model": str(model or ""),
             "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),
             "vae": args.vae or "", "tokenizer": args.tokenizer or "",
-            "steps": steps, "guidance": guidance, "dtype": pipe.dtype_name,
-            **({"scheduler": args.scheduler} if args.scheduler else {}),
-            **({"cache": args.cache} if args.cache else {}),
-            **({"true_cfg_scale": args.true_cfg_scale} if args.true_cfg_scale is not None else {}),
-            **({"mask": args.mask} if args.mask is not None else {}),
-            "generator": "mlxdiff"}
-    if images:
-        base.update(image=" ".join(image_names), **({} if strength is None else {"strength": strength}))
-    if loras:
+            "steps": options["steps"], "guidance": options["guidance"], "dtype": pipe.dtype_name,
+            **{k: v for k, v in given.items() if v not in (None, "")}, "generator": "mlxdiff"}
+    if job.images:
+        base.update(image=" ".join(job.image_names), **({} if strength is None else {"strength": strength}))
+    if job.loras:
         from .lora import describe
-        base["lora"] = describe(loras)
-    job = [(prompt, seed) for prompt in prompts for seed in seeds]
-    mine = share(count, None if shared else group)    # data-parallel: this rank's share of the images
-    writes = shared is None or group.rank() == 0      # guidance- or tensor-parallel: rank 0 writes
-    if group is not None:
-        images_here = ", ".join(str(k + 1) for k in mine) or "none"
-        encoders = split_encoders(pipe)
-        print(f"mlxdiff: rank {group.rank()} of {group.size()}: "
-              + (f"images {images_here} of {count}" if shared is None else
-                 f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"
-                 if guidance_group is not None else
-                 f"1/{group.size()} of the transformer's heads and feed-forward widths"
-                 + (f" (and of {', '.join(encoders)})" if encoders else "")
-                 + ", every image"))
-    calls = pipe.steps_run(steps, strength if images else None,
-                           **({"scheduler": args.scheduler} if args.scheduler else {}))
+        base["lora"] = describe(job.loras)
+    return base
+
+
+def rank_line(pipe, group, mine, count, shared, guidance_group) -> str:
+    """What this rank of an mlx.launch job does."""
+    images_here = ", ".join(str(k + 1) for k in mine) or "none"
+    encoders = split_encoders(pipe)
+    return (f"mlxdiff: rank {group.rank()} of {group.size()}: "
+            + (f"images {images_here} of {count}" if shared is None else
+               f"the {'unconditional' if group.rank() == 0 else 'conditional'} forward of every image"
+               if guidance_group is not None else
+               f"1/{group.size()} of the transformer's heads and feed-forward widths"
+               + (f" (and of {', '.join(encoders)})" if encoders else "")
+               + ", every image"))
+
+
+def make_images(args, pipe, job: Job, options, base, mine, writes, group, calls, written) -> None:
+    """This rank's images, one progress bar over all their steps; rank 0 (or the only process) writes them."""
+    count = job.count
+    plan = [(prompt, seed) for prompt in job.prompts for seed in job.seeds]
     bar = job_bar(len(mine) * calls, not args.no_progress)
     callback = None if bar is None else lambda i, t, x: bar.update(1)
     try:
         for k in mine:
-            (prompt, seed), output = job[k], outputs[k]
+            (prompt, seed), output = plan[k], job.outputs[k]
             if bar is not None and count > 1:
                 bar.set_description(f"image {k + 1}/{count}")
             start = time.perf_counter()
@@ -265,15 +289,46 @@ def generate(args, written) -> int:
         if bar is not None:
             bar.close()
         pipe.release()
+
+
+def closing_line(job: Job, group, writes, guidance_group, written) -> str:
+    if group is None:
+        outputs = job.outputs
+        return (f"image written to {outputs[0].resolve()}" if job.count == 1 else
+                f"{job.count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")
+    if writes:
+        return f"rank {group.rank()}: {len(written)} of the {job.count} images written"
+    return (f"rank {group.rank()}: computed its guidance forwards; rank 0 wrote the images" if guidance_group is not None
+            else f"rank {group.rank()}: computed its share of the transformer; rank 0 wrote the images")
+
+
+def generate(args, written) -> int:
+    job = checked_job(args)
+    from .distributed import check_same_job, job_group, share
+    model = chosen_model(job, args)
+    t0 = time.perf_counter()
+    group = job_group()       # started by mlx.launch (mlxdiff/distributed.py)
     if group is not None:
-        what = f"rank {group.rank()}: {len(written)} of the {count} images written"
-        if not writes:
-            what = (f"rank {group.rank()}: computed its guidance forwards; rank 0 wrote the images"
-                    if guidance_group is not None else
-                    f"rank {group.rank()}: computed its share of the transformer; rank 0 wrote the images")
-    else:
-        what = (f"image written to {outputs[0].resolve()}" if count == 1 else
-                f"{count} images written to {outputs[0].resolve()} ... {outputs[-1].name}")
+        check_same_job(group, repr(sorted(vars(args).items())))
+    guidance_group = group if args.split == "guidance" else None
+    tensor_group = group if args.split == "tensor" else None      # every rank makes every image, together
+    shared = guidance_group or tensor_group
+    from .pipelines import load as load_pipeline     # mlxdiff.load with split= (checked there as by mlxdiff.load)
+    pipe = load_pipeline(model, group=shared, split=args.split if shared else None, transformer=args.transformer,
+                         dtype=args.dtype, quantize=job.quantize, text_encoder=job.text_encoder,
+                         text_encoders=job.text_encoders, vae=args.vae, tokenizer=args.tokenizer, matmul=args.matmul,
+                         loras=job.loras, prediction_type=args.prediction_type,
+                         keep=args.keep or ("auto" if job.count > 1 else "none"), memory_limit=args.memory_limit)
+    options, strength, steps = run_options(args, pipe, job)
+    base = png_metadata(args, pipe, job, model, options, strength)
+    mine = share(job.count, None if shared else group)    # data-parallel: this rank's share of the images
+    writes = shared is None or group.rank() == 0          # guidance- or tensor-parallel: rank 0 writes
+    if group is not None:
+        print(rank_line(pipe, group, mine, job.count, shared, guidance_group))
+    calls = pipe.steps_run(steps, strength if job.images else None,
+                           **({"scheduler": args.scheduler} if args.scheduler else {}))
+    make_images(args, pipe, job, options, base, mine, writes, group, calls, written)
+    what = closing_line(job, group, writes, guidance_group, written)
     print(f"mlxdiff: total {time.perf_counter() - t0:.1f} s; {what}")
     return 0
 

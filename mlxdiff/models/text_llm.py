@@ -2,6 +2,8 @@
 
     dev:   Mistral3ForConditionalGeneration (Mistral-Small-3.x; text_config nested), taps (10, 20, 30)
     klein: Qwen3ForCausalLM (Qwen3-4B / 8B), taps (9, 18, 27)
+    Qwen-Image: Qwen2_5_VLForConditionalGeneration's language model (Qwen2's layers), tap num_hidden_layers
+               (hidden_states[-1], the final-normed output; the pipeline folder names it)
 
 diffusers (`_get_mistral_3_small_prompt_embeds`, `_get_qwen3_prompt_embeds`) runs the whole LLM with
 `output_hidden_states=True` and keeps hidden_states[k] for k in the taps: [0] is the embedding output, [k] the output of
@@ -34,7 +36,7 @@ import numpy as np
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen3
+from mlx_lm.models import llama, qwen2, qwen3
 
 from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, CheckedArgs,
                              Rule, between, check_rules, check_values, field_types, one_of, positive, require_object)
@@ -45,7 +47,8 @@ from .fused import through
 # diffusers' text_encoder_out_layers defaults
 TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
 # config.json model_type -> the class it comes from (for error messages)
-ARCHITECTURES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}   # Qwen-Image's: its language model only
 # Mistral3's text_config model_type -> mlx-lm language model (as mlx_lm.models.mistral3 chooses it)
 MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
 
@@ -54,7 +57,9 @@ MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
 KEYMAP = compile_rules([
     (r"model\.language_model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, transformers >= 4.52
     (r"language_model\.model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, older / mlx-lm converted
-    (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),                   # Qwen3ForCausalLM, mlx-lm, ComfyUI
+    # Qwen3ForCausalLM, mlx-lm, ComfyUI; Qwen2_5_VLForConditionalGeneration as transformers 4.x and 5.25 save it
+    (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),
+    (r"((?:embed_tokens|layers|norm)\..+)", r"\1"),                          # Qwen3Model (Tongyi-MAI's Z-Image)
     # llama.cpp's GGUF names (convert_hf_to_gguf.py; q/k rows of llama-arch files are permuted: gguf_unpermute)
     (r"token_embd\.weight", "embed_tokens.weight"),
     (r"output_norm\.weight", "norm.weight"),
@@ -156,6 +161,8 @@ def language_model_class(args: ModelArgs):
     """The mlx-lm ModelArgs class the language model config becomes (None: a model type check_args refuses)."""
     if args.model_type == "qwen3":
         return qwen3.ModelArgs
+    if args.model_type == "qwen2_5_vl":
+        return qwen2.ModelArgs
     if args.model_type == "mistral3":
         arch = MISTRAL3_TEXT_MODELS.get(args.text_config.get("model_type"))
         return arch.ModelArgs if arch else None
@@ -187,7 +194,8 @@ def check_args(args: ModelArgs, source, taps=True) -> None:
     if args.model_type not in ARCHITECTURES:
         what = ", ".join(args.architectures or []) or "no architectures"
         raise MlxdiffError(f"{source}: model_type {args.model_type!r} ({what}) is not a FLUX.2 text encoder; "
-                           "expected Mistral3ForConditionalGeneration (FLUX.2-dev) or Qwen3ForCausalLM (FLUX.2-klein)")
+                           "expected Mistral3ForConditionalGeneration (FLUX.2-dev) or Qwen3ForCausalLM (FLUX.2-klein)"
+                           " (or Qwen-Image's Qwen2_5_VLForConditionalGeneration)")
     if args.model_type == "mistral3":
         text_type = args.text_config.get("model_type")
         if text_type not in MISTRAL3_TEXT_MODELS:
@@ -222,6 +230,13 @@ def language_model_config(args: ModelArgs) -> dict:
         text["rope_theta"] = rope["rope_theta"]
     if not text.get("rope_scaling") and rope.get("rope_type", "default") != "default":
         text["rope_scaling"] = rope
+    if args.model_type == "qwen2_5_vl":
+        # Qwen2.5-VL's multimodal RoPE: text alone puts the same position on its three rows (transformers'
+        # position_ids arange expanded to 3 rows), so the mrope_section split recombines one frequency table: plain
+        # RoPE over the whole head (tests/test_qwenimage_pipeline.py checks this against transformers)
+        scaling = text.get("rope_scaling") or {}
+        if scaling.get("type", scaling.get("rope_type", "default")) in ("mrope", "default"):
+            text["rope_scaling"] = None
     return text
 
 
@@ -306,6 +321,8 @@ class Model(nn.Module):
         if args.model_type == "mistral3":
             arch = MISTRAL3_TEXT_MODELS[args.text_config.get("model_type")]
             language_model = arch.LlamaModel(arch.ModelArgs.from_dict(text))
+        elif args.model_type == "qwen2_5_vl":      # Qwen2.5-VL's language model is Qwen2's (mlx_lm qwen2_vl)
+            language_model = qwen2.Qwen2Model(qwen2.ModelArgs.from_dict(text))
         else:
             language_model = qwen3.Qwen3Model(qwen3.ModelArgs.from_dict(text))
         self.embed_tokens = language_model.embed_tokens

@@ -148,6 +148,7 @@ class Pipeline:
     patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
     OPTIONS = {}                        # generate() keywords of this family only -> their defaults
     IMG2IMG_STRENGTH = None             # the strength when an init image is given without one (None: references)
+    SIZE_OF_IMAGE = False               # an init image sets the output size the caller leaves out (the CLI's too)
     STEP_CACHE = True                   # whether generate(cache=...) can skip its denoiser's blocks
     STREAM_DTYPE = True                 # whether its denoiser can keep its streams wider ("float16-mixed")
 
@@ -308,8 +309,9 @@ class Pipeline:
         # 1. check: the images, the family's own keywords and the step cache, before anything is loaded
         names, images = check_images(image, strength)
         self.check_images(names, images, strength)
-        run = Run(prompt, negative_prompt, seed, names, images, self.IMG2IMG_STRENGTH if images and strength is None
-                  else strength, self.family_options(options), width, height, step_cache=self.new_step_cache(cache))
+        run = Run(prompt, negative_prompt, seed, names, images, self.default_strength(options) if images and
+                  strength is None else strength, self.family_options(options), width, height,
+                  step_cache=self.new_step_cache(cache))
         self.check_inputs(run)
         # 2. request: every argument checked, None filled in with the defaults
         run.width, run.height, run.steps, run.guidance = self.request(
@@ -355,6 +357,11 @@ class Pipeline:
             raise MlxdiffError(f"cache={cache!r}: {type(self).__name__}'s UNet has no transformer block sequence to "
                                "skip (step caching covers SD3.5 and FLUX.2); leave the cache out")
         return step_cache
+
+    def default_strength(self, options: dict):
+        """The strength of a run given an init image and no strength: IMG2IMG_STRENGTH; `options`, generate()'s
+        family keywords, for a family whose default depends on them (a mask: inpainting's own default)."""
+        return self.IMG2IMG_STRENGTH
 
     def family_options(self, options: dict) -> dict:
         """The family's own keywords taken out of `options` (what is left is refused by request), defaults filled."""

@@ -1,5 +1,6 @@
 """A Z-Image diffusers folder (ZImagePipeline) -> PipelineSources: the transformer, the AutoencoderKL VAE, the Qwen3
-text encoder read up to hidden_states[-2] (tap num_hidden_layers - 1, no final norm) and its chat tokenizer."""
+text encoder (Qwen3Model or Qwen3ForCausalLM) read up to hidden_states[-2] (tap num_hidden_layers - 1, no final norm)
+and its chat tokenizer."""
 
 from pathlib import Path
 
@@ -8,6 +9,10 @@ from ...loading.sources import check_together, folder_component, read_json, read
     text_encoder_spec, tokenizer_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import text_llm, zimage
+
+# the text encoder's classes: diffusers' ZImagePipeline takes a Qwen3Model (Tongyi-MAI's folders name it so, its
+# weights without `model.`) or the causal LM around it; text_llm reads both namings
+TEXT_ENCODER_CLASSES = (text_llm.ARCHITECTURES["qwen3"], "Qwen3Model")
 
 
 def zimage_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
@@ -26,7 +31,7 @@ def zimage_folder(root: Path, index, pipeline_class, components, transformer=Non
         raise MlxdiffError(f"{config_path}: num_hidden_layers is {layers!r}; expected a positive integer")
     specs["text_encoder"] = text_encoder_spec(root / "text_encoder", [layers - 1], root)   # hidden_states[-2]
     encoder = specs["text_encoder"].args
-    if text_llm.ARCHITECTURES[encoder.model_type] != components["text_encoder"]:
+    if encoder.model_type != "qwen3" or components["text_encoder"] not in TEXT_ENCODER_CLASSES:
         raise MlxdiffError(f"{where}: component 'text_encoder' names class {components['text_encoder']!r} but "
                            f"{config_path} is a {text_llm.ARCHITECTURES[encoder.model_type]}")
     transformer = specs["transformer"].args

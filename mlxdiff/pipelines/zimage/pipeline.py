@@ -1,4 +1,5 @@
-"""Z-Image (text-to-image), following diffusers' ZImagePipeline (pipelines/z_image/pipeline_z_image.py).
+"""Z-Image, following diffusers' ZImagePipeline (pipelines/z_image/pipeline_z_image.py), ZImageImg2ImgPipeline with
+image= and strength=, ZImageInpaintPipeline with image=, mask= and strength=.
 
     encode:  Qwen3 through mlx-lm, the user message through the chat template with enable_thinking=True, padded to
              max_sequence_length (512); the features are hidden_states[-2] (the output of the next-to-last layer,
@@ -7,6 +8,15 @@
              (1000 - t) / 1000, velocity = minus its output; flow-match Euler over sigmas linspace(1, 1/N, N)
              shifted by mu from the image token count (the scheduler's dynamic shifting); classifier-free guidance
              whenever guidance > 0, as diffusers: pos + g * (pos - neg), against the negative prompt ("" by default)
+    reference (only with image=): the image resized (LANCZOS) to the output size, whose default is the image's own
+             cut to a multiple of 16, as there; a sample of its VAE posterior, (z - shift) * scaling
+             (image_inputs.sd3_init_latents), noised to the sigma of the first step run (scale_noise); the steps run
+             are StableDiffusion3Img2ImgPipeline's get_timesteps, as there
+    inpainting (mask=): the mask, resized (LANCZOS) to the output size, grayscale, binarized at 0.5, taken at every
+             VAE-factor-th pixel (interpolate "nearest" to the latent size); after each step the latents are
+             (1 - mask) * the init latents noised to the next sigma (clean after the last) + mask * the latents:
+             white repaints, black keeps. diffusers' masked_image_latents is not used by its loop (only handed to
+             callbacks), so it is not computed here
     decode:  latents / scaling_factor + shift_factor, the AutoencoderKL
 
 Defaults are ZImagePipeline's own (50 steps, guidance 5.0, 1024 x 1024); Z-Image-Turbo is run with steps=8 or 9
@@ -24,6 +34,7 @@ from ... import schedulers
 from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import tokenize_klein
+from .. import image_inputs
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
@@ -42,11 +53,18 @@ class Conditioning:
 class ZImagePipeline(Pipeline):
     """`generate(..., guidance=)`: the CFG scale (default 5.0; 0: one forward a step, no negative prompt).
     `max_sequence_length`: the prompt's tokens (default 512). `latents`: the noise in diffusers' layout (B, C, H/8,
-    W/8). Text-to-image only."""
+    W/8); with image= the noise mixed into the init latents (diffusers' prepare_latents `noise`). `image=` with
+    `strength` (0 < s <= 1, default 0.6): image-to-image as ZImageImg2ImgPipeline; with `mask=` too (a PIL image
+    or file, white repaints, black keeps, any size: resized to the output's) inpainting as ZImageInpaintPipeline
+    (strength default 1.0). The output size defaults to the image's, cut to a multiple of 16. `image_noise`: the
+    init image's VAE posterior noise (B = 1, C, H/8, W/8) (default: from the seed)."""
     family = "zimage"
     patch_size = 2      # the transformer's 2x2 patches: sizes are multiples of 16
-    OPTIONS = {"max_sequence_length": None}
+    OPTIONS = {"max_sequence_length": None, "image_noise": None, "mask": None}
     STEP_CACHE = False
+    IMG2IMG_STRENGTH = 0.6         # ZImageImg2ImgPipeline's
+    INPAINT_STRENGTH = 1.0         # ZImageInpaintPipeline's
+    SIZE_OF_IMAGE = True           # both take the image's size when none is given
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)
@@ -85,12 +103,33 @@ class ZImagePipeline(Pipeline):
         return Conditioning(embeds, mask, neg_embeds, neg_mask)
 
     # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
-    def check_images(self, names, images, strength):
-        if images:
-            raise MlxdiffError("image: Z-Image here is text-to-image only (ZImagePipeline); leave image= out")
+    def default_strength(self, options):
+        return self.INPAINT_STRENGTH if options.get("mask") is not None else self.IMG2IMG_STRENGTH
+
+    def check_inputs(self, run):
+        from ...arguments import check_images
+        self.take_image_noise(run)
+        if run.options["mask"] is not None:
+            if not run.images:
+                raise MlxdiffError("mask: a mask says where to repaint an image; give image= (--image) too, or "
+                                   "leave the mask out")
+            names, masks = check_images(run.options["mask"])
+            if len(masks) > 1:
+                raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
+            run.state.update(mask=masks[0], mask_name=names[0])
+        if run.images:      # diffusers' default height and width: the image's, cut to a multiple of 16
+            multiple = self.vae_scale_factor() * self.patch_size
+            w, h = run.images[0].size
+            if run.width is None and w >= multiple:
+                run.width = w // multiple * multiple
+            if run.height is None and h >= multiple:
+                run.height = h // multiple * multiple
 
     def img2img_start(self, steps, strength):
-        raise MlxdiffError("Z-Image here is text-to-image only")
+        return image_inputs.sd3_start(steps, strength)     # ZImageImg2ImgPipeline.get_timesteps: the same
+
+    def check_run(self, run):
+        self.check_image_noise(run)
 
     def uses_cfg(self, run):
         return run.guidance > 0        # ZImagePipeline.do_classifier_free_guidance
@@ -117,6 +156,29 @@ class ZImagePipeline(Pipeline):
         return initial_latents(latents, run.state["shape"], run.seed, "diffusers' layout: batch, latent channels, "
                                "height/8, width/8")
 
+    def encode_images(self, run, vae, x):
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+                                             self.posterior_noise(run, run.state["shape"]))
+        init = mx.broadcast_to(init, x.shape)
+        if "mask" in run.state:     # what each step's blending needs: the noise, the init latents, the latent mask
+            run.state.update(noise=x, image_latents=init, latent_mask=mx.array(
+                latent_mask(run.state["mask"], run.width, run.height, self.vae_scale_factor())))
+        x = image_inputs.noised(init, x, run.sigmas[run.start])
+        mx.eval(x)
+        return x
+
+    def step(self, run, i, x, prediction):
+        x = super().step(run, i, x, prediction)
+        if "latent_mask" not in run.state:
+            return x
+        st = run.state      # ZImageInpaintPipeline: the kept area is the init latents at the next sigma (0: clean)
+        kept = image_inputs.noised(st["image_latents"], st["noise"], run.sigmas[i + 1])
+        return (1 - st["latent_mask"]) * kept + st["latent_mask"] * x
+
+    def images_note(self, run, seconds):
+        note = super().images_note(run, seconds)
+        return note if "mask" not in run.state else f"inpainting where {run.state['mask_name']} is white; {note}"
+
     def velocity(self, run, transformer, i, x):
         t = np.float32(run.timesteps[i])
         t = mx.full((run.batch,), (np.float32(1000) - t) / np.float32(1000), dtype=mx.float32)
@@ -132,6 +194,14 @@ class ZImagePipeline(Pipeline):
                                  lambda: forward("uncond", c.negative_prompt_embeds, c.negative_prompt_attention_mask),
                                  lambda: forward("cond", c.prompt_embeds, c.prompt_attention_mask))
         return -(pos + run.guidance * (pos - neg))
+
+
+def latent_mask(mask, width, height, factor) -> np.ndarray:
+    """ZImageInpaintPipeline's mask: its mask_processor (resized LANCZOS to the output size, then grayscale, in
+    [0, 1], binarized at 0.5), then interpolate "nearest" to the latent size, which at a whole factor takes every
+    factor-th pixel -> (1, 1, height / factor, width / factor) float32 of 0 and 1."""
+    values = np.asarray(image_inputs.resized(mask, width, height).convert("L")).astype(np.float32) / 255.0
+    return (values >= 0.5).astype(np.float32)[None, None, ::factor, ::factor]
 
 
 def zimage_sigmas(steps, image_seq_len, scheduler_config=None):
