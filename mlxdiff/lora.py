@@ -153,6 +153,10 @@ ARCHITECTURES = (
     (re.compile(r"(^|[._])(noise_refiner|context_refiner|cap_embedder|all_x_embedder|all_final_layer|"
                 r"layers[._]\d+[._](attention[._](qkv|out|to_[qkv]|to_out|q_norm|k_norm|norm_[qk])|"
                 r"feed_forward[._]w[123]|adaLN_modulation))([._]|$)"), ("Z-Image",)),
+    # Qwen-Image's (diffusers' names, which all its LoRAs use): each block's per-stream modulation and MLP (its
+    # attention's to_q / add_q_proj / to_add_out are SD3's and FLUX.1's names too, BFL's img_mod / img_mlp sit under
+    # double_blocks, not transformer_blocks) and the text features' txt_norm
+    (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._](img|txt)_(mod|mlp)|txt_norm)([._]|$)"), ("Qwen-Image",)),
 )
 # A denoiser LoRAs apply to says so on its architecture module (models/protocol.LoRADenoiser): LORA_NAME (what
 # messages call it), LORA_ARCHITECTURE (its label in ARCHITECTURES above), lora_original_rules(args) (its
@@ -976,7 +980,7 @@ def check(spec, path, scale=1.0, dtype=None):
     and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
     if spec.name in DENOISERS and not takes_loras(spec.arch):
         raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (the SD3.5, FLUX.1, "
-                           f"Chroma, FLUX.2 and Z-Image transformers and the SD 1.x / SDXL UNet: "
+                           f"Chroma, FLUX.2, Z-Image and Qwen-Image transformers and the SD 1.x / SDXL UNet: "
                            f"models/protocol.LoRADenoiser), not {spec.arch.__name__}")
     plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
 

@@ -161,7 +161,7 @@ def test_true_cfg_scale_is_flux1s_only(files, sd3_tiny, tmp_path, capsys):
     rc = main(["--model", str(folder), "--prompt", "a cat", "--true-cfg-scale", "2", "--width", "32", "--height", "32",
                "--steps", "1", "--output", str(tmp_path / "x.png"), "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "true_cfg_scale: an option of FLUX.1 models only" in err[0]
+    assert rc == 2 and len(err) == 1 and "true_cfg_scale: an option of FLUX.1 and Qwen-Image models only" in err[0]
     assert not (tmp_path / "x.png").exists()
 
 

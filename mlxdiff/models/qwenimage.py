@@ -10,8 +10,11 @@ before txt_in, the timestep sinusoid scaled by 1000 inside the embedding (Timest
 padded text, and the RoPE's positions (QwenEmbedRope, `positions` below): image rows and columns centred on 0, the
 frame axis the index of the image in the sequence, the text on the diagonal after the largest image's half-size.
 
-ComfyUI's `qwen_image_*.safetensors` files carry diffusers' names under `model.diffusion_model.` (diffusers'
-single-file loader maps them with the identity), so they need no key map: a ComponentSpec with that prefix reads them.
+The files in the wild (ComfyUI's qwen_image_bf16 / fp8_e4m3fn / 2512 safetensors, city96's and QuantStack's GGUFs)
+carry diffusers' own names, bare or under `model.diffusion_model.`: diffusers' from_single_file maps them with the
+identity (single_file_model.py), and so does ORIGINAL_KEYMAP here; their config comes from the shapes
+(config_from_original). Its LoRAs (diffusers / PEFT, Lightning's / ComfyUI's / musubi's `diffusion_model.` names,
+kohya's `lora_unet_transformer_blocks_0_attn_to_q`) name diffusers' layers too: no original-name rules.
 """
 
 import re
@@ -24,6 +27,7 @@ import mlx.nn as nn
 
 from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, one_of
 from ..errors import MlxdiffError
+from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .flux1 import Attention, modulate
@@ -252,3 +256,126 @@ class Model(nn.Module):
     def sanitize(self, weights: dict) -> dict:
         """diffusers names and layouts are this module's own (no convolutions): nothing to change."""
         return dict(weights)
+
+
+# -- single files: diffusers' names (bare or under ComfyUI's prefix), the config read off the shapes -----------------
+
+ORIGINAL_PREFIX = "model.diffusion_model."
+# the files' names are diffusers' own (from_single_file's checkpoint_mapping_fn is the identity): nothing to rename
+ORIGINAL_KEYMAP = [(r"(.+)", r"\1")]
+_ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
+_P = r"(?:model\.diffusion_model\.)?"
+# Qwen-Image's own tensors: the text features' RMSNorm before txt_in and a block's per-stream modulation
+_QWEN_MARK = re.compile(_P + r"(txt_norm\.weight|transformer_blocks\.\d+\.img_mod\.1\.weight)")
+# Qwen-Image 2.1's (QwenImage21Transformer2DModel: txt_in.text_norm, a SwiGLU img_mlp), another architecture
+_QWEN21_MARK = re.compile(_P + r"(txt_in\.text_norm\..*|.*\.img_mlp\.(gate_up|gate_layer)\..*)")
+# what the variants add (Qwen-Image-Layered's addition_t_embedding), which ModelArgs refuses
+_LAYERED_MARK = re.compile(_P + r"time_text_embed\.addition_t_embedding\..*")
+_BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
+NOT_IN_WEIGHTS = {"patch_size": 2, "guidance_embeds": False}   # Qwen-Image's 2 x 2 packing (the pipeline's too)
+FROM_BASE_CONFIG = ("axes_dims_rope", "patch_size")
+
+
+def is_original(names) -> bool:
+    """Whether tensor names are a Qwen-Image transformer file's (diffusers' names, with or without ComfyUI's
+    prefix): txt_norm and img_mod tensors, none of Qwen-Image 2.1's."""
+    names = list(names)
+    marks = {m.group(1).split(".")[0] for n in names if (m := _QWEN_MARK.fullmatch(n))}
+    return marks == {"txt_norm", "transformer_blocks"} and not any(_QWEN21_MARK.fullmatch(n) for n in names)
+
+
+def is_qwen_image_21(names) -> bool:
+    """Whether tensor names are Qwen-Image 2.1's (another architecture, not run here)."""
+    return any(_QWEN21_MARK.fullmatch(n) for n in names)
+
+
+def _check(weights):
+    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
+    if not is_original(weights):
+        raise MlxdiffError("not a Qwen-Image transformer checkpoint: no txt_norm.weight beside "
+                           "transformer_blocks.N.img_mod.1.weight (or Qwen-Image 2.1's txt_in.text_norm / SwiGLU "
+                           "img_mlp, another architecture)")
+    return weights
+
+
+def original_to_diffusers(weights: dict) -> dict:
+    """A file's names -> diffusers' (the same: the prefix is stripped; lazy, nothing is read)."""
+    return remap(_check(weights), _ORIGINAL_RULES)
+
+
+def rope_axes(head_dim: int) -> list:
+    """axes_dims_rope for a head size, split as Qwen-Image's (16, 56, 56) splits 128: an eighth for the frame axis,
+    the rest in two equal parts (each even)."""
+    frame = max(2, head_dim // 8 // 2 * 2)
+    height = (head_dim - frame) // 4 * 2
+    return [frame, height, head_dim - frame - height]
+
+
+def config_from_original(weights: dict) -> dict:
+    """The diffusers config of a Qwen-Image file from its shapes: the width and in_channels from img_in, the head
+    size from attn.norm_q (heads = width / head size), joint_attention_dim from txt_in (txt_norm the same length),
+    the block count from the indices, out_channels from proj_out's rows over the 2 x 2 patch; axes_dims_rope
+    (not in the weights) as rope_axes splits the head. Each block's img_mod / txt_mod, attention and MLP shapes are
+    checked against these, so that an inconsistent file is one line here, not a failed load."""
+    weights = _check(weights)
+    what = "Qwen-Image transformer"
+
+    def shape(key, ndim=2):
+        return required_shape(weights, key, what, ndim)
+
+    def bad(message):
+        return MlxdiffError(f"Qwen-Image transformer checkpoint: {message}; the file is damaged or another model's")
+    if any(_LAYERED_MARK.fullmatch(n) for n in weights):
+        raise bad("it has time_text_embed.addition_t_embedding (Qwen-Image-Layered), which mlxdiff does not run")
+    indices = sorted({int(m.group(1)) for k in weights if (m := _BLOCK.match(k))})
+    if not indices or indices != list(range(len(indices))):
+        raise bad(f"transformer_blocks indices are not 0..n-1 ({indices[:8]}...)")
+    dim, in_channels = shape("img_in.weight")
+    txt_dim, joint = shape("txt_in.weight")
+    head_dim = shape("transformer_blocks.0.attn.norm_q.weight", 1)[0]
+    if txt_dim != dim:
+        raise bad(f"img_in gives width {dim} but txt_in {txt_dim}")
+    if shape("txt_norm.weight", 1)[0] != joint:
+        raise bad(f"txt_norm has {shape('txt_norm.weight', 1)[0]} weights but txt_in takes {joint} features")
+    if dim % head_dim or head_dim % 2:
+        raise bad(f"width {dim} and attn.norm_q length {head_dim} do not give a whole number of heads of an even "
+                  "size")
+    p = NOT_IN_WEIGHTS["patch_size"]
+    rows = shape("proj_out.weight")
+    if rows[1] != dim or rows[0] % (p * p) or in_channels % (p * p):
+        raise bad(f"proj_out {list(rows)} and img_in {[dim, in_channels]} are not {p} x {p} patches of width {dim}")
+    expected = {}
+    for i in indices:
+        b = f"transformer_blocks.{i}."
+        expected.update({b + f"{s}_mod.1.weight": (6 * dim, dim) for s in ("img", "txt")})
+        expected.update({b + f"attn.{n}.weight": (dim, dim) for n in ("to_q", "to_k", "to_v", "add_q_proj",
+                                                                       "add_k_proj", "add_v_proj", "to_add_out")})
+        expected[b + "attn.to_out.0.weight"] = (dim, dim)
+        expected.update({b + f"attn.{n}.weight": (head_dim,) for n in ("norm_q", "norm_k", "norm_added_q",
+                                                                        "norm_added_k")})
+        expected.update({b + f"{s}_mlp.net.0.proj.weight": (MLP_RATIO * dim, dim) for s in ("img", "txt")})
+        expected.update({b + f"{s}_mlp.net.2.weight": (dim, MLP_RATIO * dim) for s in ("img", "txt")})
+    for key, want in expected.items():
+        if key not in weights:
+            raise MlxdiffError(f"not a complete {what} checkpoint: {key!r} is missing; re-download the file")
+        if tuple(weights[key].shape) != want:
+            raise bad(f"tensor {key!r} has shape {list(weights[key].shape)}, expected {list(want)} for width {dim}, "
+                      f"head size {head_dim}")
+    return {**NOT_IN_WEIGHTS,
+            "in_channels": in_channels,
+            "out_channels": rows[0] // (p * p),
+            "num_layers": len(indices),
+            "attention_head_dim": head_dim,
+            "num_attention_heads": dim // head_dim,
+            "joint_attention_dim": joint,
+            "axes_dims_rope": rope_axes(head_dim)}
+
+
+# LoRAs (lora.py, the protocol's LoRADenoiser): every naming people use (diffusers / PEFT, the Lightning / ComfyUI /
+# musubi `diffusion_model.` names, kohya's lora_unet_) names diffusers' layers, which are mlxdiff's: no rules
+LORA_NAME = "Qwen-Image transformer"
+LORA_ARCHITECTURE = "Qwen-Image"     # its label in lora.ARCHITECTURES
+
+
+def lora_original_rules(args) -> list:
+    return []

@@ -9,11 +9,12 @@ from ..formats import check_weight_file, tensor_shapes
 from ..loading import quantize as quantization
 from ..loading.sources import not_a_folder, read_pipeline_folder, resolve_path
 from ..loading.spec import PipelineSources
-from . import chroma, flux1, flux2, sd3, stable_diffusion, zimage
+from . import chroma, flux1, flux2, qwenimage, sd3, stable_diffusion, zimage
 from .family import Family, LoadRequest, family_named, identify  # noqa: F401  (Family: the record's type)
 
-# the registry: detection asks them in this order
-FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY, zimage.FAMILY)
+# the registry: detection asks them in this order (Qwen-Image before FLUX.2, whose BFL-name test its img_in matches)
+FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, qwenimage.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY,
+            zimage.FAMILY)
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
 
 

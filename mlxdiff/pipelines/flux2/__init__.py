@@ -9,7 +9,8 @@ from .pipeline import Conditioning, Flux2Pipeline  # noqa: F401  (mlxdiff.pipeli
 
 SCHEDULER = ("FlowMatchEulerDiscreteScheduler",)
 COMPONENTS = {"transformer": ("Flux2Transformer2DModel",), "vae": ("AutoencoderKLFlux2",),
-              "text_encoder": tuple(text_llm.ARCHITECTURES.values()), "tokenizer": None, "scheduler": SCHEDULER}
+              "text_encoder": tuple(text_llm.ARCHITECTURES[t] for t in ("mistral3", "qwen3")), "tokenizer": None,
+              "scheduler": SCHEDULER}
 
 
 def read_folder(path, index, pipeline_class, components, request):

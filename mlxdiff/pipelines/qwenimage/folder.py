@@ -1,0 +1,80 @@
+"""A Qwen-Image diffusers folder (QwenImagePipeline) -> PipelineSources: the transformer, the AutoencoderKLQwenImage
+VAE, the Qwen2.5-VL text encoder's language model read up to hidden_states[-1] (every layer and the final norm; the
+vision tower is never read) and its Qwen2 tokenizer."""
+
+from pathlib import Path
+
+from ...errors import MlxdiffError
+from ...formats import check_weight_file, tensor_shapes
+from ...loading.sources import (ComponentSpec, folder_component, not_a_folder, read_json, read_scheduler_config,
+                                text_encoder_spec, tokenizer_folder, transformer_from_file)
+from ...loading.spec import PipelineSources
+from ...models import qwenimage, text_llm
+
+# the prompt template's control tokens: a tokenizer without them is not Qwen's
+TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+
+def transformer_file(path, base_config, base_where) -> ComponentSpec:
+    """transformer=FILE: a Qwen-Image transformer file in diffusers' names, bare or under ComfyUI's prefix (safetensors,
+    fp8 or GGUF), its config read off the shapes, the folder's axes_dims_rope and patch_size kept."""
+    from ..family import identify
+    path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
+    names = list(tensor_shapes(path))
+    if qwenimage.is_qwen_image_21(names):
+        raise MlxdiffError(f"{path}: not a Qwen-Image transformer but Qwen-Image 2.1's (txt_in.text_norm, a SwiGLU "
+                           "img_mlp: QwenImage21Transformer2DModel), which mlxdiff does not run")
+    if not qwenimage.is_original(names):
+        raise MlxdiffError(f"{path}: " + (identify(names, but="qwenimage") or
+                                          "not a Qwen-Image transformer in diffusers' names (no txt_norm.weight and "
+                                          "transformer_blocks.0.img_mod.*); give a QwenImageTransformer2DModel file"))
+    return transformer_from_file(path, qwenimage, base_config, base_where)
+
+
+def check_tokenizer(tokenizer, source, rows, encoder_where) -> None:
+    """Qwen-Image's template tokens in the tokenizer, and no more tokens than the text encoder's embedding rows."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in TEMPLATE_TOKENS if t not in vocab]
+    if missing:
+        raise MlxdiffError(f"{source}: the tokenizer has no {' / '.join(missing)}; Qwen-Image's prompt template needs "
+                           "Qwen2.5-VL's tokenizer (its tokenizer/ folder)")
+    if rows is not None and len(tokenizer) > rows:
+        raise MlxdiffError(f"{source}: the tokenizer has {len(tokenizer)} tokens but the text encoder's embedding "
+                           f"({encoder_where}) has {rows} rows; give the model's own tokenizer folder")
+
+
+def qwenimage_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
+    """A QwenImagePipeline folder; a `transformer` file (diffusers' or ComfyUI's names) replaces its denoiser."""
+    from ...tokenizers import load_tokenizer
+    where = root / "model_index.json"
+    specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
+             for name in ("transformer", "vae")}
+    if transformer is not None:
+        specs["transformer"] = transformer_file(transformer, specs["transformer"].config,
+                                               root / "transformer" / "config.json")
+    config_path = root / "text_encoder" / "config.json"
+    config = read_json(config_path, "the text encoder config", root)
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config   # 5.x nests it
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+        raise MlxdiffError(f"{config_path}: num_hidden_layers is {layers!r}; expected a positive integer")
+    specs["text_encoder"] = text_encoder_spec(root / "text_encoder", [layers], root)   # hidden_states[-1]
+    encoder = specs["text_encoder"].args
+    if text_llm.ARCHITECTURES.get(encoder.model_type) != components["text_encoder"]:
+        raise MlxdiffError(f"{where}: component 'text_encoder' names class {components['text_encoder']!r} but "
+                           f"{config_path} is model_type {encoder.model_type!r}")
+    targs, vargs = specs["transformer"].args, specs["vae"].args
+    tconfig, vconfig = root / "transformer" / "config.json", root / "vae" / "config.json"
+    width = encoder.text_config.get("hidden_size")
+    if width != targs.joint_attention_dim:
+        raise MlxdiffError(f"{tconfig}: joint_attention_dim is {targs.joint_attention_dim} but the text encoder "
+                           f"({config_path}) gives {width} features; the components do not belong together")
+    out = targs.out_channels or targs.in_channels
+    if (targs.patch_size, targs.in_channels, out) != (2, 4 * vargs.z_dim, vargs.z_dim):
+        raise MlxdiffError(f"{tconfig}: patch_size {targs.patch_size}, in_channels {targs.in_channels}, out_channels "
+                           f"{out}; with {vconfig}'s z_dim {vargs.z_dim} the pipeline's 2x2 patches need 2, "
+                           f"{4 * vargs.z_dim}, {vargs.z_dim}; the components do not belong together")
+    folder = tokenizer_folder(root, "tokenizer")
+    tokenizer = load_tokenizer(folder)
+    check_tokenizer(tokenizer, folder, encoder.text_config.get("vocab_size"), config_path)
+    return PipelineSources("qwenimage", pipeline_class, specs, {"tokenizer": tokenizer}, read_scheduler_config(root))

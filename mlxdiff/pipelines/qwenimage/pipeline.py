@@ -1,0 +1,254 @@
+"""Qwen-Image, following diffusers' QwenImagePipeline (pipelines/qwenimage/pipeline_qwenimage.py) and, with image=,
+QwenImageImg2ImgPipeline (pipeline_qwenimage_img2img.py).
+
+    encode:  Qwen2.5-VL's language model through mlx-lm (models/text_llm.py): each prompt in Qwen-Image's template
+             (PROMPT_TEMPLATE), the batch padded to its longest row (at most 1024 + 34 tokens); the features are
+             hidden_states[-1] (the final-normed output); per row its valid tokens, less the template's first 34
+             (DROP_TOKENS), padded with zeros to the batch's longest with a 0 / 1 mask, then cut to
+             max_sequence_length (512); the negative prompt is encoded on its own, as diffusers
+    denoise: the Qwen-Image MMDiT on 2x2-packed latents (B, (H/16) (W/16), 4 z_dim), img_shapes [(1, H/16, W/16)],
+             timestep t / 1000, the text mask as keys; flow-match Euler over sigmas linspace(1, 1/N, N) shifted by mu
+             from the image token count; true CFG only with a negative prompt and true_cfg_scale > 1 (default 4.0):
+             comb = neg + s (cond - neg), rescaled per token to the conditional prediction's norm
+    reference (only with image=): the init image resized to the output size, a sample of the VAE posterior
+             ((z - latents_mean) / latents_std), packed and noised to the first step run (strength: the share of the
+             schedule denoised, default 0.6; get_timesteps as SD3's img2img)
+    decode:  unpack, latents * latents_std + latents_mean (the VAE's config), AutoencoderKLQwenImage on one frame
+
+The transformer has no guidance embedding in use (diffusers ignores guidance_scale for it, with a warning): `guidance`
+is ignored here too, with a note.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
+from ... import schedulers
+from ...arguments import check_generate
+from ...errors import MlxdiffError
+from ...tokenizers import report_truncation
+from .. import image_inputs
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ..flux1.pipeline import pack
+
+# QwenImagePipeline's prompt_template_encode, prompt_template_encode_start_idx and tokenizer_max_length
+PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
+                   "text, spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+DROP_TOKENS = 34
+TOKENIZER_MAX_LENGTH = 1024
+TRUE_CFG_SCALE = 4.0     # QwenImagePipeline.__call__'s default (used only with a negative prompt)
+
+
+@dataclass
+class Conditioning:
+    """Text conditioning, named as diffusers names it. Arrays are MLX; `as_numpy()` converts them. The masks are
+    (B, L) of 0 / 1 over each row's tokens (diffusers returns None where every entry is 1)."""
+    prompt_embeds: mx.array
+    prompt_embeds_mask: mx.array
+    negative_prompt_embeds: mx.array | None = None
+    negative_prompt_embeds_mask: mx.array | None = None
+
+    as_numpy = as_numpy
+
+
+def tokenize(tokenizer, prompts):
+    """_get_qwen_prompt_embeds' tokenization: the template around each prompt, padded to the longest (on the
+    tokenizer's side), truncated at 1024 + 34 tokens -> (ids, mask) int32 (B, L), and the texts."""
+    texts = [PROMPT_TEMPLATE.format(p) for p in prompts]
+    enc = tokenizer(texts, max_length=TOKENIZER_MAX_LENGTH + DROP_TOKENS, padding=True, truncation=True)
+    return np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32), texts
+
+
+def valid_rows(hidden, mask, max_sequence_length):
+    """_extract_masked_hidden + the drop + the stacking, then encode_prompt's cut: each row's valid tokens less the
+    first DROP_TOKENS, zero-padded to the longest -> (embeds (B, L', D), mask (B, L') int32, the kept index rows)."""
+    kept = [np.nonzero(row)[0][DROP_TOKENS:] for row in mask]
+    length = max(len(k) for k in kept)
+    rows, masks = [], []
+    for i, k in enumerate(kept):
+        row = mx.take(hidden[i], mx.array(k.astype(np.int32)), axis=0) if len(k) else hidden[i, :0]
+        rows.append(mx.concatenate([row, mx.zeros((length - len(k), hidden.shape[-1]), hidden.dtype)], axis=0))
+        masks.append(np.arange(length) < len(k))
+    embeds, out_mask = mx.stack(rows), np.stack(masks).astype(np.int32)
+    return embeds[:, :max_sequence_length], mx.array(out_mask[:, :max_sequence_length]), kept
+
+
+class QwenImagePipeline(Pipeline):
+    """`generate(..., negative_prompt=, true_cfg_scale=)`: true classifier-free guidance, two forwards a step, only
+    with a negative prompt ("" counts) and true_cfg_scale > 1 (default 4.0), as diffusers; otherwise one forward a
+    step. `guidance` is ignored (Qwen-Image is not guidance-distilled). `max_sequence_length`: the prompt's tokens
+    after the template (default 512). `latents`: the noise in diffusers' packed layout (batch, (H/16) * (W/16),
+    4 * z_dim). `image=` with `strength` (default 0.6): image-to-image as QwenImageImg2ImgPipeline; `image_noise`:
+    the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed)."""
+    family = "qwenimage"
+    patch_size = 2      # 2x2 latent patches per token: sizes are multiples of 16
+    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": None, "image_noise": None}
+    IMG2IMG_STRENGTH = 0.6      # QwenImageImg2ImgPipeline's strength
+
+    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
+        super().__init__(sources, dtype, keep, policy, group)
+        self.tokenizer = self.tokenizers["tokenizer"]
+
+    def defaults(self):
+        return {"steps": 50, "guidance": 0.0}        # QwenImagePipeline's steps; its guidance_scale is unused
+
+    def default_size(self):
+        return 128 * self.vae_scale_factor()          # default_sample_size 128: 1024 px
+
+    def vae_scale_factor(self):
+        return 2 ** len(self.components["vae"].args.temperal_downsample)
+
+    # -- encode -------------------------------------------------------------------------------------------------
+    def _encode(self, prompts, max_sequence_length):
+        ids, mask, texts = tokenize(self.tokenizer, prompts)
+        with self.use(self.components["text_encoder"]) as encoder:
+            hidden = encoder(mx.array(ids), mx.array(mask))
+            embeds, out_mask, kept = valid_rows(hidden, mask, max_sequence_length)
+            mx.eval(embeds)
+        truncated = [(text, self.tokenizer.decode(ids[i][k[max_sequence_length:]]))
+                     for i, (text, k) in enumerate(zip(texts, kept)) if len(k) > max_sequence_length]
+        report_truncation(truncated, f"{max_sequence_length} tokens after Qwen-Image's template")
+        return embeds.astype(self.dtype), out_mask
+
+    def encode_prompt(self, prompt, negative_prompt=None, *, do_true_cfg=False,
+                      max_sequence_length=None) -> Conditioning:
+        """prompt_embeds (B, L, hidden) and prompt_embeds_mask (B, L) as diffusers' encode_prompt; with
+        `do_true_cfg` the negative prompt's too (one per prompt; a string serves every prompt), encoded on its
+        own."""
+        check_generate(prompt=prompt, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length)
+        max_sequence_length = max_sequence_length or 512
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        embeds, mask = self._encode(prompts, max_sequence_length)
+        if not do_true_cfg:
+            return Conditioning(embeds, mask)
+        negative_prompt = "" if negative_prompt is None else negative_prompt
+        negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
+        if len(negs) != len(prompts):
+            raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
+        return Conditioning(embeds, mask, *self._encode(negs, max_sequence_length))
+
+    # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
+    def img2img_start(self, steps, strength):
+        return image_inputs.sd3_start(steps, strength)      # QwenImageImg2ImgPipeline.get_timesteps: the same
+
+    def check_inputs(self, run):
+        self.take_image_noise(run)
+
+    def true_cfg_scale(self, run):
+        scale = run.options["true_cfg_scale"]
+        return TRUE_CFG_SCALE if scale is None else scale
+
+    def uses_cfg(self, run):
+        # QwenImagePipeline's do_true_cfg: the scale above 1 and a negative prompt given
+        return self.true_cfg_scale(run) > 1 and run.negative_prompt is not None
+
+    def check_run(self, run):
+        noise, factor = run.options["image_noise"], self.vae_scale_factor()
+        expected = (1, self.components["vae"].args.z_dim, run.height // factor, run.width // factor)
+        if noise is not None and tuple(noise.shape) != expected:
+            raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {expected} (the VAE latents of "
+                               "the output size)")
+        terminal = schedulers.scheduler_config(self.scheduler_config)["shift_terminal"]
+        if run.steps == 1 and terminal:
+            # linspace(1, 1/N, N) is [1] at N = 1: stretching 1 - sigma to shift_terminal divides 0 by 0 (diffusers
+            # denoises with a NaN sigma)
+            raise MlxdiffError(f"steps=1: the scheduler's shift_terminal {terminal:g} (scheduler_config.json) makes a "
+                               "one-step schedule 0 / 0 (NaN in diffusers too); use 2 or more steps")
+
+    def encode(self, run):
+        return self.encode_prompt(run.prompt, run.negative_prompt, do_true_cfg=run.cfg,
+                                  max_sequence_length=run.options["max_sequence_length"])
+
+    def encode_settings(self, run):
+        return (repr(run.negative_prompt), run.options["max_sequence_length"])
+
+    def notes(self, run):
+        """What diffusers warns of and then ignores, as Result notes."""
+        given = run.options["true_cfg_scale"]
+        if given is not None and given > 1 and run.negative_prompt is None:
+            run.result.notes.append(f"true_cfg_scale {given:g} without a negative prompt: no CFG (as diffusers, which "
+                                    "warns); give a negative prompt (\"\" counts) for true CFG")
+        if run.negative_prompt is not None and not run.cfg:
+            run.result.notes.append(f"negative prompt unused: true_cfg_scale {self.true_cfg_scale(run):g} <= 1 (as "
+                                    "diffusers)")
+        if run.guidance:
+            run.result.notes.append(f"guidance {run.guidance:g} ignored: Qwen-Image is not guidance-distilled (as "
+                                    "diffusers); use true_cfg_scale with a negative prompt")
+
+    def prepare_latents(self, run, latents):
+        cond, targs = run.conditioning, self.components["transformer"].args
+        if cond.prompt_embeds.shape[-1] != targs.joint_attention_dim:
+            raise MlxdiffError(f"the text encoder gives {cond.prompt_embeds.shape[-1]} features per token but the "
+                               f"transformer's joint_attention_dim is {targs.joint_attention_dim}; the encoder and "
+                               "transformer do not belong together")
+        self.notes(run)
+        run.batch = cond.prompt_embeds.shape[0]
+        factor = self.vae_scale_factor()
+        h, w = run.height // factor, run.width // factor
+        channels = self.components["vae"].args.z_dim
+        tokens = (h // 2) * (w // 2)
+        run.state.update(shape=(run.batch, channels, h, w), img_shapes=[(1, h // 2, w // 2)],
+                         true_cfg_scale=self.true_cfg_scale(run))
+        run.sigmas, run.timesteps = qwenimage_sigmas(run.steps, tokens, self.scheduler_config)
+        if latents is None:      # drawn in the VAE's layout and packed, as diffusers' prepare_latents
+            return pack(initial_latents(None, run.state["shape"], run.seed))
+        return initial_latents(latents, (run.batch, tokens, 4 * channels), run.seed, "diffusers' packed layout: "
+                               "batch, (height/16) * (width/16), 4 * z_dim")
+
+    def encode_images(self, run, vae, x):
+        """QwenImageImg2ImgPipeline's start: the image resized to the output size, a sample of its VAE posterior
+        (image_noise, else the seed's second stream), (z - latents_mean) / latents_std, packed, noised to the first
+        step run (scale_noise)."""
+        from ...memory import budget_bytes
+        from ...pacing import pace
+        from ...policy import RunPolicy, current
+        policy = current() or RunPolicy()
+        pixels = image_inputs.to_array(image_inputs.resized(run.images[0], run.width, run.height))
+        vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)
+        # tiles only where an untiled encode would not fit (image_inputs.encode_tiling reads AutoencoderKL's config)
+        tiling = vae.decode_bytes((1, *run.state["shape"][1:]), self.dtype) > budget_bytes(policy)
+        mean, logvar = vae.encode_moments(mx.array(pixels).astype(self.dtype), tiling=tiling)
+        z = vae.sample_latents(mean.astype(mx.float32), logvar.astype(mx.float32),
+                               self.posterior_noise(run, run.state["shape"]))
+        init = pack(vae.scale_latents(z).astype(mx.float32))
+        x = image_inputs.noised(mx.broadcast_to(init, x.shape), x, run.sigmas[run.start])
+        mx.eval(x)
+        return x
+
+    def velocity(self, run, transformer, i, x):
+        # diffusers: t in the latents' dtype, then / 1000
+        t = mx.full((run.batch,), run.timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
+        c, tokens, shapes = run.conditioning, x.astype(self.dtype), run.state["img_shapes"]
+
+        def forward(name, embeds, mask):
+            mask = None if bool(mask.all()) else mask       # diffusers passes no mask where none is padding
+            return lambda: run.forward(name, lambda cache: transformer(
+                tokens, embeds, t, shapes, mask, after_block=evaluate_each_block, step_cache=cache,
+                stream_dtype=self.stream_dtype)).astype(mx.float32)
+        cond = forward("cond", c.prompt_embeds, c.prompt_embeds_mask)
+        if not run.cfg:
+            return cond()
+        neg, pos = guidance_pair(self.group, forward("uncond", c.negative_prompt_embeds,
+                                                     c.negative_prompt_embeds_mask), cond)
+        comb = neg + run.state["true_cfg_scale"] * (pos - neg)
+        # norm-preserving: each token's combined prediction rescaled to the conditional one's norm
+        return comb * (mx.linalg.norm(pos, axis=-1, keepdims=True) / mx.linalg.norm(comb, axis=-1, keepdims=True))
+
+    def unpack(self, run, x):
+        b, c, h, w = run.state["shape"]
+        x = x.reshape(b, h // 2, w // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
+        return x.reshape(b, c, h, w)
+
+
+def qwenimage_sigmas(steps, image_seq_len, scheduler_config=None):
+    """QwenImagePipeline's schedule: sigmas linspace(1, 1/N, N) through the scheduler with mu =
+    calculate_shift(image_seq_len) (used where the config shifts dynamically, else its static shift) ->
+    (sigmas [N + 1] with the terminal 0, timesteps [N]) float32."""
+    config = schedulers.scheduler_config(scheduler_config)
+    mu = schedulers.calculate_shift(image_seq_len, config["base_image_seq_len"], config["max_image_seq_len"],
+                                    config["base_shift"], config["max_shift"])
+    return schedulers.set_timesteps(config, steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
