@@ -533,7 +533,7 @@ ORIGINAL_KEYMAP = [
     (_SINGLE + r"norm\.key_norm\.scale", _TO_SINGLE + "attn.norm_k.weight"),
 ]
 _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
-# LoRAs (lora.py, the protocol's LoRADenoiser)
+# LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "FLUX.2 transformer"
 LORA_ARCHITECTURE = "FLUX.2"     # its label in lora.ARCHITECTURES
 
@@ -549,8 +549,9 @@ _FLUX1_KEY = re.compile(r"vector_in\.|double_blocks\.\d+\.(img|txt)_mod\.|single
 
 def is_original(names) -> bool:
     """Whether tensor names are BFL's (with or without the prefix), as opposed to diffusers'; a Chroma file's
-    (FLUX.1 blocks under the same names, and a distilled_guidance_layer, which FLUX.2 does not have) are not."""
-    return (any(re.match(_P + r"(img_in\.weight$|double_blocks\.|single_blocks\.)", n) for n in names)
+    (FLUX.1 blocks under the same names, and a distilled_guidance_layer, which FLUX.2 does not have) are not. By the
+    blocks' names: `img_in.weight` alone is also diffusers' name in Qwen-Image's transformer."""
+    return (any(re.match(_P + r"(double_blocks\.|single_blocks\.)", n) for n in names)
             and not any(re.match(_P + r"distilled_guidance_layer\.", n) for n in names))
 
 

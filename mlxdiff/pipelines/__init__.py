@@ -12,9 +12,9 @@ from ..loading.spec import PipelineSources
 from . import chroma, flux1, flux2, qwenimage, sd3, stable_diffusion, zimage
 from .family import Family, LoadRequest, family_named, identify  # noqa: F401  (Family: the record's type)
 
-# the registry: detection asks them in this order (Qwen-Image before FLUX.2, whose BFL-name test its img_in matches)
-FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, qwenimage.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY,
-            zimage.FAMILY)
+# the registry: detection asks each in turn (their claims do not overlap: tests/test_families.py)
+FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY, zimage.FAMILY,
+            qwenimage.FAMILY)
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
 
 
