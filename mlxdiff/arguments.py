@@ -377,7 +377,7 @@ def _is_path(value) -> bool:
 
 def check_loras(loras):
     """LoRAs as [(file, scale)]: each item a file (scale 1) or a (file, scale) pair, the scale by RULES["lora_scale"]
-    (whether a file fits the transformer is mlxdiff/lora.py's check)."""
+    (whether a file fits the transformer is mlxdiff/lora/apply.py's check)."""
     if loras is None:
         return None
     if isinstance(loras, (str, os.PathLike)) or not isinstance(loras, (list, tuple)):

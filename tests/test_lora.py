@@ -1,4 +1,4 @@
-"""LoRA (mlxdiff/lora.py) on the SD3.5 and FLUX.2 transformers, against diffusers' own LoRA loading on the same
+"""LoRA (mlxdiff/lora/) on the SD3.5 and FLUX.2 transformers, against diffusers' own LoRA loading on the same
 files, float32, tiny configs:
 
 - files written the way the tools write them: diffusers/PEFT (`add_adapter(LoraConfig)` ->

@@ -1,4 +1,4 @@
-"""LyCORIS's LoHa, LoKr and DoRA (mlxdiff/lora.py) on a tiny FLUX.2 transformer, against PEFT with the same adapter
+"""LyCORIS's LoHa, LoKr and DoRA (mlxdiff/lora/) on a tiny FLUX.2 transformer, against PEFT with the same adapter
 merged into the diffusers twin, float32:
 
 - the adapters are PEFT's own (LoHaConfig, LoKrConfig, LoraConfig(use_dora=True) injected into the diffusers
@@ -102,7 +102,7 @@ def gguf_q8_0(model):
     from gguf import GGMLQuantizationType
     from gguf_helpers import encode
     from mlxdiff.formats.gguf import RawLinear
-    from mlxdiff.lora import _put
+    from mlxdiff.lora.apply import _put
     layers = [(p, m) for p, m in model.named_modules() if type(m) is nn.Linear and m.weight.shape[1] % 32 == 0]
     for path, m in layers:
         out, in_ = m.weight.shape

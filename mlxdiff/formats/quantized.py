@@ -438,7 +438,7 @@ def quantized_predicate(layers: dict):
 
 def linear_dims(module):
     """(input width, output width) of a linear layer of any kind mlxdiff builds (plain, quantized, dequantizing,
-    GGUF-raw, fp8, palettized, or a wrapper around one such as mlxdiff/lora.py's LoRALinear), or None if it is not one."""
+    GGUF-raw, fp8, palettized, or a wrapper around one such as lora/layers.py's LoRALinear), or None if it is not one."""
     base = module.get("base")
     if isinstance(base, nn.Module):                         # a wrapper (LoRALinear): its base layer's
         return linear_dims(base)
@@ -458,7 +458,7 @@ def linear_dims(module):
 def linear_rows(layer, start, stop):
     """The same linear layer (plain, quantized, dequantizing, GGUF-raw or fp8) restricted to output rows
     start:stop: every array of it sliced along its first axis (rows of weight, scales, biases, bias); nothing is
-    copied. A layer that knows its own rows (a LoRA around a base, mlxdiff/lora.py) is asked for them."""
+    copied. A layer that knows its own rows (a LoRA around a base, mlxdiff/lora/layers.py) is asked for them."""
     if hasattr(layer, "rows"):
         return layer.rows(start, stop)
     view = copy.copy(layer)

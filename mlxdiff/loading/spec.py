@@ -68,7 +68,7 @@ class ComponentSpec:
     matmul: str | None = None         # "qmm" | "dequantize" for quantized layers (None: backend default)
     gguf_layout: str | None = None    # "raw" | "affine" for GGUF files (None: "auto", formats/gguf.py); the memory
                                       # budget may pick "raw" (memory.check_fits)
-    loras: tuple = ()                 # ((file, scale), ...): LoRAs added to the built model (mlxdiff/lora.py)
+    loras: tuple = ()                 # ((file, scale), ...): LoRAs added to the built model (mlxdiff/lora/)
     stream_budget: int | None = None  # bytes the weights must fit by streaming blocks from the file (memory.check_fits
                                       # sets it when they do not fit resident; loading/streaming.py)
 
@@ -165,7 +165,7 @@ class ComponentSpec:
             model.clear()
 
     def lora_nbytes(self) -> int:
-        """Bytes of the LoRA files' tensors (their headers; mlxdiff/lora.py keeps them as stored, or in the compute
+        """Bytes of the LoRA files' tensors (their headers; mlxdiff/lora/ keeps them as stored, or in the compute
         dtype where theirs would promote it)."""
         if not self.loras:
             return 0

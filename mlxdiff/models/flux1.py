@@ -362,7 +362,7 @@ _LINEAR1 = re.compile(r"single_transformer_blocks\.(\d+)\.linear1\.(weight|bias)
 # the parts of linear1's rows, in width units: q, k, v, then the MLP (MLP_RATIO widths)
 _LINEAR1_PARTS = (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_mlp", MLP_RATIO))
 
-# LoRAs (lora.py, the protocol's LoRADenoiser)
+# LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "FLUX.1 transformer"
 LORA_ARCHITECTURE = "FLUX.1"     # its label in lora.ARCHITECTURES
 

@@ -452,7 +452,7 @@ def original_to_diffusers(weights: dict) -> dict:
     return remap(weights, original_rules(blocks[-1]))
 
 
-# LoRAs (lora.py, the protocol's LoRADenoiser)
+# LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "SD3.5 transformer"
 LORA_ARCHITECTURE = "SD3"     # its label in lora.ARCHITECTURES
 
@@ -463,7 +463,7 @@ def lora_original_rules(args) -> list:
 
 def original_rules(last: int) -> list:
     """The compiled ORIGINAL_KEYMAP for a model whose last joint block is `last`, with that block's swap rule first
-    (see original_to_diffusers; also what mlxdiff/lora.py maps original-named LoRA layers with)."""
+    (see original_to_diffusers; also what mlxdiff/lora/names.py maps original-named LoRA layers with)."""
     return compile_rules([(rf"joint_blocks\.({last})\.context_block\.adaLN_modulation\.1\.(weight|bias)",
                            DIFF_BLOCK + r"norm1_context.linear.\2", "swap_halves")]) + _ORIGINAL_RULES
 

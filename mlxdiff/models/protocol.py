@@ -41,7 +41,7 @@ class ArchitectureArgs(Protocol):
 
 @runtime_checkable
 class ArchitectureModel(Protocol):
-    """What loading/build.build needs of `Model(args)` (an mlx.nn.Module, which also keeps `args`: lora.py reads
+    """What loading/build.build needs of `Model(args)` (an mlx.nn.Module, which also keeps `args`: lora/ reads
     `model.args`)."""
 
     def sanitize(self, weights: dict) -> dict:
@@ -132,7 +132,7 @@ class OriginalFile(Protocol):
 
 @runtime_checkable
 class LoRADenoiser(Protocol):
-    """A denoiser LoRAs apply to (lora.py): what it is called and how original-named LoRA layers reach it."""
+    """A denoiser LoRAs apply to (lora/): what it is called and how original-named LoRA layers reach it."""
 
     LORA_NAME: str
     """lora.plan's messages: what the denoiser is ("SD3.5 transformer", "SD 1.x / SDXL UNet")."""
@@ -141,7 +141,7 @@ class LoRADenoiser(Protocol):
     for another one is refused by name."""
 
     def lora_original_rules(self, args) -> list:
-        """lora._original_rules: the compiled (pattern, target, transform) rules of the original names for a model
+        """lora.names._original_rules: the compiled (pattern, target, transform) rules of the original names for a model
         of `args` (formats/keymaps compile_rules), through which original-named LoRA keys reach mlxdiff's layers. A
         module may also have LORA_UNMAPPED, (a pattern of original names its rules cannot map, why), for the line
         that refuses them."""

@@ -371,7 +371,7 @@ def config_from_original(weights: dict) -> dict:
             "axes_dims_rope": rope_axes(head_dim)}
 
 
-# LoRAs (lora.py, the protocol's LoRADenoiser): every naming people use (diffusers / PEFT, the Lightning / ComfyUI /
+# LoRAs (lora/, the protocol's LoRADenoiser): every naming people use (diffusers / PEFT, the Lightning / ComfyUI /
 # musubi `diffusion_model.` names, kohya's lora_unet_) names diffusers' layers, which are mlxdiff's: no rules
 LORA_NAME = "Qwen-Image transformer"
 LORA_ARCHITECTURE = "Qwen-Image"     # its label in lora.ARCHITECTURES

@@ -446,7 +446,7 @@ FROM_BASE_CONFIG = ("sample_size",)  # the default image size is not in the weig
 RESNET_PARTS = [(r"in_layers\.0", "norm1"), (r"in_layers\.2", "conv1"), (r"emb_layers\.1", "time_emb_proj"),
                 (r"out_layers\.0", "norm2"), (r"out_layers\.3", "conv2"), (r"skip_connection", "conv_shortcut")]
 # (same names in both; spelled out, with no dot inside a group, so that kohya's underscore-folded LoRA names match
-# the rules folded the same way: lora._original_rules)
+# the rules folded the same way: lora.names._original_rules)
 ATTENTION_PARTS = [(r"norm", "norm"), (r"proj_(in|out)", r"proj_\1"),
                    (r"transformer_blocks\.(\d+)\.(norm[123])", r"transformer_blocks.\1.\2"),
                    (r"transformer_blocks\.(\d+)\.(attn[12])\.(to_q|to_k|to_v)", r"transformer_blocks.\1.\2.\3"),
@@ -497,15 +497,15 @@ def original_keymap(layers_per_block=2, levels=4) -> list:
 
 @lru_cache(maxsize=8)
 def original_rules(layers_per_block=2, levels=4) -> list:
-    """original_keymap compiled (what formats/keymaps.remap and lora.py take)."""
+    """original_keymap compiled (what formats/keymaps.remap and lora/names.py take)."""
     return compile_rules(original_keymap(layers_per_block, levels))
 
 
-# what lora.py maps original-named (kohya `lora_unet_input_blocks_4_1_...`) LoRA layers through: every released
+# what lora/names.py maps original-named (kohya `lora_unet_input_blocks_4_1_...`) LoRA layers through: every released
 # UNet has 2 resnets per level and at most 4 levels
 _ORIGINAL_RULES = original_rules(2, 4)
 
-# LoRAs (lora.py, the protocol's LoRADenoiser)
+# LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "SD 1.x / SDXL UNet"
 LORA_ARCHITECTURE = "an SD 1.x / SDXL UNet"     # its label in lora.ARCHITECTURES
 # SGM's (SDXL's original) block names, which the original-name table maps for one depth per level only

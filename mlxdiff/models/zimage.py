@@ -428,7 +428,7 @@ ORIGINAL_KEYMAP = [
 ]
 _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
 
-# LoRAs (lora.py, the protocol's LoRADenoiser)
+# LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "Z-Image transformer"
 LORA_ARCHITECTURE = "Z-Image"     # its label in lora.ARCHITECTURES
 # original-named LoRA layers (musubi-tuner / kohya / ComfyUI: attention.qkv fused, attention.out, x_embedder,

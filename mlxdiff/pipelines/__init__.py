@@ -98,7 +98,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     `keep`: which components stay loaded across generate() calls: "none" (load, use and free in every phase),
     "auto" (while they fit the budget together with the largest other component) or "all" (phases.Residency).
     Prompts already encoded with the same settings are not encoded again (a cache of the last 16).
-    `loras`: [(file, scale), ...] (or files, scale 1) added to the transformer (Pipeline.load_lora, mlxdiff/lora.py).
+    `loras`: [(file, scale), ...] (or files, scale 1) added to the transformer (Pipeline.load_lora, mlxdiff/lora/).
     `memory_limit`: GB this pipeline's runs may use (MLX's allocator is capped for the length of each run, every
     phase checks before loading that its weights fit, and the budget decides pacing, block compilation, VAE bands
     and tiles, GGUF layouts and keep="auto"); None: the free memory is the budget. The pipeline's run policy

@@ -202,7 +202,7 @@ class Pipeline:
 
     def load_lora(self, file, scale=1.0):
         """Add a LoRA file at `scale` (times the file's alpha / rank): diffusers/PEFT, kohya/ComfyUI or
-        original-named safetensors (mlxdiff/lora.py), to the transformer and, where the file has them, SD3.5's text
+        original-named safetensors (mlxdiff/lora/), to the transformer and, where the file has them, SD3.5's text
         encoders. It is checked against each component's layers before any weight is read; a component kept loaded
         (keep=) gets it in place, a later one is built with it. Returns the pipeline."""
         from .. import lora
