@@ -93,6 +93,19 @@ def _spaced_timesteps(config, steps):
     return np.arange(n, 0, -n / steps).round().copy().astype(np.float32) - 1
 
 
+def _integer_timesteps(config, steps):
+    """Descending int64 training timesteps, `steps` of them, as DDIM / DPM++ / PNDM's set_timesteps space them
+    (linspace rounded, leading from steps_offset, trailing from the end); one copy for the three samplers."""
+    n = config["num_train_timesteps"]
+    if config["timestep_spacing"] == "linspace":
+        spaced = np.linspace(0, n - 1, steps).round()[::-1]
+    elif config["timestep_spacing"] == "leading":
+        spaced = (np.arange(0, steps) * (n // steps)).round()[::-1] + config["steps_offset"]
+    else:
+        spaced = np.arange(n, 0, -n / steps).round() - 1
+    return spaced.copy().astype(np.int64)
+
+
 def _sigma_to_t(sigma, log_sigmas):
     log_sigma = np.log(np.maximum(sigma, 1e-10))
     dists = log_sigma - log_sigmas[:, np.newaxis]
@@ -163,10 +176,7 @@ class DDIMSampler:
             raise MlxdiffError(f"steps must be at least 1, got {steps}")
         self.config, self.ancestral = config, False
         n = config["num_train_timesteps"]
-        if config["timestep_spacing"] == "linspace":
-            timesteps = np.linspace(0, n - 1, steps).round()[::-1].copy().astype(np.int64)
-        else:
-            timesteps = _spaced_timesteps(config, steps).astype(np.int64)
+        timesteps = _integer_timesteps(config, steps)
         self.timesteps = timesteps.astype(np.float32)
         _, self.alphas_cumprod = train_sigmas(config)
         final = 1.0 if config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
@@ -211,15 +221,9 @@ class DPMSolver2MSampler:
         if steps < 1:
             raise MlxdiffError(f"steps must be at least 1, got {steps}")
         self.config, self.ancestral = config, False
-        n = config["num_train_timesteps"]
-        if config["timestep_spacing"] == "linspace":
-            timesteps = np.linspace(0, n - 1, steps + 1).round()[::-1][:-1].copy().astype(np.int64)
-        elif config["timestep_spacing"] == "leading":
-            ratio = n // (steps + 1)
-            timesteps = (np.arange(0, steps + 1) * ratio).round()[::-1][:-1].copy().astype(np.int64)
-            timesteps += config["steps_offset"]
-        else:
-            timesteps = np.arange(n, 0, -n / steps).round().copy().astype(np.int64) - 1
+        # diffusers' DPMSolverMultistepScheduler spaces steps + 1 points and drops the last, except when trailing
+        timesteps = (_integer_timesteps(config, steps) if config["timestep_spacing"] == "trailing" else
+                     _integer_timesteps(config, steps + 1)[:-1].copy())
         train, _ = train_sigmas(config)
         if config["use_karras_sigmas"]:
             sigmas = _karras(np.flip(train).copy(), steps, config)
@@ -269,12 +273,7 @@ class PNDMSampler:
             raise MlxdiffError(f"steps must be at least 1, got {steps}")
         self.config, self.ancestral = config, False
         n = config["num_train_timesteps"]
-        if config["timestep_spacing"] == "linspace":
-            spaced = np.linspace(0, n - 1, steps).round().astype(np.int64)
-        elif config["timestep_spacing"] == "leading":
-            spaced = (np.arange(0, steps) * (n // steps)).round() + config["steps_offset"]
-        else:
-            spaced = np.round(np.arange(n, 0, -n / steps))[::-1].astype(np.int64) - 1
+        spaced = _integer_timesteps(config, steps)[::-1]     # ascending, as PNDM builds its PLMS order from it
         self.timesteps = np.concatenate([spaced[:-1], spaced[-2:-1], spaced[-1:]])[::-1].astype(np.int64).astype(
             np.float32)
         _, self.alphas_cumprod = train_sigmas(config)
