@@ -11,6 +11,9 @@ whose behaviour mlxdiff follows prepare them, then encoded by the family's VAE.
   sample of the VAE posterior (mean + std x noise, as `latent_dist.sample`), (z - shift) x scaling.
 - FLUX.2 img2img (mflux's `--image-path` recipe, see `flux2_img2img_start`): the image, alpha composited over white,
   resized (LANCZOS) to the output size; the latent mean, patchified and normalised as a reference is.
+- Latent-blend inpainting (diffusers' ZImageInpaintPipeline, QwenImageInpaintPipeline): the mask as their
+  mask_processor prepares it, at the latent size (`latent_mask`); after each step the kept area is put back
+  (`inpaint_blend`). `take_mask` is the check both families' check_inputs make.
 """
 
 import math
@@ -20,6 +23,8 @@ import numpy as np
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
+from ..arguments import check_images
+from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..pacing import pace
 from ..policy import RunPolicy, current
@@ -124,7 +129,6 @@ def sd3_init_latents(vae, image, width, height, dtype, noise):
     mean, logvar = encode_moments(vae, to_array(resized(image, width, height)), dtype)
     mean, logvar = mean.astype(mx.float32), logvar.astype(mx.float32)
     if tuple(noise.shape) != tuple(mean.shape):
-        from ..errors import MlxdiffError
         raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {tuple(mean.shape)} (the VAE "
                            "posterior of the resized image)")
     z = mean + mx.exp(0.5 * logvar) * noise
@@ -157,3 +161,43 @@ def noised(clean, noise, sigma):
     scale_noise; mflux's add_noise_by_interpolation), in float32."""
     one_minus = float(np.float32(1.0) - np.float32(sigma))      # in float32, as the scheduler's tensors
     return (float(np.float32(sigma)) * noise + one_minus * clean).astype(mx.float32)
+
+
+# -- latent-blend inpainting (ZImageInpaintPipeline, QwenImageInpaintPipeline) ------------------------------------
+def take_mask(run):
+    """check_inputs' part: generate()'s `mask` (run.options) read and checked, only with the one init image ->
+    run.state's mask (PIL) and mask_name."""
+    if run.options["mask"] is None:
+        return
+    if not run.images:
+        raise MlxdiffError("mask: a mask says where to repaint an image; give image= (--image) too, or leave the "
+                           "mask out")
+    names, masks = check_images(run.options["mask"])
+    if len(masks) > 1:
+        raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
+    run.state.update(mask=masks[0], mask_name=names[0])
+
+
+def latent_mask(mask, width, height, factor) -> np.ndarray:
+    """The inpainting pipelines' mask: their mask_processor (VaeImageProcessor with do_normalize=False,
+    do_binarize=True, do_convert_grayscale=True: resized LANCZOS to the output size, then grayscale, in [0, 1],
+    binarized at 0.5), then interpolate "nearest" to the latent size, which at a whole factor takes every factor-th
+    pixel -> (1, 1, height / factor, width / factor) float32 of 0 and 1 (1: repaint)."""
+    values = np.asarray(resized(mask, width, height).convert("L")).astype(np.float32) / 255.0
+    return (values >= 0.5).astype(np.float32)[None, None, ::factor, ::factor]
+
+
+def inpaint_blend(run, i, latents):
+    """The step's blend after step i, where run.state has the latent_mask (and the image_latents and the noise, in the
+    latents' layout): (1 - mask) * the init latents noised to the next sigma (0 after the last: clean) + mask *
+    latents. White repaints, black keeps. Without a mask the latents unchanged."""
+    st = run.state
+    if "latent_mask" not in st:
+        return latents
+    mask = st["latent_mask"]
+    return (1 - mask) * noised(st["image_latents"], st["noise"], run.sigmas[i + 1]) + mask * latents
+
+
+def inpaint_note(run, note) -> str:
+    """images_note's line with a mask."""
+    return note if "mask" not in run.state else f"inpainting where {run.state['mask_name']} is white; {note}"

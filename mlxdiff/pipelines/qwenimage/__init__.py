@@ -1,4 +1,5 @@
-"""Qwen-Image (Qwen/Qwen-Image): QwenImagePipeline folders, text-to-image and image-to-image; or ComfyUI's
+"""Qwen-Image (Qwen/Qwen-Image): QwenImagePipeline folders (QwenImageImg2ImgPipeline's and
+QwenImageInpaintPipeline's too), text-to-image, image-to-image and inpainting; or ComfyUI's
 transformer file (or a GGUF) with its qwen_2.5_vl_7b and qwen_image_vae files (beside it or given), or those files
 alone (files.py). The transformer is models/qwenimage.py, the
 VAE models/vae_qwenimage.py (Wan's causal VAE on one frame), the text encoder Qwen2.5-VL's language model through
@@ -44,7 +45,8 @@ def part_of(names):
 
 FAMILY = Family(
     name="qwenimage", title="Qwen-Image", article="a", pipeline=QwenImagePipeline,
-    layouts={"QwenImagePipeline": COMPONENTS},
+    layouts={name: COMPONENTS for name in ("QwenImagePipeline", "QwenImageImg2ImgPipeline",
+                                           "QwenImageInpaintPipeline")},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser",
               "text_encoder": "Qwen-Image's Qwen2.5-VL file (with its transformer file as the model, or alone)",

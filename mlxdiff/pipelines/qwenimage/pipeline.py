@@ -1,5 +1,6 @@
-"""Qwen-Image, following diffusers' QwenImagePipeline (pipelines/qwenimage/pipeline_qwenimage.py) and, with image=,
-QwenImageImg2ImgPipeline (pipeline_qwenimage_img2img.py).
+"""Qwen-Image, following diffusers' QwenImagePipeline (pipelines/qwenimage/pipeline_qwenimage.py), with image=
+QwenImageImg2ImgPipeline (pipeline_qwenimage_img2img.py), with image= and mask= QwenImageInpaintPipeline
+(pipeline_qwenimage_inpaint.py).
 
     encode:  Qwen2.5-VL's language model through mlx-lm (models/text_llm.py): each prompt in Qwen-Image's template
              (PROMPT_TEMPLATE), the batch padded to its longest row (at most 1024 + 34 tokens); the features are
@@ -13,6 +14,12 @@ QwenImageImg2ImgPipeline (pipeline_qwenimage_img2img.py).
     reference (only with image=): the init image resized to the output size, a sample of the VAE posterior
              ((z - latents_mean) / latents_std), packed and noised to the first step run (strength: the share of the
              schedule denoised, default 0.6; get_timesteps as SD3's img2img)
+    inpainting (mask=): the mask as its mask_processor makes it (resized LANCZOS to the output size, grayscale,
+             binarized at 0.5), interpolate "nearest" to the latent size, repeated over the channels and packed as
+             the latents are; after each step the latents are (1 - mask) * the init latents noised to the next sigma
+             (clean after the last) + mask * the latents (image_inputs.inpaint_blend, Z-Image's too). Its default
+             strength is 0.6, as img2img's. masked_image_latents only reach diffusers' callbacks, so they are not
+             computed; padding_mask_crop is not taken (generate() refuses it as an unknown keyword)
     decode:  unpack, latents * latents_std + latents_mean (the VAE's config), AutoencoderKLQwenImage on one frame
 
 The transformer has no guidance embedding in use (diffusers ignores guidance_scale for it, with a warning): `guidance`
@@ -31,6 +38,7 @@ from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import report_truncation
 from .. import image_inputs
+from ..image_inputs import latent_mask
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 from ..flux1.pipeline import pack
 
@@ -82,12 +90,15 @@ class QwenImagePipeline(Pipeline):
     with a negative prompt ("" counts) and true_cfg_scale > 1 (default 4.0), as diffusers; otherwise one forward a
     step. `guidance` is ignored (Qwen-Image is not guidance-distilled). `max_sequence_length`: the prompt's tokens
     after the template (default 512). `latents`: the noise in diffusers' packed layout (batch, (H/16) * (W/16),
-    4 * z_dim). `image=` with `strength` (default 0.6): image-to-image as QwenImageImg2ImgPipeline; `image_noise`:
-    the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed)."""
+    4 * z_dim). `image=` with `strength` (default 0.6): image-to-image as QwenImageImg2ImgPipeline; with `mask=`
+    too (a PIL image or file, white repaints, black keeps, any size: resized to the output's) inpainting as
+    QwenImageInpaintPipeline (strength default 0.6 too); the output size is not the image's (1024 x 1024 unless
+    given, as there). `image_noise`: the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed)."""
     family = "qwenimage"
     patch_size = 2      # 2x2 latent patches per token: sizes are multiples of 16
-    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": None, "image_noise": None}
+    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": None, "image_noise": None, "mask": None}
     IMG2IMG_STRENGTH = 0.6      # QwenImageImg2ImgPipeline's strength
+    INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)
@@ -135,8 +146,12 @@ class QwenImagePipeline(Pipeline):
     def img2img_start(self, steps, strength):
         return image_inputs.sd3_start(steps, strength)      # QwenImageImg2ImgPipeline.get_timesteps: the same
 
+    def default_strength(self, options):
+        return self.INPAINT_STRENGTH if options.get("mask") is not None else self.IMG2IMG_STRENGTH
+
     def check_inputs(self, run):
         self.take_image_noise(run)
+        image_inputs.take_mask(run)
 
     def true_cfg_scale(self, run):
         scale = run.options["true_cfg_scale"]
@@ -214,10 +229,20 @@ class QwenImagePipeline(Pipeline):
         mean, logvar = vae.encode_moments(mx.array(pixels).astype(self.dtype), tiling=tiling)
         z = vae.sample_latents(mean.astype(mx.float32), logvar.astype(mx.float32),
                                self.posterior_noise(run, run.state["shape"]))
-        init = pack(vae.scale_latents(z).astype(mx.float32))
-        x = image_inputs.noised(mx.broadcast_to(init, x.shape), x, run.sigmas[run.start])
+        init = mx.broadcast_to(pack(vae.scale_latents(z).astype(mx.float32)), x.shape)
+        if "mask" in run.state:     # each step's blend: the noise, the init latents, the mask, all packed
+            run.state.update(noise=x, image_latents=init, latent_mask=packed_latent_mask(
+                run.state["mask"], run.width, run.height, self.vae_scale_factor(), run.state["shape"][1]))
+        x = image_inputs.noised(init, x, run.sigmas[run.start])
         mx.eval(x)
         return x
+
+    def step(self, run, i, x, prediction):
+        # QwenImageInpaintPipeline: after each step the kept area is the init latents at the next sigma (0: clean)
+        return image_inputs.inpaint_blend(run, i, super().step(run, i, x, prediction))
+
+    def images_note(self, run, seconds):
+        return image_inputs.inpaint_note(run, super().images_note(run, seconds))
 
     def velocity(self, run, transformer, i, x):
         # diffusers: t in the latents' dtype, then / 1000
@@ -242,6 +267,13 @@ class QwenImagePipeline(Pipeline):
         b, c, h, w = run.state["shape"]
         x = x.reshape(b, h // 2, w // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
         return x.reshape(b, c, h, w)
+
+
+def packed_latent_mask(mask, width, height, factor, channels) -> mx.array:
+    """QwenImageInpaintPipeline.prepare_mask_latents' mask: the latent mask (image_inputs.latent_mask) repeated over
+    the latent channels and packed as the latents are -> (1, (H/2f) (W/2f), 4 channels) float32 of 0 and 1."""
+    values = mx.array(latent_mask(mask, width, height, factor))
+    return pack(mx.broadcast_to(values, (1, channels, *values.shape[2:])))
 
 
 def qwenimage_sigmas(steps, image_seq_len, scheduler_config=None):

@@ -35,6 +35,7 @@ from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import tokenize_klein
 from .. import image_inputs
+from ..image_inputs import latent_mask
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
@@ -107,16 +108,8 @@ class ZImagePipeline(Pipeline):
         return self.INPAINT_STRENGTH if options.get("mask") is not None else self.IMG2IMG_STRENGTH
 
     def check_inputs(self, run):
-        from ...arguments import check_images
         self.take_image_noise(run)
-        if run.options["mask"] is not None:
-            if not run.images:
-                raise MlxdiffError("mask: a mask says where to repaint an image; give image= (--image) too, or "
-                                   "leave the mask out")
-            names, masks = check_images(run.options["mask"])
-            if len(masks) > 1:
-                raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
-            run.state.update(mask=masks[0], mask_name=names[0])
+        image_inputs.take_mask(run)
         if run.images:      # diffusers' default height and width: the image's, cut to a multiple of 16
             multiple = self.vae_scale_factor() * self.patch_size
             w, h = run.images[0].size
@@ -168,16 +161,11 @@ class ZImagePipeline(Pipeline):
         return x
 
     def step(self, run, i, x, prediction):
-        x = super().step(run, i, x, prediction)
-        if "latent_mask" not in run.state:
-            return x
-        st = run.state      # ZImageInpaintPipeline: the kept area is the init latents at the next sigma (0: clean)
-        kept = image_inputs.noised(st["image_latents"], st["noise"], run.sigmas[i + 1])
-        return (1 - st["latent_mask"]) * kept + st["latent_mask"] * x
+        # ZImageInpaintPipeline: after each step the kept area is the init latents at the next sigma (0: clean)
+        return image_inputs.inpaint_blend(run, i, super().step(run, i, x, prediction))
 
     def images_note(self, run, seconds):
-        note = super().images_note(run, seconds)
-        return note if "mask" not in run.state else f"inpainting where {run.state['mask_name']} is white; {note}"
+        return image_inputs.inpaint_note(run, super().images_note(run, seconds))
 
     def velocity(self, run, transformer, i, x):
         t = np.float32(run.timesteps[i])
@@ -194,14 +182,6 @@ class ZImagePipeline(Pipeline):
                                  lambda: forward("uncond", c.negative_prompt_embeds, c.negative_prompt_attention_mask),
                                  lambda: forward("cond", c.prompt_embeds, c.prompt_attention_mask))
         return -(pos + run.guidance * (pos - neg))
-
-
-def latent_mask(mask, width, height, factor) -> np.ndarray:
-    """ZImageInpaintPipeline's mask: its mask_processor (resized LANCZOS to the output size, then grayscale, in
-    [0, 1], binarized at 0.5), then interpolate "nearest" to the latent size, which at a whole factor takes every
-    factor-th pixel -> (1, 1, height / factor, width / factor) float32 of 0 and 1."""
-    values = np.asarray(image_inputs.resized(mask, width, height).convert("L")).astype(np.float32) / 255.0
-    return (values >= 0.5).astype(np.float32)[None, None, ::factor, ::factor]
 
 
 def zimage_sigmas(steps, image_seq_len, scheduler_config=None):
