@@ -6,6 +6,8 @@
     python bench/make_random_models.py flux2-dev [--out DIR] [--device cuda] [--text-layers 30]
     python bench/make_random_models.py flux1-dev | flux1-tiny [--out DIR] [--device cuda]   # tiny: CPU chain test
     python bench/make_random_models.py sdxl | sd1.5 [--out DIR] [--device cuda]
+    python bench/make_random_models.py zimage-turbo | zimage-turbo-tiny [--out DIR] [--device cuda]   # ~20 GB
+    python bench/make_random_models.py qwen-image | qwen-image-tiny [--out DIR] [--device cuda]       # ~57 GB
 
 flux2-dev writes every component but the transformer's weights (only its config.json): its denoiser is the random
 Q4_K_M GGUF of bench/flux2_dev_gpu.py write-gguf, given with --transformer on both sides. Its Mistral-Small-3.1
@@ -311,8 +313,113 @@ def flux1_dev(out: Path, tiny=False):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
+def zimage_turbo(out: Path, tiny=False):
+    """Tongyi-MAI/Z-Image-Turbo: ZImageTransformer2DModel (6.15 B), a Qwen3-4B Qwen3Model encoder (read up to
+    hidden_states[-2]), the FLUX.1 AutoencoderKL, FlowMatchEulerDiscreteScheduler with the static shift 3.0 Turbo
+    ships. Transformer values: diffusers 0.42.1's ZImageTransformer2DModel defaults (dim 3840, 30 + 2 + 2 layers, 30
+    heads, cap_feat_dim 2560, axes_dims (32, 48, 48), rope_theta 256, t_scale 1000), except axes_lens (1536, 512, 512)
+    of the released transformer/config.json (mlxdiff/models/zimage.py ModelArgs says the same). Qwen3-4B: its
+    config.json (hidden 2560, 36 layers, 32 heads, 8 kv heads of 128, intermediate 9728, theta 1e6, tied embeddings).
+    tiny=True: the same layout, tiny (a whole-chain test on the CPU): encoder and transformer about 7 MB each, mostly
+    blocks (a 512-token vocabulary, which the stand-in tokenizer's 400 ids fit), so that one small --memory-limit
+    streams both."""
+    import json
+    import torch
+    import transformers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel
+    torch.set_default_dtype(torch.bfloat16)
+    if tiny:
+        tr = dict(in_channels=16, dim=192, n_layers=4, n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=256,
+                  axes_dims=(32, 32, 32), axes_lens=(512, 64, 64))   # blocks, not t_embedder (mid 1024), dominate
+        text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, max_position_embeddings=512, vocab_size=512)
+        vae = dict(block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=8)
+    else:
+        tr = dict(in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30, n_kv_heads=30,
+                  cap_feat_dim=2560, axes_dims=(32, 48, 48), axes_lens=(1536, 512, 512))
+        text = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, vocab_size=151936)
+        vae = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+    builders = {
+        "transformer": lambda: ZImageTransformer2DModel(
+            all_patch_size=(2,), all_f_patch_size=(1,), norm_eps=1e-5, qk_norm=True, rope_theta=256.0,
+            t_scale=1000.0, **tr),
+        "vae": lambda: AutoencoderKL(
+            in_channels=3, out_channels=3, latent_channels=16, down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.3611, shift_factor=0.1159,
+            use_quant_conv=False, use_post_quant_conv=False, sample_size=1024, force_upcast=True, **vae),
+        "text_encoder": lambda: transformers.Qwen3Model(transformers.Qwen3Config(
+            rope_theta=1000000, rms_norm_eps=1e-6, tie_word_embeddings=True, **text)),
+    }
+    save_components(out, builders)
+    qwen_like_tokenizer(out / "tokenizer")
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False
+                                    ).save_pretrained(str(out / "scheduler"))
+    index = {"_class_name": "ZImagePipeline", "_diffusers_version": "0.42.1",
+             "transformer": ["diffusers", "ZImageTransformer2DModel"], "vae": ["diffusers", "AutoencoderKL"],
+             "text_encoder": ["transformers", "Qwen3Model"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+
+
+def qwen_image(out: Path, tiny=False):
+    """Qwen/Qwen-Image: QwenImageTransformer2DModel (20.4 B: 60 layers, 24 heads of 128, joint 3584; diffusers'
+    class defaults = the released config), Qwen2.5-VL-7B-Instruct's language model (hidden 3584, 28 layers, 28 heads,
+    4 kv heads, intermediate 18944, mrope_section (16, 24, 24), theta 1e6, untied lm_head) in a
+    Qwen2_5_VLForConditionalGeneration whose vision tower is one tiny block (only the language model is read by
+    either side; the real 0.67 B tower would only cost disk), AutoencoderKLQwenImage at its class defaults (=
+    the released config), Qwen-Image's scheduler_config.json. tiny=True: the same layout, tiny, as
+    zimage_turbo's."""
+    import json
+    import torch
+    import transformers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    torch.set_default_dtype(torch.bfloat16)
+    if tiny:
+        tr = dict(in_channels=64, out_channels=16, num_layers=8, attention_head_dim=32, num_attention_heads=3,
+                  joint_attention_dim=256, axes_dims_rope=(6, 12, 14))
+        text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=1024, vocab_size=512,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]))
+        vae = dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    else:
+        tr = dict(in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+                  joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
+        text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                    num_key_value_heads=4, max_position_embeddings=128000, vocab_size=152064,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24]))
+        vae = dict(base_dim=96, dim_mult=[1, 2, 4, 4], num_res_blocks=2)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                  fullatt_block_indexes=[0])
+    builders = {
+        "transformer": lambda: QwenImageTransformer2DModel(patch_size=2, guidance_embeds=False, **tr),
+        "vae": lambda: AutoencoderKLQwenImage(z_dim=16, attn_scales=[], temperal_downsample=[False, True, True],
+                                              **vae),
+        "text_encoder": lambda: transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
+            text_config=dict(rms_norm_eps=1e-6, **text), vision_config=vision,
+            tie_word_embeddings=False)),
+    }
+    save_components(out, builders)
+    stand_in_tokenizer(out / "tokenizer", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None,
+                       eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="right")
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                                    max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
+                                    shift_terminal=0.02, time_shift_type="exponential"
+                                    ).save_pretrained(str(out / "scheduler"))
+    index = {"_class_name": "QwenImagePipeline", "_diffusers_version": "0.42.1",
+             "transformer": ["diffusers", "QwenImageTransformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKLQwenImage"],
+             "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
+             "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+             "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}
+    (out / "model_index.json").write_text(json.dumps(index, indent=1))
+
+
 MODELS = {"sdxl": unet_family, "sd1.5": lambda out: unet_family(out, xl=False), "sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
-          "flux2-dev": flux2_dev, "flux1-dev": flux1_dev, "flux1-tiny": lambda out: flux1_dev(out, tiny=True)}
+          "flux2-dev": flux2_dev, "flux1-dev": flux1_dev, "flux1-tiny": lambda out: flux1_dev(out, tiny=True),
+          "zimage-turbo": zimage_turbo, "zimage-turbo-tiny": lambda out: zimage_turbo(out, tiny=True),
+          "qwen-image": qwen_image, "qwen-image-tiny": lambda out: qwen_image(out, tiny=True)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

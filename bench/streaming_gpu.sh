@@ -6,6 +6,23 @@
 # resident (no limit), --memory-limit 8 and 4 (LIMITS; LIMITS= skips FLUX.2); then the latents and images compared,
 # and the GGUF's read rate. SD_LIMITS="none 6": SD3.5 Large in bf16 the same way. F1_LIMITS="none 8" (F1_SIZE=1024):
 # FLUX.1-dev as the bf16 folder, a Q8_0 and a Q4_K_S GGUF (bench/flux1_dev_gguf.py) the same way; LIMITS= alone.
+# Issue 40: ZI_LIMITS="none 6": Z-Image-Turbo (1024, 8 steps, guidance 0), then its whole process beside diffusers'
+# (bench/whole_process_gpu.py pairs; ZI_WHOLE=0 skips); QI_LIMITS="none 12": Qwen-Image (1024,
+# QI_STEPS=4, true CFG with a negative prompt); the folders are written here (bench/make_random_models.py), Z-Image's
+# deleted before Qwen-Image's when the disk is short (their 20.5 + 56.3 GB do not fit the 64 GiB disk together).
+#     ZI_LIMITS="none 6" QI_LIMITS="none 12" LIMITS= LOGS=$OUT/stream bash bench/streaming_gpu.sh
+# One device call runs at most 10 minutes: split the job over calls with LOGS on the machine's /tmp (kept while it
+# stays warm; copy it to $OUT each call); a limit's compare runs whenever $LOGS/run_*_none is there. Estimated,
+# not measured:
+#     ZI_LIMITS="none 6" ZI_WHOLE=0 LIMITS= LOGS=/tmp/l40 bash bench/streaming_gpu.sh; cp -r /tmp/l40 $OUT/
+#     python3 bench/whole_process_gpu.py pairs /tmp/zi --steps 8 --guidance 0 > $OUT/whole_zi.txt 2>&1
+#     rm -rf /tmp/zi; python3 bench/make_random_models.py qwen-image --out /tmp/qi --device cuda   # ~56 GB
+#     QI_LIMITS=none LIMITS= LOGS=/tmp/l40 bash bench/streaming_gpu.sh; cp -r /tmp/l40 $OUT/
+#     QI_LIMITS=12 LIMITS= LOGS=/tmp/l40 bash bench/streaming_gpu.sh; cp -r /tmp/l40 $OUT/
+# CPU chain check at tiny size (no GPU; RSS instead of NVML):
+#     ZI_MODEL=zimage-turbo-tiny ZI_DIR=/tmp/zt ZI_SIZE=64 ZI_STEPS=2 ZI_LIMITS="none 0.005" \
+#     QI_MODEL=qwen-image-tiny QI_DIR=/tmp/qt QI_SIZE=64 QI_STEPS=2 QI_LIMITS="none 0.005" QI_NEED_GB=1 \
+#     MAKE_DEVICE=cpu LIMITS= LOGS=/tmp/stream-cpu bash bench/streaming_gpu.sh
 # Run on the GPU machine after the device recipe's activate step; logs in $LOGS.
 set -u
 cd "$(dirname "$0")/.."
@@ -77,6 +94,62 @@ if [ -n "${F1_LIMITS:-}" ]; then   # FLUX.1-dev: bf16 folder, Q8_0 and Q4_K_S GG
     done
   done
   stamp f1_done
+fi
+free_gb() { df -B1G --output=avail /tmp | tail -1 | tr -d ' '; }
+limit_args() { [ "$1" = none ] || echo "--memory-limit $1"; }
+MAKE_DEVICE=${MAKE_DEVICE:-cuda}
+if [ -n "${ZI_LIMITS:-}" ]; then   # Z-Image-Turbo: ZI_LIMITS="none 6", 1024, 8 steps, guidance 0 (Turbo's way)
+  zi=${ZI_DIR:-/tmp/zi}
+  # disk: ~20.5 GB (transformer 12.3, Qwen3-4B 8.0, VAE 0.2)
+  echo "Z-Image disk: need ~$([ -f "$zi/model_index.json" ] && echo 0 || echo 21) GB, $(free_gb) GB free on /tmp" \
+    | tee -a "$L/disk_zi.txt"
+  [ -f "$zi/model_index.json" ] || python3 bench/make_random_models.py "${ZI_MODEL:-zimage-turbo}" --out "$zi" \
+    --device "$MAKE_DEVICE" > "$L/make_zi.txt" 2>&1
+  stamp make_zi
+  du -sh "$zi"/* >> "$L/disk_zi.txt" 2>&1
+  for limit in $ZI_LIMITS; do
+    run "zi_$limit" "$zi" --size "${ZI_SIZE:-1024}" --steps "${ZI_STEPS:-8}" --guidance 0 $(limit_args "$limit")
+  done
+  for limit in $ZI_LIMITS; do
+    [ "$limit" = none ] || [ ! -d "$L/run_zi_none" ] || python3 bench/streaming_gpu.py compare \
+      "$L/run_zi_none" "$L/run_zi_$limit" \
+      > "$L/compare_zi_$limit.txt" 2>&1
+  done
+  # whole process, one image each, mlxdiff's CLI beside diffusers, alternating twice (ZI_WHOLE=0 skips)
+  [ "${ZI_WHOLE:-1}" = 0 ] || python3 bench/whole_process_gpu.py pairs "$zi" --size "${ZI_SIZE:-1024}" \
+    --steps "${ZI_STEPS:-8}" --guidance 0 --repeat 2 --device "$MAKE_DEVICE" > "$L/whole_zi.txt" 2>&1
+  stamp zi_done
+fi
+if [ -n "${QI_LIMITS:-}" ]; then   # Qwen-Image: QI_LIMITS="none 12", 1024, QI_STEPS (4), true CFG (a negative prompt)
+  qi=${QI_DIR:-/tmp/qi}
+  # disk: ~56.3 GB (transformer 40.9, Qwen2.5-VL-7B's language model 15.2 with its lm_head, VAE 0.25): it does not fit
+  # beside Z-Image's 20.5 GB on the 64 GiB disk, so the other bench folders go first (Z-Image's after its runs).
+  if [ ! -f "$qi/model_index.json" ] && [ "$(free_gb)" -lt "${QI_NEED_GB:-58}" ]; then
+    others=("${ZI_DIR:-/tmp/zi}")   # this job's folders; the lent machine's others only there (MAKE_DEVICE=cuda)
+    [ "$MAKE_DEVICE" != cuda ] || others+=(/tmp/f1 /tmp/f1-*.gguf /tmp/dev /tmp/f2.gguf /tmp/sdl)
+    echo "deleting for Qwen-Image: ${others[*]}" | tee -a "$L/disk_qi.txt"
+    rm -rf "${others[@]}"
+  fi
+  echo "Qwen-Image disk: need ~$([ -f "$qi/model_index.json" ] && echo 0 || echo "${QI_NEED_GB:-58}") GB," \
+    "$(free_gb) GB free on /tmp" | tee -a "$L/disk_qi.txt"
+  if [ ! -f "$qi/model_index.json" ] && [ "$(free_gb)" -lt "${QI_NEED_GB:-58}" ]; then
+    echo "Qwen-Image skipped: not enough disk" | tee -a "$L/disk_qi.txt"
+  else
+    [ -f "$qi/model_index.json" ] || python3 bench/make_random_models.py "${QI_MODEL:-qwen-image}" --out "$qi" \
+      --device "$MAKE_DEVICE" > "$L/make_qi.txt" 2>&1
+    stamp make_qi
+    { du -sh "$qi"/*; df -h /tmp; } >> "$L/disk_qi.txt" 2>&1
+    for limit in $QI_LIMITS; do   # 2 warm-up steps: Qwen-Image's shift_terminal refuses 1
+      run "qi_$limit" "$qi" --size "${QI_SIZE:-1024}" --steps "${QI_STEPS:-4}" --warmup-steps 2 \
+        --negative-prompt "blurry, low quality" $(limit_args "$limit")
+    done
+    for limit in $QI_LIMITS; do
+      [ "$limit" = none ] || [ ! -d "$L/run_qi_none" ] || python3 bench/streaming_gpu.py compare \
+        "$L/run_qi_none" "$L/run_qi_$limit" \
+        > "$L/compare_qi_$limit.txt" 2>&1
+    done
+  fi
+  stamp qi_done
 fi
 [ -n "${LIMITS-x}" ] || { stamp JOB-DONE; exit 0; }
 [ -f /tmp/dev/model_index.json ] || python3 bench/make_random_models.py flux2-dev --out /tmp/dev --device cuda \

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 40's transformer steps at 1024x1024, bf16, random weights at the real configs (bench/forward_gpu.py):
+# Z-Image-Turbo (one forward a step, guidance 0, 128 caption tokens) and Qwen-Image (true CFG: the prompt's forward
+# at 128 tokens + the negative's at 8, one timed call = one step), mlxdiff beside diffusers in one job, the sides
+# alternating (A B A B; REPEAT pairs, default 2) per model (MODELS, default "zimage-turbo qwen-image"). The ruler of
+# bench/flux1_dev_gpu.sh for both: nvidia-smi's memory.used every 0.1 s from outside, less the idle reading before
+# each process, its peak while the timed forwards run. Nothing is written to disk (the weights are built in memory).
+# Run on the GPU machine after the device recipe's activate step; logs in $LOGS:
+#     LOGS=$OUT/fwd bash bench/qwen_zimage_gpu.sh                    # both models, ~6 min on one H100 (estimate)
+#     MODELS=qwen-image REPEAT=1 LOGS=$OUT/fwd bash bench/qwen_zimage_gpu.sh
+# CPU chain check (no GPU; tiny configs): MODELS="zimage-tiny qwen-image-tiny" SIZE=64 DEVICE=cpu NO_SMI=1 bash ...
+set -u
+cd "$(dirname "$0")/.."
+L=${LOGS:-/tmp/logs}
+mkdir -p "$L"
+smi_used() { [ -n "${NO_SMI:-}" ] && echo 0 || nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
+for model in ${MODELS:-zimage-turbo qwen-image}; do
+  for rep in $(seq 1 "${REPEAT:-2}"); do
+    for side in mlxdiff diffusers; do
+      tag="${model}_${side}_$rep"
+      idle=$(smi_used)
+      phases="$L/phases_$tag.txt"; rm -f "$phases"
+      smi=
+      if [ -z "${NO_SMI:-}" ]; then
+        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$L/smi_$tag.csv" &
+        smi=$!
+      fi
+      python3 bench/forward_gpu.py "$side" --model "$model" --size "${SIZE:-1024}" --device "${DEVICE:-cuda}" \
+        --phase-file "$phases" > "$L/forward_$tag.txt" 2>&1 || echo "FAILED $tag (see $L/forward_$tag.txt)" >> "$L/ruler.txt"
+      [ -z "$smi" ] || { kill "$smi"; wait "$smi" 2>/dev/null; }
+      [ -n "${NO_SMI:-}" ] || [ ! -f "$phases" ] || python3 - "$L/smi_$tag.csv" "$phases" "$idle" "$model" "$side" "$rep" <<'PY' >> "$L/ruler.txt"
+import datetime, json, sys
+smi, phases, idle, model, side, rep = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+marks = dict(line.split() for line in open(phases))
+start, end = float(marks["forward"]), float(marks["done"])
+peak_all = peak_fwd = 0.0
+for line in open(smi):
+    ts, used = [x.strip() for x in line.split(",")]
+    t = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+    peak_all = max(peak_all, float(used))
+    if start <= t <= end:
+        peak_fwd = max(peak_fwd, float(used))
+print(json.dumps({"model": model, "side": side, "rep": rep, "idle_mib": idle,
+                  "forward_peak_gib": (peak_fwd - idle) / 1024, "process_peak_gib": (peak_all - idle) / 1024}))
+PY
+    done
+  done
+done
+[ ! -f "$L/ruler.txt" ] || cat "$L/ruler.txt"
+grep -h RESULT "$L"/forward_*.txt
