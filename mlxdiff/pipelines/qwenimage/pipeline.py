@@ -114,16 +114,24 @@ class QwenImagePipeline(Pipeline):
         return 2 ** len(self.components["vae"].args.temperal_downsample)
 
     # -- encode -------------------------------------------------------------------------------------------------
-    def _encode(self, prompts, max_sequence_length):
-        ids, mask, texts = tokenize(self.tokenizer, prompts)
+    def _encode(self, groups, max_sequence_length) -> list:
+        """[(embeds, mask)] of each group of prompts, under one load of the encoder (a true-CFG run's negative prompt
+        does not build, or stream the resident part of, the 7 B encoder a second time)."""
+        tokens = [tokenize(self.tokenizer, prompts) for prompts in groups]
+        encoded = []
         with self.use(self.components["text_encoder"]) as encoder:
-            hidden = encoder(mx.array(ids), mx.array(mask))
-            embeds, out_mask, kept = valid_rows(hidden, mask, max_sequence_length)
-            mx.eval(embeds)
-        truncated = [(text, self.tokenizer.decode(ids[i][k[max_sequence_length:]]))
-                     for i, (text, k) in enumerate(zip(texts, kept)) if len(k) > max_sequence_length]
-        report_truncation(truncated, f"{max_sequence_length} tokens after Qwen-Image's template")
-        return embeds.astype(self.dtype), out_mask
+            for ids, mask, _ in tokens:
+                hidden = encoder(mx.array(ids), mx.array(mask))
+                embeds, out_mask, kept = valid_rows(hidden, mask, max_sequence_length)
+                mx.eval(embeds)
+                encoded.append((embeds, out_mask, kept))
+        out = []
+        for (ids, _, texts), (embeds, out_mask, kept) in zip(tokens, encoded):
+            truncated = [(text, self.tokenizer.decode(ids[i][k[max_sequence_length:]]))
+                         for i, (text, k) in enumerate(zip(texts, kept)) if len(k) > max_sequence_length]
+            report_truncation(truncated, f"{max_sequence_length} tokens after Qwen-Image's template")
+            out.append((embeds.astype(self.dtype), out_mask))
+        return out
 
     def encode_prompt(self, prompt, negative_prompt=None, *, do_true_cfg=False,
                       max_sequence_length=None) -> Conditioning:
@@ -133,14 +141,14 @@ class QwenImagePipeline(Pipeline):
         check_generate(prompt=prompt, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length)
         max_sequence_length = max_sequence_length or 512
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        embeds, mask = self._encode(prompts, max_sequence_length)
         if not do_true_cfg:
-            return Conditioning(embeds, mask)
+            return Conditioning(*self._encode([prompts], max_sequence_length)[0])
         negative_prompt = "" if negative_prompt is None else negative_prompt
         negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
         if len(negs) != len(prompts):
             raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
-        return Conditioning(embeds, mask, *self._encode(negs, max_sequence_length))
+        (embeds, mask), negative = self._encode([prompts, negs], max_sequence_length)
+        return Conditioning(embeds, mask, *negative)
 
     # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
     def img2img_start(self, steps, strength):

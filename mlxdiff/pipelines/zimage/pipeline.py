@@ -77,12 +77,18 @@ class ZImagePipeline(Pipeline):
     def default_size(self):
         return 1024
 
-    def _encode(self, prompts, max_sequence_length):
-        ids, mask = tokenize_klein(self.tokenizer, prompts, max_sequence_length, enable_thinking=True)
+    def _encode(self, groups, max_sequence_length) -> list:
+        """[(embeds, mask)] of each group of prompts, under one load of the encoder (a CFG run's negative prompt does
+        not build, or stream the resident part of, the encoder a second time)."""
+        tokens = [tokenize_klein(self.tokenizer, prompts, max_sequence_length, enable_thinking=True)
+                  for prompts in groups]
+        out = []
         with self.use(self.components["text_encoder"]) as encoder:
-            embeds = encoder(mx.array(ids), mx.array(mask))
-            mx.eval(embeds)
-        return embeds, mx.array(mask)
+            for ids, mask in tokens:
+                embeds = encoder(mx.array(ids), mx.array(mask))
+                mx.eval(embeds)
+                out.append((embeds, mx.array(mask)))
+        return out
 
     def encode_prompt(self, prompt, negative_prompt=None, *, do_classifier_free_guidance=True,
                       max_sequence_length=None) -> Conditioning:
@@ -91,16 +97,15 @@ class ZImagePipeline(Pipeline):
         check_generate(prompt=prompt, negative_prompt=negative_prompt, max_sequence_length=max_sequence_length)
         max_sequence_length = max_sequence_length or 512
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        embeds, mask = self._encode(prompts, max_sequence_length)
         if not do_classifier_free_guidance:
-            return Conditioning(embeds, mask)
+            return Conditioning(*self._encode([prompts], max_sequence_length)[0])
         if negative_prompt is None:
             negs = [""] * len(prompts)
         else:
             negs = [negative_prompt] if isinstance(negative_prompt, str) else list(negative_prompt)
         if len(negs) != len(prompts):
             raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
-        neg_embeds, neg_mask = self._encode(negs, max_sequence_length)
+        (embeds, mask), (neg_embeds, neg_mask) = self._encode([prompts, negs], max_sequence_length)
         return Conditioning(embeds, mask, neg_embeds, neg_mask)
 
     # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
