@@ -314,12 +314,19 @@ def device_cache_bytes() -> int:
     return 0 if mx.default_device() == mx.cpu else GPU_CACHE_BYTES
 
 
+# kept free of weights in a phase, for the activations, MLX's cache and the CUDA context: half the budget, at most
+# RESERVE_BYTES (FLUX.2-dev at 1024x1024 on the H200: 1.84 GiB of activations, a cache capped at 1 GiB and a 0.51 GiB
+# context: bench/RESULTS.md, "The footprint the user sees"); a streamed component's (loading/streaming.py) and, on a
+# GPU, a whole one's (whole_load_reserve)
+RESERVE_SHARE, RESERVE_BYTES = 0.5, 3 << 30
+
+
 def whole_load_reserve(budget) -> int:
     """On a GPU, the room a component loaded whole must leave in the budget for its phase's activations and the
-    buffer cache: what a streamed one keeps (loading/streaming.py's reserve: half the budget, at most 3 GiB). Without
-    it a GGUF that just fits the limit ran over it (FLUX.1-dev Q4_K_S under --memory-limit 8: 9.75 GiB of the
-    process, bench/RESULTS.md). 0 on the CPU, where the limit bounds the weights and activations MLX holds."""
-    return 0 if mx.default_device() == mx.cpu else int(min(0.5 * budget, 3 * GB))
+    buffer cache: what a streamed one keeps (RESERVE_SHARE of the budget, at most RESERVE_BYTES): without it a GGUF
+    that just fits the limit ran over it (bench/RESULTS.md, "FLUX.1-dev streamed and as GGUF"). 0 on the CPU, where
+    the limit bounds the weights and activations MLX holds."""
+    return 0 if mx.default_device() == mx.cpu else int(min(RESERVE_SHARE * budget, RESERVE_BYTES))
 
 
 def check_fits(spec, policy: RunPolicy, compute_dtype=None):

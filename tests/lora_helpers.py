@@ -253,3 +253,47 @@ def to_lycoris(state, alpha, prefix="lora_unet_") -> dict:
         out[f"{name}.{role}"] = value
         out[f"{name}.alpha"] = torch.tensor(float(alpha))
     return out
+
+
+def flux1_lora_files(root, name, dim, num_single_layers, generator, rank=4, alpha=2.0) -> dict:
+    """One FLUX.1-named LoRA in three namings, {naming: path} under `root` (`<name>-<naming>-lora.safetensors`):
+    kohya's (fused qkv, a single block's linear1 whole, .alpha), BFL / ComfyUI's original (`diffusion_model.`,
+    lora_A / lora_B, alpha folded into B) and its split written as PEFT for diffusers' load_lora_weights (the fused A
+    shared by the parts). Layers: the first double block's image qkv and proj, the second's text MLP, every single
+    block's linear1 and linear2. FLUX.1 and Chroma share these names (tests/test_flux1_lora.py,
+    tests/test_chroma_lora.py)."""
+    import torch
+    from safetensors.torch import save_file
+    kohya, original, peft = {}, {}, {}
+
+    def lora(kohya_name, bfl_name, ins, parts):
+        """parts: [(diffusers layer, rows)]: one shared A, B's rows split over the parts."""
+        a = torch.randn(rank, ins, generator=generator) * 0.3
+        b = torch.randn(sum(r for _, r in parts), rank, generator=generator) * 0.3
+        kohya[f"lora_unet_{kohya_name}.lora_down.weight"] = a
+        kohya[f"lora_unet_{kohya_name}.lora_up.weight"] = b
+        kohya[f"lora_unet_{kohya_name}.alpha"] = torch.tensor(alpha)
+        original[f"diffusion_model.{bfl_name}.lora_A.weight"] = a
+        original[f"diffusion_model.{bfl_name}.lora_B.weight"] = b * (alpha / rank)   # no alpha in this naming
+        start = 0
+        for layer, rows in parts:
+            peft[f"transformer.{layer}.lora_A.weight"] = a
+            peft[f"transformer.{layer}.lora_B.weight"] = b[start:start + rows] * (alpha / rank)
+            start += rows
+
+    d0 = "transformer_blocks.0.attn."
+    lora("double_blocks_0_img_attn_qkv", "double_blocks.0.img_attn.qkv", dim,
+         [(d0 + "to_q", dim), (d0 + "to_k", dim), (d0 + "to_v", dim)])
+    lora("double_blocks_0_img_attn_proj", "double_blocks.0.img_attn.proj", dim, [(d0 + "to_out.0", dim)])
+    lora("double_blocks_1_txt_mlp_0", "double_blocks.1.txt_mlp.0", dim,
+         [("transformer_blocks.1.ff_context.net.0.proj", 4 * dim)])
+    for i in range(num_single_layers):
+        s = f"single_transformer_blocks.{i}."
+        lora(f"single_blocks_{i}_linear1", f"single_blocks.{i}.linear1", dim,
+             [(s + "attn.to_q", dim), (s + "attn.to_k", dim), (s + "attn.to_v", dim), (s + "proj_mlp", 4 * dim)])
+        lora(f"single_blocks_{i}_linear2", f"single_blocks.{i}.linear2", 5 * dim, [(s + "proj_out", dim)])
+    files = {}
+    for naming, tensors in (("kohya", kohya), ("original", original), ("peft", peft)):
+        files[naming] = Path(root) / f"{name}-{naming}-lora.safetensors"
+        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(files[naming]))
+    return files

@@ -10,6 +10,7 @@ from safetensors.torch import save_file
 
 import mlxdiff
 from helpers import max_rel_err
+from lora_helpers import flux1_lora_files
 from test_flux1_pipeline import H, W, flux1_components, packed_noise
 
 RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5
@@ -25,39 +26,8 @@ def lora_files(tmp_path_factory):
     pipe.save_pretrained(str(root / "model"))
     cfg = pipe.transformer.config
     dim = cfg.num_attention_heads * cfg.attention_head_dim
-    g = torch.Generator().manual_seed(9)
-    kohya, original, peft = {}, {}, {}
-
-    def lora(kohya_name, bfl_name, ins, parts):
-        """parts: [(diffusers layer, rows)]: one shared A, B's rows split over the parts."""
-        a = torch.randn(RANK, ins, generator=g) * 0.3
-        b = torch.randn(sum(r for _, r in parts), RANK, generator=g) * 0.3
-        kohya[f"lora_unet_{kohya_name}.lora_down.weight"] = a
-        kohya[f"lora_unet_{kohya_name}.lora_up.weight"] = b
-        kohya[f"lora_unet_{kohya_name}.alpha"] = torch.tensor(ALPHA)
-        original[f"diffusion_model.{bfl_name}.lora_A.weight"] = a
-        original[f"diffusion_model.{bfl_name}.lora_B.weight"] = b * (ALPHA / RANK)   # no alpha in this naming
-        start = 0
-        for layer, rows in parts:
-            peft[f"transformer.{layer}.lora_A.weight"] = a
-            peft[f"transformer.{layer}.lora_B.weight"] = b[start:start + rows] * (ALPHA / RANK)
-            start += rows
-
-    d0 = "transformer_blocks.0.attn."
-    lora("double_blocks_0_img_attn_qkv", "double_blocks.0.img_attn.qkv", dim,
-         [(d0 + "to_q", dim), (d0 + "to_k", dim), (d0 + "to_v", dim)])
-    lora("double_blocks_0_img_attn_proj", "double_blocks.0.img_attn.proj", dim, [(d0 + "to_out.0", dim)])
-    lora("double_blocks_1_txt_mlp_0", "double_blocks.1.txt_mlp.0", dim,
-         [("transformer_blocks.1.ff_context.net.0.proj", 4 * dim)])
-    for i in range(cfg.num_single_layers):
-        s = f"single_transformer_blocks.{i}."
-        lora(f"single_blocks_{i}_linear1", f"single_blocks.{i}.linear1", dim,
-             [(s + "attn.to_q", dim), (s + "attn.to_k", dim), (s + "attn.to_v", dim), (s + "proj_mlp", 4 * dim)])
-        lora(f"single_blocks_{i}_linear2", f"single_blocks.{i}.linear2", 5 * dim, [(s + "proj_out", dim)])
-    files = {}
-    for name, tensors in (("kohya", kohya), ("original", original), ("peft", peft)):
-        files[name] = root / f"flux1-{name}-lora.safetensors"
-        save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(files[name]))
+    files = flux1_lora_files(root, "flux1", dim, cfg.num_single_layers, torch.Generator().manual_seed(9),
+                             RANK, ALPHA)
     return root / "model", files
 
 

@@ -38,14 +38,10 @@ from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 from ..errors import MlxdiffError
 from ..formats import loaded_nbytes, reuse_headers, tensor_nbytes, tensor_ranges
 from ..formats.quantized import flatten_quantized
-from ..memory import GB, device_cache_bytes, fit_hint, fmt_gb
+from ..memory import GB, RESERVE_BYTES, RESERVE_SHARE, device_cache_bytes, fit_hint, fmt_gb
 from .build import check_finite, in_model_names, keep_activations_in
 
 BLOCK_NAME = re.compile(r"(?:^|\.)[A-Za-z_]\w*\.(\d+)\.")
-# kept free of weights, for the activations, MLX's cache and the CUDA context: half the budget, at most
-# RESERVE_BYTES (FLUX.2-dev at 1024x1024 on the H200: 1.84 GiB of activations, a cache capped at 1 GiB and a 0.51 GiB
-# context: bench/RESULTS.md, "The footprint the user sees")
-RESERVE_SHARE, RESERVE_BYTES = 0.5, 3 << 30
 # a model that says how large its activations get (Model.activation_bytes: a text encoder's at its longest prompt)
 # keeps that plus this for MLX's cache and a layer's transient float copy (the CPU's matmul of bf16 weights)
 KNOWN_ACTIVATIONS_ALLOWANCE = 384 << 20
