@@ -52,10 +52,10 @@ def parse_args(argv=None):
                    help="FLUX.2: one text encoder file (safetensors or GGUF) that replaces the folder's; SD3.5: "
                         "clip_l=FILE, clip_g=FILE, t5xxl=FILE (repeat the option)")
     p.add_argument("--skip-guidance-layers", default=None, help="SD3.5: comma-separated layer indices, e.g. 7,8,9")
-    from .ldm_schedulers import SCHEDULERS
+    from .samplers import DISCRETE, FLOW, names_for
     p.add_argument("--scheduler", default=None, metavar="NAME",
-                   help=f"SD 1.x / SDXL: the sampler ({', '.join(SCHEDULERS)}; default: the one the model's "
-                        "scheduler config names)")
+                   help=f"the sampler (default: the one the model's scheduler config names): SD 1.x / SDXL "
+                        f"{', '.join(names_for(DISCRETE))}; the flow-matching models {', '.join(names_for(FLOW))}")
     p.add_argument("--prediction-type", choices=("epsilon", "v_prediction"), default=None,
                    help="SD 2.x single files: what the UNet predicts (the file does not say)")
     p.add_argument("--mask", default=None, metavar="FILE",

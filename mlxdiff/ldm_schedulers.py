@@ -181,6 +181,7 @@ class DDIMSampler:
         _, self.alphas_cumprod = train_sigmas(config)
         final = 1.0 if config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
         previous = timesteps - n // steps
+        self.sigmas = _equivalent_sigmas(self.alphas_cumprod, self.timesteps)
         self.alpha_prev = [float(self.alphas_cumprod[t]) if t >= 0 else final for t in previous]
 
     def scale_model_input(self, x, i):
@@ -200,6 +201,13 @@ class DDIMSampler:
         if self.config["clip_sample"]:
             x0 = mx.clip(x0, -self.config["clip_sample_range"], self.config["clip_sample_range"])
         return alpha_prev ** 0.5 * x0 + (1 - alpha_prev) ** 0.5 * eps
+
+
+def _equivalent_sigmas(alphas_cumprod, timesteps):
+    """The noise level of each DDPM timestep in sigma space, sqrt((1 - a) / a), and the terminal 0: the samplers'
+    shared `sigmas` (DDIM and PLMS step in alpha space; this is what their schedule means to the others)."""
+    alphas = np.asarray([alphas_cumprod[int(t)] for t in timesteps], dtype=np.float64)
+    return np.append(((1 - alphas) / alphas) ** 0.5, 0.0).astype(np.float32)
 
 
 def _add_noise_at(alphas_cumprod, clean, noise, t):
@@ -278,6 +286,7 @@ class PNDMSampler:
             np.float32)
         _, self.alphas_cumprod = train_sigmas(config)
         self.final = 1.0 if config["set_alpha_to_one"] else float(self.alphas_cumprod[0])
+        self.sigmas = _equivalent_sigmas(self.alphas_cumprod, self.timesteps)
         self.ratio = n // steps
         self.ets, self.counter, self.first_x = [], 0, None
 

@@ -1,4 +1,5 @@
-"""Flow-matching Euler sampling: diffusers' FlowMatchEulerDiscreteScheduler, as plain functions.
+"""Flow-matching Euler sampling: diffusers' FlowMatchEulerDiscreteScheduler, as plain functions and as a sampler on
+the interface every family's denoise loop uses (samplers.py; `FlowMatchEulerSampler`).
 
 `sd3_sigmas` and `flux2_sigmas` return what `scheduler.sigmas` / `scheduler.timesteps` hold after the pipelines'
 `set_timesteps` call, bit for bit in float32: the same numpy float64/float32 steps in the same order. `euler_step`
@@ -149,3 +150,30 @@ def euler_step(sample, model_output, sigma, sigma_next):
     dt = mx.array(float(np.float32(sigma_next) - np.float32(sigma)), dtype=model_output.dtype)
     update = (model_output.astype(mx.float32) * dt.astype(mx.float32)).astype(model_output.dtype)
     return (sample.astype(mx.float32) + update).astype(model_output.dtype)
+
+
+def scale_noise(clean, noise, sigma):
+    """The flow-matching forward process at sigma: sigma * noise + (1 - sigma) * clean (the scheduler's
+    scale_noise; mflux's add_noise_by_interpolation), in float32."""
+    one_minus = float(np.float32(1.0) - np.float32(sigma))      # in float32, as the scheduler's tensors
+    return (float(np.float32(sigma)) * noise + one_minus * clean).astype(mx.float32)
+
+
+class FlowMatchEulerSampler:
+    """FlowMatchEulerDiscreteScheduler after set_timesteps, on the sampler interface (samplers.py): the family's
+    schedule `(sigmas [N + 1] with the terminal 0, timesteps [N])`, Euler steps in sigma space over the velocity."""
+    init_noise_sigma = 1.0
+    ancestral = False
+
+    def __init__(self, schedule):
+        self.sigmas, self.timesteps = schedule
+
+    def scale_model_input(self, x, i):
+        return x
+
+    def add_noise(self, clean, noise, i):
+        """Image-to-image's start and inpainting's kept area: clean latents at sigma i (scale_noise)."""
+        return scale_noise(clean, noise, self.sigmas[i])
+
+    def step(self, model_output, i, x, noise=None):
+        return euler_step(x, model_output, self.sigmas[i], self.sigmas[i + 1])

@@ -55,8 +55,11 @@ def test_trajectory_equals_diffusers(name, config):
     theirs = diffusers_scheduler(name, config)
     theirs.set_timesteps(steps)
     ours = ldm_schedulers.make_sampler(name, config, steps)
-    if hasattr(ours, "sigmas"):     # one float32 ulp: torch's vectorized pow(0.5) is not correctly rounded
+    if hasattr(theirs, "sigmas"):   # one float32 ulp: torch's vectorized pow(0.5) is not correctly rounded
         np.testing.assert_array_max_ulp(ours.sigmas, theirs.sigmas.numpy(), maxulp=1)
+    else:                           # DDIM, PNDM: the shared interface's sigmas, from diffusers' alphas_cumprod
+        alphas = theirs.alphas_cumprod.double().numpy()[theirs.timesteps.numpy().astype(np.int64)]
+        np.testing.assert_allclose(ours.sigmas, np.append(((1 - alphas) / alphas) ** 0.5, 0), rtol=1e-6)
     # Karras timesteps are interpolated from those sigmas: the ulp may carry over
     np.testing.assert_array_max_ulp(ours.timesteps, theirs.timesteps.numpy().astype(np.float32), maxulp=2)
     assert ours.init_noise_sigma == pytest.approx(float(theirs.init_noise_sigma), rel=1e-6)

@@ -14,7 +14,7 @@ import numpy as np
 from .. import backend
 import mlx.core as mx
 
-from .. import schedulers
+from .. import samplers
 from ..arguments import check_generate, check_images, check_latents
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
@@ -122,11 +122,18 @@ class Run:
     start: int = 0                # the first step run (image-to-image starts later in the schedule)
     conditioning: object = None
     batch: int = 1
-    sigmas: object = None
-    timesteps: object = None
+    sampler: object = None        # samplers.py's interface: the schedule and the step (set by prepare_latents)
     result: Result = None
     step_cache: object = None     # pipelines/step_cache's FirstBlockCache or TaylorSeerCache (generate(cache=...))
     state: dict = field(default_factory=dict)    # the family's own, between its hooks
+
+    @property
+    def timesteps(self):
+        return self.sampler.timesteps
+
+    @property
+    def sigmas(self):
+        return self.sampler.sigmas
 
     def forward(self, name: str, call):
         """One transformer forward of one kind ("cond", "uncond"): call(step_cache) runs it, passing step_cache= to
@@ -146,7 +153,9 @@ class Pipeline:
     family = ""
     DENOISER = "transformer"            # the component the denoise phase runs (the UNet family's: "unet")
     patch_size = 1                      # latent pixels per transformer token side, on top of the VAE's factor
-    OPTIONS = {}                        # generate() keywords of this family only -> their defaults
+    # generate() keywords of this family only -> their defaults (a family's OPTIONS add to these, which all take)
+    OPTIONS = {"scheduler": None}       # the sampler (samplers.SAMPLERS; None: the model's own)
+    SAMPLER_KIND = samplers.FLOW        # which samplers apply (samplers.py: flow-matching or discrete-time)
     IMG2IMG_STRENGTH = None             # the strength when an init image is given without one (None: references)
     SIZE_OF_IMAGE = False               # an init image sets the output size the caller leaves out (the CLI's too)
     STEP_CACHE = True                   # whether generate(cache=...) can skip its denoiser's blocks
@@ -312,6 +321,7 @@ class Pipeline:
         run = Run(prompt, negative_prompt, seed, names, images, self.default_strength(options) if images and
                   strength is None else strength, self.family_options(options), width, height,
                   step_cache=self.new_step_cache(cache))
+        samplers.check_name(run.options["scheduler"], self.SAMPLER_KIND, self.title)
         self.check_inputs(run)
         # 2. request: every argument checked, None filled in with the defaults
         run.width, run.height, run.steps, run.guidance = self.request(
@@ -435,8 +445,8 @@ class Pipeline:
         raise NotImplementedError
 
     def prepare_latents(self, run, latents):
-        """Step 5: the initial latents (from `latents` or run.seed) in the transformer's layout; sets run.batch,
-        run.sigmas, run.timesteps."""
+        """Step 5: the initial latents (from `latents` or run.seed) in the transformer's layout; sets run.batch and
+        run.sampler (self.new_sampler over the family's schedule)."""
         raise NotImplementedError
 
     def encode_images(self, run, vae, x):
@@ -449,8 +459,12 @@ class Pipeline:
         raise NotImplementedError
 
     def step(self, run, i, x, prediction):
-        """Step 7: the sampler's update from schedule index i to i + 1 (flow-match Euler over run.sigmas here)."""
-        return schedulers.euler_step(x, prediction, run.sigmas[i], run.sigmas[i + 1])
+        """Step 7: the sampler's update from schedule index i to i + 1."""
+        return run.sampler.step(prediction, i, x)
+
+    def new_sampler(self, run, schedule):
+        """prepare_latents' part: the run's sampler over the family's schedule (sigmas, timesteps)."""
+        return samplers.flow_sampler(run.options["scheduler"], schedule)
 
     def unpack(self, run, x):
         """Step 8: denoised latents in the transformer's layout -> the VAE's (diffusers' `latents` layout)."""

@@ -156,13 +156,6 @@ def flux2_img2img_start(steps, strength) -> int:
     return max(1, kept)
 
 
-def noised(clean, noise, sigma):
-    """The flow-matching forward process at sigma: sigma * noise + (1 - sigma) * clean (the scheduler's
-    scale_noise; mflux's add_noise_by_interpolation), in float32."""
-    one_minus = float(np.float32(1.0) - np.float32(sigma))      # in float32, as the scheduler's tensors
-    return (float(np.float32(sigma)) * noise + one_minus * clean).astype(mx.float32)
-
-
 # -- latent-blend inpainting (ZImageInpaintPipeline, QwenImageInpaintPipeline) ------------------------------------
 def take_mask(run):
     """check_inputs' part: generate()'s `mask` (run.options) read and checked, only with the one init image ->
@@ -195,7 +188,7 @@ def inpaint_blend(run, i, latents):
     if "latent_mask" not in st:
         return latents
     mask = st["latent_mask"]
-    return (1 - mask) * noised(st["image_latents"], st["noise"], run.sigmas[i + 1]) + mask * latents
+    return (1 - mask) * run.sampler.add_noise(st["image_latents"], st["noise"], i + 1) + mask * latents
 
 
 def inpaint_note(run, note) -> str:

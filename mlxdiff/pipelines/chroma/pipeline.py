@@ -22,7 +22,7 @@ import mlx.core as mx
 from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import report_truncation, tokenize
-from ..base import as_numpy, evaluate_each_block, guidance_pair
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair
 from ..flux1.pipeline import Flux1Pipeline
 
 
@@ -44,7 +44,7 @@ class ChromaPipeline(Flux1Pipeline):
     `image=` with `strength` (default 0.9): image-to-image as ChromaImg2ImgPipeline; `image_noise` its posterior
     noise."""
     family = "chroma"
-    OPTIONS = {"max_sequence_length": None, "image_noise": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "image_noise": None}
     IMG2IMG_STRENGTH = 0.9       # ChromaImg2ImgPipeline's
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):

@@ -61,7 +61,7 @@ class Flux1Pipeline(Pipeline):
     control image, resized to the output size; `image_noise` its posterior noise."""
     family = "flux1"
     patch_size = 2      # 2x2 latent patches per token
-    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
                "auto_resize": None, "mask": None}
     KONTEXT_ONLY = ("max_area", "auto_resize")
     IMG2IMG_STRENGTH = 0.6
@@ -255,8 +255,8 @@ class Flux1Pipeline(Pipeline):
         config = schedulers.scheduler_config(self.scheduler_config)
         mu = schedulers.calculate_shift(h * w, config["base_image_seq_len"], config["max_image_seq_len"],
                                         config["base_shift"], config["max_shift"])
-        run.sigmas, run.timesteps = schedulers.set_timesteps(config, run.steps, sigmas=np.linspace(
-            1.0, 1 / run.steps, run.steps), mu=mu)
+        run.sampler = self.new_sampler(run, schedulers.set_timesteps(config, run.steps, sigmas=np.linspace(
+            1.0, 1 / run.steps, run.steps), mu=mu))
         if latents is None:      # drawn in the VAE's layout and packed, as diffusers' prepare_latents
             return pack(initial_latents(None, run.state["shape"], run.seed))
         return initial_latents(latents, (run.batch, h * w, 4 * channels), run.seed, "diffusers' packed layout: "
@@ -283,7 +283,7 @@ class Flux1Pipeline(Pipeline):
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
-        x = image_inputs.noised(mx.broadcast_to(pack(init), x.shape), x, run.sigmas[run.start])
+        x = run.sampler.add_noise(mx.broadcast_to(pack(init), x.shape), x, run.start)
         mx.eval(x)
         return x
 
@@ -303,7 +303,7 @@ class Flux1Pipeline(Pipeline):
         if run.strength < 1:
             init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                                  self.posterior_noise(run, shape))
-            x = image_inputs.noised(mx.broadcast_to(pack(init), x.shape), x, run.sigmas[run.start])
+            x = run.sampler.add_noise(mx.broadcast_to(pack(init), x.shape), x, run.start)
         mx.eval(x, run.state["channels"])
         return x
 

@@ -40,7 +40,7 @@ class Flux2Pipeline(Pipeline):
     `latents`: the noise (img2img: the noise mixed into the init image)."""
     family = "flux2"
     patch_size = 2      # the latents are patchified 2x2 before the transformer
-    OPTIONS = {"max_sequence_length": None, "text_encoder_out_layers": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "text_encoder_out_layers": None}
     REFERENCE_MIN_SIDE = 64   # reference images: diffusers' Flux2ImageProcessor.check_image_input
     REFERENCE_MAX_ASPECT = 8
 
@@ -141,7 +141,7 @@ class Flux2Pipeline(Pipeline):
                          txt_ids=text_ids(run.batch, text_len), ref_tokens=None,
                          guidance=mx.full((run.batch,), run.guidance, dtype=mx.float32) if targs.guidance_embeds
                          else None)
-        run.sigmas, run.timesteps = schedulers.flux2_sigmas(run.steps, h * w, self.scheduler_config)
+        run.sampler = self.new_sampler(run, schedulers.flux2_sigmas(run.steps, h * w, self.scheduler_config))
         x = initial_latents(latents, run.state["shape"], run.seed, "diffusers' patchified layout: batch, 4 * latent "
                             "channels, height/16, width/16")                        # (B, C, h, w)
         return pack(x)
@@ -153,7 +153,7 @@ class Flux2Pipeline(Pipeline):
             return x
         init = image_inputs.resized(image_inputs.over_white(run.images[0]), run.width, run.height)
         clean = mx.broadcast_to(image_inputs.flux2_latents(vae, init, self.dtype), run.state["shape"])
-        x = image_inputs.noised(pack(clean), x, run.sigmas[run.start])
+        x = run.sampler.add_noise(pack(clean), x, run.start)
         mx.eval(x)
         return x
 

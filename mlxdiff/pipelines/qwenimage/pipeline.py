@@ -96,7 +96,7 @@ class QwenImagePipeline(Pipeline):
     given, as there). `image_noise`: the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed)."""
     family = "qwenimage"
     patch_size = 2      # 2x2 latent patches per token: sizes are multiples of 16
-    OPTIONS = {"max_sequence_length": None, "true_cfg_scale": None, "image_noise": None, "mask": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": None, "image_noise": None, "mask": None}
     IMG2IMG_STRENGTH = 0.6      # QwenImageImg2ImgPipeline's strength
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
 
@@ -216,7 +216,7 @@ class QwenImagePipeline(Pipeline):
         tokens = (h // 2) * (w // 2)
         run.state.update(shape=(run.batch, channels, h, w), img_shapes=[(1, h // 2, w // 2)],
                          true_cfg_scale=self.true_cfg_scale(run))
-        run.sigmas, run.timesteps = qwenimage_sigmas(run.steps, tokens, self.scheduler_config)
+        run.sampler = self.new_sampler(run, qwenimage_sigmas(run.steps, tokens, self.scheduler_config))
         if latents is None:      # drawn in the VAE's layout and packed, as diffusers' prepare_latents
             return pack(initial_latents(None, run.state["shape"], run.seed))
         return initial_latents(latents, (run.batch, tokens, 4 * channels), run.seed, "diffusers' packed layout: "
@@ -241,7 +241,7 @@ class QwenImagePipeline(Pipeline):
         if "mask" in run.state:     # each step's blend: the noise, the init latents, the mask, all packed
             run.state.update(noise=x, image_latents=init, latent_mask=packed_latent_mask(
                 run.state["mask"], run.width, run.height, self.vae_scale_factor(), run.state["shape"][1]))
-        x = image_inputs.noised(init, x, run.sigmas[run.start])
+        x = run.sampler.add_noise(init, x, run.start)
         mx.eval(x)
         return x
 

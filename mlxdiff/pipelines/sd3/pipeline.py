@@ -41,7 +41,7 @@ class SD3Pipeline(Pipeline):
     latents; by default both are drawn from `seed`. The other keywords are diffusers' (OPTIONS)."""
     family = "sd3"
     patch_size = 2
-    OPTIONS = {"skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
+    OPTIONS = {**Pipeline.OPTIONS, "skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
                "skip_layer_guidance_stop": 0.2, "clip_skip": None, "max_sequence_length": 256, "image_noise": None}
     IMG2IMG_STRENGTH = 0.6        # StableDiffusion3Img2ImgPipeline's default strength
 
@@ -147,14 +147,14 @@ class SD3Pipeline(Pipeline):
         factor = self.vae_scale_factor()
         run.state["shape"] = shape = (run.batch, self.components["transformer"].args.in_channels,
                                       run.height // factor, run.width // factor)
-        run.sigmas, run.timesteps = schedulers.sd3_sigmas(run.steps, self.scheduler_config)
+        run.sampler = self.new_sampler(run, schedulers.sd3_sigmas(run.steps, self.scheduler_config))
         return initial_latents(latents, shape, run.seed)
 
     def encode_images(self, run, vae, x):
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
-        x = image_inputs.noised(mx.broadcast_to(init, shape), x, run.sigmas[run.start])
+        x = run.sampler.add_noise(mx.broadcast_to(init, shape), x, run.start)
         mx.eval(x)
         return x
 

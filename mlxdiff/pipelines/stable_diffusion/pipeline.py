@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from ... import ldm_schedulers
+from ... import samplers
 from ...arguments import check_generate
 from ...config_checks import MAX_IMAGE_SIZE
 from ...errors import MlxdiffError
@@ -52,7 +52,7 @@ def _pair(name, value, low):
 class StableDiffusionPipeline(Pipeline):
     """SD 1.x / 2.x, or SDXL when the model has a second text encoder (`self.xl`).
 
-    `generate(..., scheduler=NAME)` picks the sampler (ldm_schedulers.SCHEDULERS: euler, euler_karras, euler_a,
+    `generate(..., scheduler=NAME)` picks the sampler (samplers.SAMPLERS, the discrete-time ones: euler, euler_karras, euler_a,
     ddim, dpmpp_2m, dpmpp_2m_karras, pndm) over the model's scheduler config; by default the one its folder names.
     `image=, strength=`: image-to-image as diffusers' StableDiffusion(XL)Img2ImgPipeline (strength default 0.8 for SD,
     0.3 for SDXL, as there): the image resized to the output size (default: the image's own, rounded down to a
@@ -63,7 +63,8 @@ class StableDiffusionPipeline(Pipeline):
     DENOISER = "unet"
     STEP_CACHE = False
     STREAM_DTYPE = False      # a UNet has no residual stream to widen: float16 as it is
-    OPTIONS = {"scheduler": None, "clip_skip": None, "image_noise": None,
+    SAMPLER_KIND = samplers.DISCRETE
+    OPTIONS = {**Pipeline.OPTIONS, "clip_skip": None, "image_noise": None,
                **{name: None for name in SIZE_OPTIONS}}
 
     def __init__(self, sources, *args, **kwargs):
@@ -149,9 +150,6 @@ class StableDiffusionPipeline(Pipeline):
     def check_inputs(self, run):
         o = run.options
         self.take_image_noise(run)
-        if o["scheduler"] is not None and o["scheduler"] not in ldm_schedulers.SCHEDULERS:
-            raise MlxdiffError(f"scheduler={o['scheduler']!r} does not exist; use one of "
-                               + ", ".join(ldm_schedulers.SCHEDULERS))
         for name in SIZE_OPTIONS:
             if o[name] is not None and not self.xl:
                 raise MlxdiffError(f"{name}: SDXL's micro-conditioning; this is an SD 1.x / 2.x model")
@@ -188,7 +186,7 @@ class StableDiffusionPipeline(Pipeline):
         name, config = name or self.default_scheduler(), self.scheduler_config
         if name == "pndm" and config.get("_class_name") != "PNDMScheduler":
             config = dict(config, skip_prk_steps=True)   # chosen over another class's config: PLMS, as UIs mean it
-        return ldm_schedulers.make_sampler(name, config, steps)
+        return samplers.discrete_sampler(name, config, steps)
 
     def steps_run(self, steps, strength=None, scheduler=None, **options) -> int:
         """Model calls a run makes: PNDM's PLMS makes one more than its steps."""
@@ -212,8 +210,7 @@ class StableDiffusionPipeline(Pipeline):
         factor = self.vae_scale_factor()
         run.state["shape"] = shape = (run.batch, self.components["unet"].args.in_channels,
                                       run.height // factor, run.width // factor)
-        sampler = self.sampler(run.options["scheduler"], run.steps)
-        run.state["sampler"], run.timesteps = sampler, sampler.timesteps
+        run.sampler = sampler = self.sampler(run.options["scheduler"], run.steps)
         # the ancestral sampler's per-step noise: a third stream of the seed (the first is the initial noise, the
         # second img2img's posterior noise)
         run.state["step_keys"] = mx.random.split(mx.random.split(mx.random.key(run.seed), 3)[2], len(run.timesteps))
@@ -224,13 +221,13 @@ class StableDiffusionPipeline(Pipeline):
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
-        x = run.state["sampler"].add_noise(mx.broadcast_to(init, shape), x, run.start)
+        x = run.sampler.add_noise(mx.broadcast_to(init, shape), x, run.start)
         mx.eval(x)
         return x
 
     def velocity(self, run, unet, i, x):
         """The UNet's noise (or v) prediction at schedule index i, with CFG against the negative conditioning."""
-        x_in = run.state["sampler"].scale_model_input(x, i).astype(self.dtype)
+        x_in = run.sampler.scale_model_input(x, i).astype(self.dtype)
         embeds, added, batch = run.state["embeds"], run.state["added"], run.batch
         t = mx.array(run.timesteps[i])
         if not run.cfg:
@@ -246,8 +243,7 @@ class StableDiffusionPipeline(Pipeline):
         return uncond + run.guidance * (cond - uncond)
 
     def step(self, run, i, x, prediction):
-        sampler = run.state["sampler"]
         noise = None
-        if sampler.ancestral:
+        if run.sampler.ancestral:
             noise = mx.random.normal(x.shape, key=run.state["step_keys"][i])
-        return sampler.step(prediction, i, x, noise)
+        return run.sampler.step(prediction, i, x, noise)

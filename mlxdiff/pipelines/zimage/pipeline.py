@@ -61,7 +61,7 @@ class ZImagePipeline(Pipeline):
     init image's VAE posterior noise (B = 1, C, H/8, W/8) (default: from the seed)."""
     family = "zimage"
     patch_size = 2      # the transformer's 2x2 patches: sizes are multiples of 16
-    OPTIONS = {"max_sequence_length": None, "image_noise": None, "mask": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "image_noise": None, "mask": None}
     STEP_CACHE = False
     IMG2IMG_STRENGTH = 0.6         # ZImageImg2ImgPipeline's
     INPAINT_STRENGTH = 1.0         # ZImageInpaintPipeline's
@@ -149,8 +149,8 @@ class ZImagePipeline(Pipeline):
         factor = self.vae_scale_factor()
         h, w = run.height // factor, run.width // factor
         run.state["shape"] = (run.batch, targs.in_channels, h, w)
-        run.sigmas, run.timesteps = zimage_sigmas(run.steps, (h // self.patch_size) * (w // self.patch_size),
-                                                  self.scheduler_config)
+        run.sampler = self.new_sampler(run, zimage_sigmas(run.steps, (h // self.patch_size) * (w // self.patch_size),
+                                                             self.scheduler_config))
         return initial_latents(latents, run.state["shape"], run.seed, "diffusers' layout: batch, latent channels, "
                                "height/8, width/8")
 
@@ -161,7 +161,7 @@ class ZImagePipeline(Pipeline):
         if "mask" in run.state:     # what each step's blending needs: the noise, the init latents, the latent mask
             run.state.update(noise=x, image_latents=init, latent_mask=mx.array(
                 latent_mask(run.state["mask"], run.width, run.height, self.vae_scale_factor())))
-        x = image_inputs.noised(init, x, run.sigmas[run.start])
+        x = run.sampler.add_noise(init, x, run.start)
         mx.eval(x)
         return x
 
