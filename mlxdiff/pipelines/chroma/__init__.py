@@ -7,7 +7,7 @@ from ...errors import MlxdiffError
 from ...models import chroma
 from ..family import Family
 from ..flux1.files import VAE_DEFAULTS
-from ..sd3.single_file import sd3_vae_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .files import chroma_files
 from .folder import check_components, chroma_folder
 from .pipeline import ChromaPipeline, Conditioning  # noqa: F401  (mlxdiff.pipelines.chroma.ChromaPipeline)
@@ -23,8 +23,9 @@ def read_folder(path, index, pipeline_class, components, request):
         raise MlxdiffError(f"text_encoders=: {path} is a Chroma folder, which has its own T5; give the files with "
                            "the transformer file as the model instead")
     if request.vae is not None:
-        found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config or VAE_DEFAULTS,
-                                               path / "vae" / "config.json", title="a Chroma")
+        found.components["vae"] = read_vae_file(
+            request.vae, AUTOENCODER_KL, found.components["vae"].config or VAE_DEFAULTS,
+            path / "vae" / "config.json", title="a Chroma")
         check_components(request.vae, found.components)
     return found
 

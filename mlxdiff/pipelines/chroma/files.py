@@ -14,7 +14,8 @@ from ...loading.spec import PipelineSources
 from ...models import chroma
 from ...tokenizers import bundled_t5_tokenizer
 from ..flux1.files import SCHEDULERS, VAE_DEFAULTS, VAE_PATTERNS, _near
-from ..sd3.single_file import TEXT_ENCODER_FILES, sd3_vae_file, text_encoder_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
+from ..sd3.single_file import TEXT_ENCODER_FILES, text_encoder_file
 from .folder import check_components
 
 
@@ -44,7 +45,7 @@ def chroma_files(transformer, text_encoders=None, vae_file=None) -> PipelineSour
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in vae/, "
                                "../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")
         vae_file = found[0]
-    specs["vae"] = sd3_vae_file(vae_file, VAE_DEFAULTS, title="a Chroma")
+    specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, VAE_DEFAULTS, title="a Chroma")
     check_components(transformer, specs)
     return PipelineSources("chroma", "ChromaPipeline", specs, {"tokenizer": bundled_t5_tokenizer()},
                            dict(SCHEDULERS[True]))

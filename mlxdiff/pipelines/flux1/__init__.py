@@ -5,7 +5,7 @@ ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those 
 from ...errors import MlxdiffError
 from ...models import flux1
 from ..family import Family
-from ..sd3.single_file import sd3_vae_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .files import VAE_DEFAULTS, flux1_files
 from .folder import check_latents, flux1_folder
 from .pipeline import Conditioning, Flux1Pipeline  # noqa: F401  (mlxdiff.pipelines.flux1.Flux1Pipeline)
@@ -22,8 +22,9 @@ def read_folder(path, index, pipeline_class, components, request):
         raise MlxdiffError(f"text_encoders=: {path} is a FLUX.1 folder, which has its own CLIP-L and T5; give the "
                            "files with the transformer file as the model instead")
     if request.vae is not None:
-        found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config or VAE_DEFAULTS,
-                                               path / "vae" / "config.json", title="a FLUX.1")
+        found.components["vae"] = read_vae_file(
+            request.vae, AUTOENCODER_KL, found.components["vae"].config or VAE_DEFAULTS,
+            path / "vae" / "config.json", title="a FLUX.1")
         check_latents(request.vae, found.components, pipeline_class)
     return found
 

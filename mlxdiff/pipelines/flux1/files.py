@@ -17,7 +17,8 @@ from ...loading.sources import config_from_shapes, lazy_under, transformer_from_
 from ...loading.spec import ComponentSpec, PipelineSources
 from ...models import flux1, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
-from ..sd3.single_file import TEXT_ENCODER_FILES, sd3_vae_file, text_encoder_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
+from ..sd3.single_file import TEXT_ENCODER_FILES, text_encoder_file
 from .folder import check_encoders, check_latents, kind_of
 
 # BFL's ae.safetensors: SD3's VAE layout with FLUX.1's latent scaling (FLUX.1-dev vae/config.json)
@@ -77,7 +78,7 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
         spec = clip_l_spec(file, pre) if short == "clip_l" else text_encoder_file(short, file, pre)
         specs[component] = replace(spec, name=component)
     if vae_file is not None:
-        specs["vae"] = sd3_vae_file(vae_file, VAE_DEFAULTS, title="a FLUX.1")
+        specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, VAE_DEFAULTS, title="a FLUX.1")
     elif any(n.startswith(VAE_PREFIX + "decoder.") for n in names):
         weights = lazy_under(bundle, VAE_PREFIX)
         rules = vae.ldm_keymap(vae.ldm_num_blocks(weights))
@@ -88,7 +89,7 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
         if not found:
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in "
                                "vae/, ../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")
-        specs["vae"] = sd3_vae_file(found[0], VAE_DEFAULTS, title="a FLUX.1")
+        specs["vae"] = read_vae_file(found[0], AUTOENCODER_KL, VAE_DEFAULTS, title="a FLUX.1")
     # Fill's transformer takes the masked image and the mask too (384 channels), Depth / Canny's the control image
     # (128); Kontext's weights have dev's shapes, its files say so in their names (flux1-kontext-dev.safetensors)
     pipeline_class = kind_of(specs["transformer"].args.in_channels, specs["vae"].args) or (

@@ -1,6 +1,6 @@
 """FLUX.2 from single files, with no diffusers folder (ComfyUI's model files): a transformer file (BFL / ComfyUI
 names, safetensors, fp8 or GGUF: sources.transformer_from_file), a text encoder file (sources.text_encoder_from_file)
-and a VAE file (BFL's `ae.safetensors` / ComfyUI's `flux2-vae.safetensors` names: sources.vae_from_file, which also
+and a VAE file (BFL's `ae.safetensors` / ComfyUI's `flux2-vae.safetensors` names: loading/vae_files.py, which also
 replaces a pipeline folder's VAE).
 
 What the files cannot say comes from the tables here: the family from the transformer's shapes (a guidance embedder:
@@ -18,7 +18,8 @@ from ...models import flux2, text_llm
 from ...loading.sources import not_a_folder, text_encoder_from_file, transformer_from_file
 from ...loading.spec import PipelineSources
 from ..family import identify
-from .folder import FLUX2_TAPS, vae_from_file
+from ...loading.vae_files import FLUX2 as FLUX2_VAE, read_vae_file
+from .folder import FLUX2_TAPS
 
 # scheduler_config.json of black-forest-labs/FLUX.2-dev and the FLUX.2-klein repos (4B, 9B, base and distilled
 # alike; ../shared/specs/flux2.md section 4): the pipelines pass mu explicitly, so only use_dynamic_shifting and
@@ -76,7 +77,7 @@ def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -
                                                             "text_encoder/config.json says them) or a GGUF of the "
                                                             "encoder (its metadata says them)")
         raise MlxdiffError(message) from None
-    specs = {"transformer": spec, "text_encoder": encoder_spec, "vae": vae_from_file(vae_file)}
+    specs = {"transformer": spec, "text_encoder": encoder_spec, "vae": read_vae_file(vae_file, FLUX2_VAE, title="a FLUX.2")}
     encoder, autoencoder = specs["text_encoder"].args, specs["vae"].args
     hidden = encoder.text_config["hidden_size"]
     if args.joint_attention_dim != len(taps) * hidden:

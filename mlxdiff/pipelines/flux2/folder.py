@@ -7,12 +7,11 @@ from pathlib import Path
 
 from ...config_checks import MAX_IMAGE_SIZE, MAX_LAYERS, MAX_PROMPT_TOKENS, CheckedArgs, between, show
 from ...errors import MlxdiffError
-from ...formats import check_weight_file, tensor_shapes
-from ...formats.keymaps import remap
-from ...loading.sources import (check_together, folder_component, not_a_folder, read_json, read_scheduler_config,
+from ...loading.sources import (check_together, folder_component, read_json, read_scheduler_config,
                                 text_encoder_from_file, text_encoder_spec, tokenizer_folder, transformer_from_file)
-from ...loading.spec import ComponentSpec, PipelineSources
-from ...models import flux2, text_llm, vae, vae_flux2
+from ...loading.spec import PipelineSources
+from ...loading.vae_files import FLUX2 as FLUX2_VAE, read_vae_file
+from ...models import flux2, text_llm
 # diffusers' text_encoder_out_layers defaults per pipeline
 FLUX2_TAPS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
 
@@ -32,42 +31,6 @@ class Flux2FolderOptions(CheckedArgs):
         "max_sequence_length": between(1, MAX_PROMPT_TOKENS),
         "text_encoder_out_layers": between(0, MAX_LAYERS, items=(1, 16)),
     }
-
-
-VAE_PREFIXES = ("first_stage_model.", "vae.")   # a VAE inside a checkpoint (ComfyUI's bundles); else no prefix
-
-
-def vae_from_file(path, base_config=None, base_where=None) -> ComponentSpec:
-    """A FLUX.2 VAE from one file: BFL / ComfyUI names (ldm names, quant convs inside encoder/decoder, `bn.*`; the
-    config read off the shapes, the group count and batch-norm settings from the folder's vae config when given,
-    else FLUX.2's), or diffusers names (with a folder's vae config only)."""
-    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
-    shapes = tensor_shapes(path)
-    prefix = next((p for p in VAE_PREFIXES if any(n.startswith(p + "decoder.") for n in shapes)), "")
-    names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
-    if not {"bn.running_mean", "bn.running_var"} <= set(names) and "decoder.conv_in.weight" in names:
-        raise MlxdiffError(f"{path}: a VAE without FLUX.2's latent statistics (bn.running_mean, bn.running_var): "
-                           "FLUX.1's or SD3.5's ae, not FLUX.2's; give flux2-vae.safetensors / FLUX.2's ae.safetensors")
-    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
-        try:
-            config = vae_flux2.config_from_original(names)
-        except MlxdiffError as e:   # the inference knows tensors, not files
-            raise MlxdiffError(f"{path}: {e}") from None
-        config.update({k: base_config[k] for k in ("norm_num_groups", "batch_norm_eps", "batch_norm_momentum",
-                                                     "act_fn", "sample_size") if base_config and k in base_config})
-        where = f"{path} (config read from its tensor shapes" + (f" and {base_where})" if base_config else ")")
-        vae_flux2.ModelArgs.from_dict(config, where)
-        rules = vae_flux2.original_keymap(vae.ldm_num_blocks(names))
-        return ComponentSpec("vae", vae_flux2, config, [path], prefix, lambda w: remap(w, rules))
-    if "decoder.conv_in.weight" in names and "bn.running_mean" in names:
-        if base_config is None:
-            raise MlxdiffError(f"{path}: a diffusers-named VAE file needs its config.json; load the pipeline folder "
-                               "and pass this file as vae=, or give BFL's ae.safetensors / ComfyUI's flux2-vae")
-        return ComponentSpec("vae", vae_flux2, dict(base_config), [path], prefix)
-    shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
-    raise MlxdiffError(f"{path}: not a FLUX.2 VAE in a naming mlxdiff reads (BFL / ComfyUI: encoder.down.N.*, "
-                       f"decoder.up.N.*, bn.running_mean; or diffusers' with a pipeline folder); its tensors are "
-                       f"{shown}")
 
 
 def flux2_folder(root: Path, index, pipeline_class, components, transformer=None, text_encoder=None, vae=None,
@@ -106,7 +69,8 @@ def flux2_folder(root: Path, index, pipeline_class, components, transformer=None
         specs["transformer"] = transformer_from_file(transformer, flux2, specs["transformer"].config,
                                                      root / "transformer" / "config.json")
     if vae is not None:
-        specs["vae"] = vae_from_file(vae, specs["vae"].config, root / "vae" / "config.json")
+        specs["vae"] = read_vae_file(vae, FLUX2_VAE, specs["vae"].config, root / "vae" / "config.json",
+                                     title="a FLUX.2")
     check_together(root, specs, math.prod(specs["vae"].args.patch_size), 2, options.sample_size)
     if tokenizer is not None and not Path(tokenizer).is_dir():
         raise MlxdiffError(f"{tokenizer}: tokenizer folder not found; give the model's tokenizer/ folder "

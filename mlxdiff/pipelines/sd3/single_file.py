@@ -13,6 +13,7 @@ from ...models import clip, mmdit, t5, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
 from ...loading.sources import config_from_shapes, lazy_under, not_a_folder, transformer_from_file
 from ...loading.spec import ComponentSpec, PipelineSources
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ..family import identify
 
 SD3_SCHEDULER_DEFAULT = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
@@ -68,31 +69,6 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
     return spec
 
 
-def sd3_vae_file(path, base_config=None, base_where=None, title="an SD3.5") -> ComponentSpec:
-    """An SD3.5 VAE from one file (vae=FILE): ldm names (Stability's `first_stage_model.*`, with or without the
-    prefix; the config read off the shapes, the group count and latent scaling from the model's vae config, else
-    SD3.5's), or diffusers names (with a pipeline folder's vae config)."""
-    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
-    shapes = tensor_shapes(path)
-    prefix = "first_stage_model." if any(n.startswith("first_stage_model.decoder.") for n in shapes) else ""
-    names = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
-    if "bn.running_mean" in names:
-        raise MlxdiffError(f"{path}: a FLUX.2 VAE (it has bn.running_mean), but this is {title} model; give "
-                           "that model's own VAE")
-    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
-        config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, defaults=base_config), names, path)
-        rules = vae.ldm_keymap(vae.ldm_num_blocks(names))
-        return ComponentSpec("vae", vae, config, [path], prefix, lambda w: remap(w, rules))
-    if "decoder.conv_in.weight" in names:
-        if base_config is None:
-            raise MlxdiffError(f"{path}: a diffusers-named VAE file needs its config.json; load the pipeline folder "
-                               "and pass this file as vae=")
-        return ComponentSpec("vae", vae, dict(base_config), [path], prefix)
-    shown = ", ".join(sorted(shapes)[:4]) or "no tensors"
-    raise MlxdiffError(f"{path}: not {title} VAE in a naming mlxdiff reads (ldm: encoder.down.N.*, decoder.up.N.*; "
-                       f"or diffusers'); its tensors are {shown}")
-
-
 def sd3_single_file(path: Path, transformer=None, text_encoders=None, vae_file=None) -> PipelineSources:
     names = list(tensor_shapes(path))
     if not any(n.startswith("model.diffusion_model.joint_blocks.") for n in names):
@@ -108,7 +84,7 @@ def sd3_single_file(path: Path, transformer=None, text_encoders=None, vae_file=N
     specs["vae"] = ComponentSpec("vae", vae, config_from_shapes(vae, vae.config_from_ldm, vae_weights, path), [path],
                                  "first_stage_model.", lambda w: remap(w, vae_keymap))
     if vae_file is not None:
-        specs["vae"] = sd3_vae_file(vae_file, specs["vae"].config, path)
+        specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, specs["vae"].config, path, title="an SD3.5")
         latent, takes = specs["vae"].args.latent_channels, specs["transformer"].args.in_channels
         if latent != takes:
             raise MlxdiffError(f"{vae_file}: gives {latent} latent channels but the transformer of {path} takes "

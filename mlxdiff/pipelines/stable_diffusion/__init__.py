@@ -4,12 +4,12 @@ SGM names, or stable-diffusion.cpp's GGUF)."""
 from dataclasses import replace
 
 from ...loading.sources import transformer_from_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...models import unet
 from ..family import Family
 from .folder import LDM_SCHEDULERS, check_unet_together, sd_folder
 from .pipeline import Conditioning, StableDiffusionPipeline  # noqa: F401
 from .single_file import sd_single_file
-from ..sd3.single_file import sd3_vae_file
 
 UNET_MARK = "model.diffusion_model.input_blocks."   # an ldm UNet: SD 1.x / 2.x / XL checkpoints
 
@@ -25,8 +25,8 @@ def layout(*encoders):
 def read_folder(path, index, pipeline_class, components, request):
     found = sd_folder(path, index, pipeline_class, components, request.transformer)
     if request.vae is not None:
-        found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config,
-                                               path / "vae" / "config.json")
+        found.components["vae"] = read_vae_file(request.vae, AUTOENCODER_KL, found.components["vae"].config,
+                                                path / "vae" / "config.json", title="an SD")
         check_unet_together(request.vae, found.components)
     return found
 

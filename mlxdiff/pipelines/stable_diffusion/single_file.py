@@ -37,6 +37,7 @@ from ...models import clip, unet, vae
 from ...tokenizers import bundled_clip_tokenizer
 from ...loading.sources import config_from_shapes, not_a_folder
 from ...loading.spec import ComponentSpec, PipelineSources
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ..family import identify
 from .folder import check_unet_together
 
@@ -134,30 +135,6 @@ def _ldm_vae(path, names, prefix, defaults) -> ComponentSpec:
     return ComponentSpec("vae", vae, config, [path], prefix, lambda w: remap(w, rules))
 
 
-def vae_from_file(path, defaults) -> ComponentSpec:
-    """An SD VAE given as its own file (e.g. the fp16-fixed SDXL VAE): ldm names (with or without
-    `first_stage_model.`) or diffusers' AutoencoderKL names, with the model's VAE config (`defaults`) for what shapes
-    cannot give."""
-    path = check_weight_file(not_a_folder(path, "VAE file"), "VAE file")
-    shapes = tensor_shapes(path)
-    prefix = VAE_PREFIX if any(n.startswith(VAE_PREFIX + "decoder.") for n in shapes) else ""
-    names = strip_prefix(shapes, prefix) if prefix else shapes
-    if "bn.running_mean" in names:
-        raise MlxdiffError(f"{path}: a FLUX.2 VAE (it has bn.running_mean); give an SD VAE (4 latent channels)")
-    if any(n.startswith(("encoder.down.", "decoder.up.")) for n in names):
-        return _ldm_vae(path, names, prefix, defaults)
-    if "decoder.conv_in.weight" in names and "encoder.conv_in.weight" in names:
-        latent = tuple(names["decoder.conv_in.weight"].shape)
-        config = {**defaults, "latent_channels": latent[1] if len(latent) == 4 else defaults["latent_channels"],
-                  "use_quant_conv": "quant_conv.weight" in names,
-                  "use_post_quant_conv": "post_quant_conv.weight" in names}
-        vae.ModelArgs.from_dict(config, f"{path} (the model's VAE config)")
-        return ComponentSpec("vae", vae, config, [path], prefix)
-    shown = ", ".join(sorted(names)[:4]) or "no tensors"
-    raise MlxdiffError(f"{path}: not an SD VAE in a naming mlxdiff reads (ldm: encoder.down.N.*, decoder.up.N.*; or "
-                       f"diffusers'); its tensors are {shown}")
-
-
 def sd_single_file(path, vae_file=None, prediction_type=None) -> PipelineSources:
     """An SD 1.x / 2.x / XL checkpoint (.safetensors, or stable-diffusion.cpp's .gguf) -> PipelineSources.
     `vae_file` replaces the checkpoint's VAE; `prediction_type` ("epsilon" | "v_prediction") is required for SD 2.x,
@@ -192,7 +169,8 @@ def sd_single_file(path, vae_file=None, prediction_type=None) -> PipelineSources
         raise MlxdiffError(f"{path}: has no VAE (first_stage_model.*); pass a VAE file (vae_file=) or use the full "
                            "checkpoint")
     if vae_file is not None:
-        specs["vae"] = vae_from_file(vae_file, specs["vae"].config if "vae" in specs else defaults)
+        specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, specs["vae"].config if "vae" in specs else defaults,
+                                     title="an SD")
     check_unet_together(vae_file or path, specs)   # latents, cross-attention width, SDXL's added embedding
 
     if family == "sdxl":

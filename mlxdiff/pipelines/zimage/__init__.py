@@ -7,7 +7,7 @@ from ...errors import MlxdiffError
 from ...models import zimage
 from ..family import Family
 from ..flux1.files import VAE_DEFAULTS
-from ..sd3.single_file import sd3_vae_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .files import zimage_files
 from .folder import TEXT_ENCODER_CLASSES, zimage_folder
 from .pipeline import Conditioning, ZImagePipeline  # noqa: F401  (mlxdiff.pipelines.zimage.ZImagePipeline)
@@ -24,8 +24,9 @@ def read_folder(path, index, pipeline_class, components, request):
                                "the files with the transformer file as the model (or no model) instead")
     found = zimage_folder(path, index, pipeline_class, components, request.transformer)
     if request.vae is not None:
-        vae = found.components["vae"] = sd3_vae_file(request.vae, found.components["vae"].config or VAE_DEFAULTS,
-                                                     path / "vae" / "config.json", title="a Z-Image")
+        vae = found.components["vae"] = read_vae_file(
+            request.vae, AUTOENCODER_KL, found.components["vae"].config or VAE_DEFAULTS,
+            path / "vae" / "config.json", title="a Z-Image")
         channels = found.components["transformer"].args.in_channels
         if vae.args.latent_channels != channels:
             raise MlxdiffError(f"{request.vae}: its {vae.args.latent_channels} latent channels are not the "

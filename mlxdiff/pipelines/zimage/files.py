@@ -18,7 +18,7 @@ from ...models import text_llm, zimage
 from ..family import identify
 from ..flux1.files import VAE_DEFAULTS, VAE_PATTERNS, _near
 from ..flux2.files import FOLDER_CONFIG_HINT, file_tokenizer
-from ..sd3.single_file import sd3_vae_file
+from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 
 # Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
@@ -68,7 +68,7 @@ def zimage_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) 
     if missing:
         raise MlxdiffError(f"{path}: a Z-Image transformer; " + "; and ".join(missing))
     specs["text_encoder"] = qwen3_file(text_encoder)
-    specs["vae"] = sd3_vae_file(vae_file, VAE_DEFAULTS, title="a Z-Image")
+    specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, VAE_DEFAULTS, title="a Z-Image")
     args, encoder, autoencoder = specs["transformer"].args, specs["text_encoder"].args, specs["vae"].args
     hidden = encoder.text_config["hidden_size"]
     if hidden != args.cap_feat_dim:
