@@ -321,7 +321,6 @@ class Pipeline:
         run = Run(prompt, negative_prompt, seed, names, images, self.default_strength(options) if images and
                   strength is None else strength, self.family_options(options), width, height,
                   step_cache=self.new_step_cache(cache))
-        samplers.check_name(run.options["scheduler"], self.SAMPLER_KIND, self.title)
         self.check_inputs(run)
         # 2. request: every argument checked, None filled in with the defaults
         run.width, run.height, run.steps, run.guidance = self.request(
@@ -374,8 +373,11 @@ class Pipeline:
         return self.IMG2IMG_STRENGTH
 
     def family_options(self, options: dict) -> dict:
-        """The family's own keywords taken out of `options` (what is left is refused by request), defaults filled."""
-        return {name: options.pop(name, default) for name, default in self.OPTIONS.items()}
+        """The family's own keywords taken out of `options` (what is left is refused by request), defaults filled,
+        the sampler's name checked against the family's kind."""
+        taken = {name: options.pop(name, default) for name, default in self.OPTIONS.items()}
+        samplers.check_name(taken["scheduler"], self.SAMPLER_KIND, self.title)
+        return taken
 
     def images_note(self, run, seconds) -> str:
         """Result.notes' line for the reference phase (a family with reference images says more)."""
