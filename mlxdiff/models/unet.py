@@ -413,8 +413,10 @@ class Model(nn.Module):
             after_block(*out)
         x = self.mid_block(x, emb, context)
         after_block(x)
+        n = len(a.block_out_channels)
         for i, block in enumerate(self.up_blocks):
-            count = len(block.resnets)
+            # the skips it takes, one per resnet, from the config: a streamed block is not looked inside
+            count = a.layers[n - 1 - i] + 1
             mine, skips = skips[-count:], skips[:-count]
             size = skips[-1].shape[1:3] if skips else None
             x = block(x, mine, emb, context, size)
