@@ -1,6 +1,7 @@
 """mlxdiff: Stable Diffusion 3.5, FLUX.2, SDXL and SD 1.x in MLX, with a footprint of the largest phase, not the sum."""
 
 from . import backend  # noqa: F401  (must run before anything imports mlx.core)
+from .arguments import check_load
 from .errors import MlxdiffError
 
 __version__ = "0.1.0"
@@ -12,8 +13,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     """Resolve `model` (a diffusers folder, a single file or a cached hub id; None for FLUX.2 from its transformer,
     text encoder and VAE files alone) into a pipeline that holds specs, not weights. See mlxdiff.pipelines.load for
     the details; the arguments are checked first (arguments.py)."""
-    from .arguments import check_load
-    from .pipelines import load as _load
+    from .pipelines import load as _load  # heavy: the pipelines import mlx_lm, which imports transformers and torch
     for name in unknown:
         raise MlxdiffError(f"{name}=: not an argument of mlxdiff.load")
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer, loras=loras)

@@ -6,11 +6,14 @@ call these checks, so a mistake is the same MlxdiffError, with the same one-line
 range), never a default in disguise.
 """
 
+import io
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass
 
+from .backend import physical_memory
 from .errors import MlxdiffError
 from .files import read_capped
 
@@ -84,7 +87,6 @@ class QuantizeSetting:
 
 
 def memory_cap_gb() -> float:
-    from .backend import physical_memory
     return MEMORY_FACTOR * physical_memory() / 2 ** 30
 
 
@@ -145,7 +147,7 @@ def check_latents(latents):
     """Injected noise: a finite real array (its shape is checked against the size by phases.initial_latents)."""
     if latents is None:
         return None
-    import numpy as np
+    import numpy as np  # heavy: numpy (about 100 modules), kept out of `import mlxdiff.generate`
     try:
         array = np.asarray(latents)
     except Exception:  # an object numpy cannot read is a user mistake here
@@ -179,7 +181,7 @@ def _image_name(item, index) -> str:
 def read_json_capped(path, limit, what, advice="give a smaller file", depth=None):
     """A user's JSON file through read_capped, parsed: a UTF-8 / syntax error, nesting deeper than Python's parser
     takes (or than `depth`, when given) and numbers past what Python reads are one line each."""
-    import json
+    import json  # light CLI: json (5 modules) is not in `import mlxdiff.generate`'s set
     data = read_capped(path, limit, what, advice)
     try:
         value = json.loads(data.decode("utf-8-sig"))
@@ -223,9 +225,8 @@ def shown(value, limit=80) -> str:
 def _read_image(item, index):
     """An image argument -> a loaded PIL image with pixels (a file: a regular file read with a bound, EXIF
     orientation applied, as diffusers' load_image does)."""
-    import io
-    import PIL.Image
-    import PIL.ImageOps
+    import PIL.Image  # heavy: PIL, kept out of `import mlxdiff.generate` (image inputs only)
+    import PIL.ImageOps  # heavy: as PIL.Image
     if isinstance(item, PIL.Image.Image):
         image, name = item, _image_name(item, index)
     elif not _is_path(item):
@@ -326,7 +327,6 @@ def _palette_checked(value, where, bits, group_size) -> QuantizeSetting:
 
 def _palette_setting(value: str, where) -> QuantizeSetting:
     """"p6" / "p6:g16" (bits, output rows per table)."""
-    import re
     m = re.fullmatch(r"p(\d{1,2})(?::g(\d{1,6}))?", value)
     if m is None:
         raise MlxdiffError(f"{where}={shown(value)}: expected bits as an integer (" + ", ".join(

@@ -13,6 +13,7 @@ import sys
 import warnings
 
 from . import switches
+from .errors import MlxdiffError
 
 OPENBLAS_CANDIDATES = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
@@ -83,7 +84,6 @@ def compute_dtype(requested=None) -> mx.Dtype:
         return mx.float32 if on_cpu() else mx.bfloat16
     if isinstance(requested, mx.Dtype):
         return requested
-    from .errors import MlxdiffError
     name = str(requested).lower()
     if name in DTYPES or name in MIXED:
         return DTYPES.get(name) or MIXED[name]
@@ -135,7 +135,6 @@ def kernel_build_mistake(error: RuntimeError):
     """The MlxdiffError (one line: what failed, what to do) for a RuntimeError of MLX's CPU kernel build that the
     machine's set-up caused (a missing, unwritable or full temp folder; no C++ compiler), else None: any other
     RuntimeError is not a user's mistake and stays as it is."""
-    from .errors import MlxdiffError
     text = str(error)
     if "temp_directory_path" not in text and "Failed to compile function" not in text:
         return None

@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .arguments import TEXT_ENCODER_NAMES, check_loras, check_quantize, quantize_word
+from .backend import kernel_build_errors
 from .errors import MlxdiffError
 
 
@@ -24,8 +26,7 @@ def run(work, interrupted="interrupted") -> int:
     line's text, or a function that says it (what was written by then). The work's output is flushed inside the
     guard, so that a Ctrl-C in the moment it ends is still this one line (saying that the work had finished), not a
     traceback at interpreter shutdown; main_exit then keeps the shutdown itself from being interrupted."""
-    from .backend import kernel_build_errors
-    from .policy import from_switches
+    from .policy import from_switches  # light CLI: keeps `import mlxdiff.generate`'s module set
     finished = False
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = (PipeSafe(s) if s is not None and not isinstance(s, PipeSafe) else s for s in streams)
@@ -105,7 +106,7 @@ def main_exit(main):
     too. A Ctrl-C before the work (while the arguments are parsed, the modules imported) or in the moment after it
     is one line and 130; once main() has returned, SIGINT is ignored, so that the interpreter's shutdown (flushing
     the streams, atexit hooks, joining threads) is never cut short by a traceback or by death from the signal."""
-    import signal
+    import signal  # light CLI: keeps `import mlxdiff.generate`'s module set
     code, returned = 130, False
     try:
         try:
@@ -124,7 +125,6 @@ def parse_quantize(text):
     """"4" -> 4; "transformer=4,text_encoder_3=8" -> {"transformer": 4, "text_encoder_3": 8}; "unet=p6:g16" -> {"unet":
     "p6:g16"} (palettized: arguments.quantize_setting); checked as the API
     checks quantize= (a component named twice is refused, not overridden)."""
-    from .arguments import check_quantize, quantize_word
     if text is None:
         return None
     try:
@@ -147,7 +147,6 @@ def parse_quantize(text):
 def parse_text_encoders(values):
     """--text-encoder values -> (text_encoder, text_encoders): "FILE" is FLUX.2's one encoder file; "NAME=FILE"
     (NAME: clip_l, clip_g or t5xxl; the option may repeat) SD3.5's and FLUX.1's. Which family takes which is checked by load."""
-    from .arguments import TEXT_ENCODER_NAMES
     single, named = None, {}
     for value in values or []:
         name, sep, file = value.partition("=")
@@ -170,7 +169,6 @@ def parse_text_encoders(values):
 def parse_loras(values):
     """--lora values ("FILE" or "FILE:SCALE", repeatable) -> [(file, scale)], checked as the API checks loras=
     (arguments.check_loras); a FILE whose name holds a colon is taken whole when it exists."""
-    from .arguments import check_loras
     if not values:
         return None
     out = []
@@ -237,7 +235,7 @@ def check_writable(path, option="--output", example="out.png") -> Path:
 def check_png_name(path) -> Path:
     """An output whose suffix names another image format (out.jpg, out.webp) would get PNG bytes under that name:
     refused in one line. Other names (out.png, out, out.img) take the PNG as they are."""
-    from PIL import Image
+    from PIL import Image  # heavy: PIL, kept out of `import mlxdiff.generate`
     path = Path(path)
     kind = Image.registered_extensions().get(path.suffix.lower())
     if kind is not None and kind != "PNG":
@@ -249,7 +247,7 @@ def check_png_name(path) -> Path:
 def save_png(image, path, parameters: dict) -> Path:
     """Write atomically (temp file + rename), so a failure (disk full, file-size limit) never leaves a partial PNG;
     it is one MlxdiffError line."""
-    from PIL.PngImagePlugin import PngInfo
+    from PIL.PngImagePlugin import PngInfo  # heavy: as PIL above
     path = check_writable(path)
     info = PngInfo()
     info.add_text("parameters", "; ".join(f"{k}: {v}" for k, v in parameters.items()))

@@ -16,18 +16,21 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import mlxdiff
+from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
 from .cli import ArgumentParser, main_exit, parse_quantize, run, write_error
+from .default_model import weights_dir
 from .errors import MlxdiffError
 
 
 def convert(source, dest, *, quantize=None, transformer=None, progress=print) -> Path:
-    import mlxdiff
-    from mlx.utils import tree_flatten
-    import mlx.core as mx
-    from .loading.sources import read_json, resolve_path
-    from .loading.spec import NATIVE_KEY, class_name_of
-    from .pipelines.family import family_named
-    from .loading.quantize import materialize
+    from .loading.sources import read_json, resolve_path  # heavy: mlxdiff.loading imports mlx_lm -> torch
+    from .loading.spec import NATIVE_KEY, class_name_of  # heavy: as above
+    from .pipelines.family import family_named  # heavy: as above
+    from .loading.quantize import materialize  # heavy: as above
 
     dest = destination(dest)
     if dest.exists():
@@ -110,7 +113,6 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
 def destination(dest) -> Path:
     """DEST as given -> the folder to write: a bare name goes under weights/; an empty name (or one that names no
     new folder: ".", "..") is refused, since it would name the weights folder itself or an existing one."""
-    from .default_model import weights_dir
     text = str(dest)
     if not text.strip() or Path(text).name in ("", ".", ".."):
         raise MlxdiffError(f"DEST {text!r}: names no new folder; give the name of the folder to write, e.g. "

@@ -28,7 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import backend, cli
+from . import backend, cli, default_model
+from .arguments import check_number, read_json_capped
 from .cli import ArgumentParser, check_writable, write_error
 from .errors import MlxdiffError
 from .memory import GB, gpu_used_bytes, process_memory
@@ -103,7 +104,7 @@ def report_peaks(stdout: str) -> dict:
     """From mlxdiff.generate's phase table (--report-memory; its size columns are phases.MEMORY_COLUMNS):
     {"mlx": {phase: MLX peak bytes}, "process": {phase: process peak bytes}} (sizes as printed, to 0.01 GB or
     0.1 MB; a "-" is left out)."""
-    from .pipelines.report import MEMORY_COLUMNS
+    from .pipelines.report import MEMORY_COLUMNS  # heavy: mlxdiff.pipelines imports mlx_lm -> torch
     columns = {"mlx": MEMORY_COLUMNS.index("MLX peak"), "process": MEMORY_COLUMNS.index("process peak")}
     out = {"mlx": {}, "process": {}}
     for line in stdout.splitlines():
@@ -151,9 +152,9 @@ def write_text(path: Path, text: str):
 
 def timeline(runs: dict, path: Path):
     try:
-        import matplotlib
+        import matplotlib  # optional: matplotlib draws the timeline when installed
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # optional: as matplotlib
     except ImportError:
         lines = []
         for label, run in runs.items():
@@ -181,8 +182,8 @@ def timeline(runs: dict, path: Path):
 def reference_family(model) -> tuple:
     """(the family, the local path) of what the user named: a pipeline folder by model_index.json's _class_name (a
     cached hub id too), a single file by the family that claims its tensors (pipelines.family_of_file)."""
-    from .loading.sources import read_json, resolve_path
-    from .pipelines import by_pipeline_class, family_of_file
+    from .loading.sources import read_json, resolve_path  # heavy: mlxdiff.loading imports mlx_lm -> torch
+    from .pipelines import by_pipeline_class, family_of_file  # heavy: as above
     path = resolve_path(model)
     if path.is_dir():
         index = path / "model_index.json"
@@ -248,7 +249,7 @@ def slow_reference_warning(path: Path, transformer, cpuinfo: str, torch_on_cpu):
 
 def _torch_on_cpu() -> bool:
     """Whether mlxdiff.reference will run torch on the CPU."""
-    from .reference.common import device
+    from .reference.common import device  # optional: mlxdiff.reference is the torch extra's side
     return device() == "cpu"
 
 
@@ -375,7 +376,6 @@ def show(path) -> int:
     """Print the table of a saved compare (its footprint.json) again, read with this version's parser: the file
     read as a user's file (a regular file, bounded: files.read_capped) and its structure checked whole
     (check_saved) before any of it is used."""
-    from .arguments import read_json_capped
 
     what = f"{path}: not a footprint.json written by `footprint compare`"
     try:
@@ -410,7 +410,6 @@ def _make_out(out: Path) -> None:
 
 
 def compare(args) -> int:
-    from . import default_model
     out = Path(args.out)
     model = args.model or str(default_model.folder())
     family, path = reference_family(model)
@@ -507,7 +506,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     def work():
-        from .arguments import check_number
         if args.what == "show":
             return show(args.json)
         check_number("interval", args.interval)

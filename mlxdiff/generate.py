@@ -52,7 +52,7 @@ def parse_args(argv=None):
                    help="FLUX.2: one text encoder file (safetensors or GGUF) that replaces the folder's; SD3.5: "
                         "clip_l=FILE, clip_g=FILE, t5xxl=FILE (repeat the option)")
     p.add_argument("--skip-guidance-layers", default=None, help="SD3.5: comma-separated layer indices, e.g. 7,8,9")
-    from .samplers import DISCRETE, FLOW, names_for
+    from .samplers import DISCRETE, FLOW, names_for  # heavy: the samplers import numpy (about 100 modules)
     p.add_argument("--scheduler", default=None, metavar="NAME",
                    help=f"the sampler (default: the one the model's scheduler config names): SD 1.x / SDXL "
                         f"{', '.join(names_for(DISCRETE))}; the flow-matching models {', '.join(names_for(FLOW))}")
@@ -139,7 +139,7 @@ def job_bar(total, enabled):
     """One progress bar over every denoise step of the job (the pipeline's own bars are off)."""
     if not enabled:
         return None
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # heavy: tqdm.auto (about 100 modules)
     return tqdm(total=total, desc="generate", unit="step")
 
 
@@ -179,7 +179,7 @@ def checked_job(args) -> Job:
         raise MlxdiffError(f"--mask {args.mask}: a mask says where to repaint an image; give --image FILE too, or "
                            "leave --mask out")
     check_number("memory_limit", args.memory_limit)
-    from .pipelines.step_cache import parse as parse_step_cache
+    from .pipelines.step_cache import parse as parse_step_cache  # heavy: pipelines import mlx_lm -> torch
     parse_step_cache(args.cache)
     return Job(prompts, seeds, count, outputs, parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers),
                text_encoder, text_encoders, parse_loras(args.lora), image_names, images)
@@ -190,7 +190,7 @@ def chosen_model(job: Job, args):
     file is (with --transformer: a family read from files alone)."""
     model = args.model
     if model is None and args.transformer is None:
-        from . import default_model
+        from . import default_model  # light CLI: keeps `import mlxdiff.generate`'s module set
         model = default_model.folder()
         print(f"mlxdiff: using the embedded default model {model}")
         print(f"mlxdiff: {default_model.NOTICE}")
@@ -204,7 +204,7 @@ def chosen_model(job: Job, args):
 def run_options(args, pipe, job: Job):
     """(generate()'s keywords, the strength the run uses, the steps): the family's own options given only when set
     (a family without one refuses it in one line), the image's size where the image sets it."""
-    from .pipelines.family import check_options
+    from .pipelines.family import check_options  # heavy: as mlxdiff.pipelines above
     width, height, steps, guidance = pipe.request(args.width, args.height, args.steps, args.guidance)
     options = dict(negative_prompt=args.negative_prompt, width=width, height=height, steps=steps, guidance=guidance)
     if job.layers is not None:
@@ -240,7 +240,7 @@ def png_metadata(args, pipe, job: Job, model, options, strength) -> dict:
     if job.images:
         base.update(image=" ".join(job.image_names), **({} if strength is None else {"strength": strength}))
     if job.loras:
-        from .lora import describe
+        from .lora import describe  # heavy: mlxdiff.lora imports numpy and the formats
         base["lora"] = describe(job.loras)
     return base
 
@@ -304,7 +304,7 @@ def closing_line(job: Job, group, writes, guidance_group, written) -> str:
 
 def generate(args, written) -> int:
     job = checked_job(args)
-    from .distributed import check_same_job, job_group, share
+    from .distributed import check_same_job, job_group, share  # heavy: numpy
     model = chosen_model(job, args)
     t0 = time.perf_counter()
     group = job_group()       # started by mlx.launch (mlxdiff/distributed.py)
@@ -313,7 +313,7 @@ def generate(args, written) -> int:
     guidance_group = group if args.split == "guidance" else None
     tensor_group = group if args.split == "tensor" else None      # every rank makes every image, together
     shared = guidance_group or tensor_group
-    from .pipelines import load as load_pipeline     # mlxdiff.load with split= (checked there as by mlxdiff.load)
+    from .pipelines import load as load_pipeline  # heavy: mlx_lm -> torch; mlxdiff.load with split=
     pipe = load_pipeline(model, group=shared, split=args.split if shared else None, transformer=args.transformer,
                          dtype=args.dtype, quantize=job.quantize, text_encoder=job.text_encoder,
                          text_encoders=job.text_encoders, vae=args.vae, tokenizer=args.tokenizer, matmul=args.matmul,
@@ -335,7 +335,7 @@ def generate(args, written) -> int:
 
 def split_encoders(pipe) -> list:
     """The text encoders a tensor-parallel pipeline splits over its ranks too (loading/tensor_parallel.shardable)."""
-    from .loading.tensor_parallel import TensorParallelSpec
+    from .loading.tensor_parallel import TensorParallelSpec  # heavy: mlx_lm -> torch
     return [name for name, spec in pipe.components.items()
             if name.startswith("text_encoder") and isinstance(spec, TensorParallelSpec)]
 

@@ -63,7 +63,7 @@ def phys_footprint(pid) -> int | None:
 def _nvml():
     """pynvml (nvidia-ml-py), initialised, or None where there is no NVIDIA driver or no nvidia-ml-py."""
     try:
-        import pynvml
+        import pynvml  # optional: nvidia-ml-py, only where there is an NVIDIA driver
         pynvml.nvmlInit()
         return pynvml
     except Exception:  # ImportError, or NVMLError of any kind: no NVML here

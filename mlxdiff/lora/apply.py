@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import MlxdiffError
+from ..formats import tensor_nbytes
 from ..formats.quantized import linear_dims, split_rows
 from .files import ALPHA_DTYPES, FACTOR_DTYPES, _check_values, _read, _short
 from .layers import LoRAConv, LoRALinear, conv_dims
@@ -183,7 +184,6 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
 
 def lora_nbytes(path) -> int:
     """Bytes of a LoRA file's tensors (its header; nothing is read)."""
-    from ..formats import tensor_nbytes
     return sum(tensor_nbytes(path).values())
 
 

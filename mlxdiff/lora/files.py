@@ -8,6 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..errors import MlxdiffError
+from ..formats.safetensors import CHECK_BATCH_ELEMENTS, check_safetensors, load_safetensors
 
 
 def _short(name, limit=100):
@@ -45,7 +46,6 @@ ALPHA_DTYPES = (*FACTOR_DTYPES, "I8", "I16", "I32", "I64", "U8", "U16", "U32", "
 def _read(path):
     """(lazy {name: array}, header metadata, {name: stored dtype}) of a LoRA file, checked by the safetensors
     gate."""
-    from ..formats.safetensors import check_safetensors, load_safetensors
     path = _lora_path(path)
     info, meta = check_safetensors(path, with_metadata=True)
     if not info:
@@ -56,7 +56,6 @@ def _read(path):
 def _magnitudes(named):
     """{key: max |value|} of each (key, array) (inf where it holds a NaN or an infinity), a batch of tensors per
     evaluation: every LoRA tensor is read whole, it is the file's own bytes."""
-    from ..formats.safetensors import CHECK_BATCH_ELEMENTS
     out, batch, size = {}, [], 0
 
     def flush():

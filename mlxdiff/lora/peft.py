@@ -4,9 +4,11 @@ tensors reach."""
 
 import math
 import re
+from re import _parser
 
 from ..errors import MlxdiffError
 from ..formats.quantized import linear_dims
+from ..formats.safetensors import _short as short, parse_json
 from .files import _short
 from .layers import LoRALinear, conv_dims
 
@@ -75,7 +77,6 @@ PEFT_FIELDS = {
 def _repeats(path, where, sub, in_repeat=False) -> int:
     """The repeats of a parsed pattern; nested repeats, alternatives inside a repeat and back-references refused
     (what makes matching take exponential time)."""
-    from re import _parser
     count = 0
     for op, av in sub:
         name = str(op)
@@ -108,7 +109,6 @@ def _pattern_error(path, where, what):
 def _compile(path, where, pattern):
     """A pattern of the metadata, compiled, refused unless matching it takes bounded time: at most
     MAX_PATTERN_CHARS characters and MAX_PATTERN_REPEATS repeats, none nested."""
-    from re import _parser
     if len(pattern) > MAX_PATTERN_CHARS:
         raise _pattern_error(path, where, f"{len(pattern)} characters, more than {MAX_PATTERN_CHARS}")
     try:
@@ -127,7 +127,6 @@ def _peft_config(path, meta, component="transformer"):
     text = meta.get("lora_adapter_metadata")
     if not text:
         return None
-    from ..formats.safetensors import parse_json, _short as short
 
     def bad(what):
         return MlxdiffError(f"{path}: its lora_adapter_metadata is not valid JSON ({what}); re-save the LoRA")

@@ -24,9 +24,10 @@ from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix
 from ..formats.quantized import concat_rows, split_rows
 from ..pacing import pace
 from .embeddings import TextProjection, TimestepEmbedding, timestep_embedding
-from .flux2 import apply_rope, attention, cached_rope, clip_fp16, scaled_time
+from .flux2 import apply_rope, attention, cached_rope, check_fused_rows, clip_fp16, scaled_time
 from .fused import compiled_block, double_stream, gated_residual, norm_modulate, norm_rope
 from .mmdit import AdaLayerNormContinuous, AdaLayerNormZero, FeedForward
+from .sharding import check_divides, shard_layer
 
 ROPE_THETA = 10000       # FluxPosEmbed(theta=10000): fixed in diffusers, not a config key
 EPS = 1e-6               # every norm of the model (qk RMSNorms and the affine-free LayerNorms)
@@ -213,7 +214,6 @@ FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_text_embed\..*|.
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this config over n ranks (the heads and the MLP width), else one line; checked
     when a tensor-parallel pipeline is loaded, before anything is read."""
-    from .sharding import check_divides
     check_divides("FLUX.1 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
     check_divides("FLUX.1 transformer: the MLP width", MLP_RATIO * args.width, n)
 
@@ -281,7 +281,6 @@ class Model(nn.Module):
         q/k/v, the feed-forward inputs and the single blocks' proj_mlp split by output rows, the attention and
         feed-forward outputs by input columns (one all_sum each; a single block's proj_out in its [attention | MLP]
         parts), the heads divided; modulations, embedders, norm_out and proj_out stay whole on every rank."""
-        from .sharding import shard_layer
         n = group.size()
         check_shardable(self.args, n)
         for i, block in enumerate(self.transformer_blocks):
@@ -466,7 +465,6 @@ def config_from_original(weights: dict, check=True) -> dict:
     vector_in, guidance_embeds = guidance_in present (dev: yes, schnell: no), the block counts from the indices,
     head_dim from the QK-norm length, out_channels from final_layer (patch_size 1). axes_dims_rope: only its sum
     (head_dim) is in the weights; BFL's split is (16, 56, 56) for 128, head_dim / 8 then the rest halved."""
-    from .flux2 import check_fused_rows
     weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
     if check and not is_original(weights):     # check=False: Chroma's blocks (no vector_in: no pooled size)
         raise MlxdiffError("not a FLUX.1 original checkpoint: no vector_in / double_blocks.N.img_mod / "

@@ -27,6 +27,7 @@ from ..policy import current
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .fused import (attention as fused_attention, compiled_block, cuda_kernels, double_stream, fused, gated_residual,
                     norm_modulate, norm_rope)
+from .sharding import GatheredLinear, check_divides, shard_layer
 
 
 @dataclass
@@ -364,7 +365,6 @@ FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_guidance_embed\.
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this config over n ranks (heads, the MLP width and the model width), else one
     line; checked when a tensor-parallel pipeline is loaded, before anything is read."""
-    from .sharding import check_divides
     check_divides("FLUX.2 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
     check_divides("FLUX.2 transformer: the MLP width", int(args.num_attention_heads * args.attention_head_dim
                                                           * args.mlp_ratio), n)
@@ -446,7 +446,6 @@ class Model(nn.Module):
         attention and feed-forward outputs by input columns with one all_sum each, the heads and hidden widths
         divided; the shared modulations split by output rows and gathered. Embedders, norm_out and proj_out stay
         whole on every rank. Lazy: only the slices are evaluated when the model is materialized."""
-        from .sharding import GatheredLinear, shard_layer
         n = group.size()
         check_shardable(self.args, n)
         dim = self.args.num_attention_heads * self.args.attention_head_dim

@@ -19,6 +19,7 @@ from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix
 from ..pacing import pace
 from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
 from .fused import attention, compiled_block, gated_residual, norm_modulate, norm_rope
+from .sharding import GatheredLinear, check_divides, shard_layer
 
 
 @dataclass
@@ -275,7 +276,6 @@ class PatchEmbed(nn.Module):
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this config over n ranks (the heads), else one line; checked when a
     tensor-parallel pipeline is loaded, before anything is read."""
-    from .sharding import check_divides
     check_divides("SD3 transformer: num_attention_heads", args.num_attention_heads, n, " heads")
 
 
@@ -350,7 +350,6 @@ class Model(nn.Module):
         attention and feed-forward outputs by input columns with one all_sum each, the heads divided; the per-block
         adaLN linears (a third of the weights) split by output rows and gathered back. The embedders, norm_out and
         proj_out stay whole on every rank. Lazy: only the slices are evaluated when the model is materialized."""
-        from .sharding import GatheredLinear, shard_layer
         n = group.size()
         check_shardable(self.args, n)
         for i, block in enumerate(self.transformer_blocks):

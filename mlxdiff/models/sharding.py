@@ -2,6 +2,8 @@
 run splits): one linear layer as mlx.nn's sharded twin, a row-split layer whose outputs are gathered back, and the
 one-line refusal of counts or layers the ranks cannot split."""
 
+import copy
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -66,7 +68,6 @@ def _shard_decoding(layer, sharding, group, where, boundaries):
     blocks, float8 codes with row scales) split as mlx.nn's sharded layers split theirs, its form kept: output rows
     (every array has them first), or input columns cut on the form's block boundaries (`column_unit()`: values and
     bytes per block), whose partial products are summed over the ranks before the bias (SummedLinear)."""
-    import copy
     n, rank = group.size(), group.rank()
     rows = sharding == "all-to-sharded"
     values, nbytes = layer.column_unit()

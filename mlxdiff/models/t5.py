@@ -23,6 +23,7 @@ from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
                              Rule, between, positive)
 from ..errors import MlxdiffError
 from ..formats.keymaps import remap
+from .sharding import check_counts, divides_all, shard_layer
 
 
 # transformers' ACT2FN names -> functions
@@ -263,13 +264,11 @@ def _split_counts(args: ModelArgs) -> dict:
 
 def shards_evenly(args: ModelArgs, n: int) -> bool:
     """Whether Model.shard can split this encoder over n ranks (loading/tensor_parallel.shardable)."""
-    from .sharding import divides_all
     return divides_all(_split_counts(args), n)
 
 
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this encoder over n ranks, else one line; checked before anything is read."""
-    from .sharding import check_counts
     check_counts("T5 text encoder", _split_counts(args), n)
 
 
@@ -317,7 +316,6 @@ class Model(nn.Module):
         feed-forward input(s) split by output rows, o and wo by input columns with one all_sum each, the heads
         divided, and the relative attention bias table keeps this rank's heads' columns. The embedding and norms
         stay whole on every rank."""
-        from .sharding import shard_layer
         n, rank = group.size(), group.rank()
         check_shardable(self.args, n)
         for i, block in enumerate(self.encoder.block):

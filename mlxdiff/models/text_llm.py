@@ -42,7 +42,9 @@ from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
                              Rule, between, check_rules, check_values, field_types, one_of, positive, require_object)
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap
+from ..formats.quantized import QuantizedTensor, RawBlocks
 from .fused import through
+from .sharding import check_counts, divides_all, shard_layer
 
 # diffusers' text_encoder_out_layers defaults
 TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
@@ -295,14 +297,12 @@ def _split_counts(args: ModelArgs) -> dict:
 
 def shards_evenly(args: ModelArgs, n: int) -> bool:
     """Whether Model.shard can split this encoder over n ranks (loading/tensor_parallel.shardable)."""
-    from .sharding import divides_all
     return divides_all(_split_counts(args), n)
 
 
 def check_shardable(args: ModelArgs, n: int) -> None:
     """Whether Model.shard can split this encoder over n ranks (query and key/value heads, the MLP width), else one
     line; checked before anything is read."""
-    from .sharding import check_counts
     check_counts("text encoder", _split_counts(args), n)
 
 
@@ -335,7 +335,6 @@ class Model(nn.Module):
         q/k/v and the MLP's gate/up split by output rows, o_proj and down_proj by input columns with one all_sum
         each, the heads divided; through models/sharding.shard_layer, which refuses in one line what cannot be
         split (palettized weights). The embedding and norms stay whole on every rank."""
-        from .sharding import shard_layer
         n = group.size()
         check_shardable(self.args, n)
         for i, layer in enumerate(self.layers):
@@ -444,7 +443,7 @@ def gguf_architecture(metadata, model_type):
     """general.architecture of a GGUF text encoder: absent (None: taken by its shapes), or a string naming the
     kind of decoder its shapes are (llama / mistral / mistral3 for Mistral, qwen3 for Qwen3), since it decides the
     q/k row order (gguf_is_permuted)."""
-    from ..formats.gguf import metadata_value
+    from ..formats.gguf import metadata_value  # heavy: formats.gguf imports the gguf package (~0.7 s)
     arch = metadata_value(metadata, "general.architecture", "str")
     if arch is not None and arch not in GGUF_ARCHITECTURES[model_type]:
         kind = "a Qwen3" if model_type == "qwen3" else "a Mistral"
@@ -460,7 +459,7 @@ def gguf_values(metadata, model_type, layers) -> dict:
     epsilon; head counts also per layer, all equal) and within the text config's limits (TEXT_LIMITS), so that a
     forged value is one line naming the key. `layers`: the decoder layers the file holds (a per-layer array has one
     entry each)."""
-    from ..formats.gguf import metadata_value
+    from ..formats.gguf import metadata_value  # heavy: formats.gguf imports the gguf package (~0.7 s)
     arch = gguf_architecture(metadata, model_type)
     if arch is None:
         return {}
@@ -605,7 +604,6 @@ def unpermute_index(rows: int, heads: int) -> np.ndarray:
 
 def take_rows(value, index):
     """Rows `index` of a weight, kept in its form (array, QuantizedTensor or RawBlocks), lazily."""
-    from ..formats.quantized import QuantizedTensor, RawBlocks
     index = mx.array(index.astype(np.int32))
     if isinstance(value, RawBlocks):
         return dataclasses.replace(value, blocks=mx.take(value.blocks, index, axis=0))

@@ -4,11 +4,15 @@ each family in turn whether a folder, a single file or files alone are its model
 
 from pathlib import Path
 
+from ..arguments import check_load, check_loras, check_number, check_quantize
+from ..distributed import check_guidance_group, check_split, check_tensor_group
 from ..errors import MlxdiffError
 from ..formats import check_weight_file, tensor_shapes
 from ..loading import quantize as quantization
 from ..loading.sources import not_a_folder, read_pipeline_folder, resolve_path
 from ..loading.spec import PipelineSources
+from ..loading.tensor_parallel import shardable, tensor_parallel
+from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
 from . import chroma, flux1, flux2, qwenimage, sd3, stable_diffusion, zimage
 from .family import Family, LoadRequest, family_named, identify  # noqa: F401  (Family: the record's type)
 
@@ -113,9 +117,6 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     1/N of their heads and feed-forward widths, two all_sums per block; every rank runs the whole job, text encoders
     and VAE whole; mlxdiff/distributed.py).
     """
-    from ..arguments import check_load
-    from ..arguments import check_number, check_quantize
-    from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
     # checked here too, for calls as mlxdiff.pipelines.load
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer,
                loras=loras)
@@ -130,8 +131,6 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         if spec is not None and matmul is not None:
             spec.matmul = matmul
     family = family_named(found.family)
-    from ..distributed import check_guidance_group, check_split, check_tensor_group
-    from ..loading.tensor_parallel import shardable, tensor_parallel
     if group is not None and check_split(split, group) == "tensor":
         check_tensor_group(group, family.title, family.shardable(), " and ".join(
             f.title for f in FAMILIES if f.shardable()))
@@ -143,7 +142,6 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     elif group is None and split is not None:
         check_split(split, group)
     pipe = family.pipeline(found, dtype, keep, policy, check_guidance_group(group))
-    from ..arguments import check_loras
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)
     return pipe

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import MlxdiffError
+from ..loading.spec import ARCHITECTURES
 
 # mlxdiff.load's keywords that say where a model's parts are; a family takes some of them (Family.keywords)
 PART_KEYWORDS = ("transformer", "text_encoders", "text_encoder", "vae", "tokenizer", "prediction_type")
@@ -66,7 +67,6 @@ class Family:
 
     def shardable(self) -> bool:
         """Whether its denoiser shards over ranks (split="tensor"): its architecture has Model.shard."""
-        from ..loading.spec import ARCHITECTURES
         denoiser = self.pipeline.DENOISER
         classes = {c for layout in self.layouts.values() for c in layout[denoiser]}
         return all(hasattr(ARCHITECTURES[c].Model, "shard") for c in classes)
@@ -96,7 +96,7 @@ def check_options(family, options: dict) -> None:
 
 def families() -> tuple:
     """The registry (pipelines.FAMILIES), imported late: the records are made by the family folders."""
-    from . import FAMILIES
+    from . import FAMILIES  # cycle: mlxdiff.pipelines imports this module before it makes FAMILIES
     return FAMILIES
 
 

@@ -19,6 +19,7 @@ whose behaviour mlxdiff follows prepare them, then encoded by the family's VAE.
 import math
 
 import numpy as np
+import PIL.Image
 
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
@@ -42,7 +43,6 @@ def to_array(image) -> np.ndarray:
 def flux2_reference(image, multiple):
     """One reference image as diffusers' FLUX.2 pipelines prepare it: scaled to at most REFERENCE_MAX_AREA pixels,
     then centre-cropped so that each side is a multiple of `multiple` (the VAE factor x the patch size)."""
-    import PIL.Image
     width, height = image.size
     if width * height > REFERENCE_MAX_AREA:
         scale = math.sqrt(REFERENCE_MAX_AREA / (width * height))
@@ -55,7 +55,6 @@ def flux2_reference(image, multiple):
 
 def resized(image, width, height):
     """diffusers' VaeImageProcessor.resize (resize_mode "default"): LANCZOS to exactly width x height."""
-    import PIL.Image
     if image.size == (width, height):
         return image
     return image.resize((width, height), resample=PIL.Image.Resampling.LANCZOS, reducing_gap=None)
@@ -63,7 +62,6 @@ def resized(image, width, height):
 
 def over_white(image):
     """mflux's ImageUtil.load_image: an image with transparency composited over opaque white, then RGB."""
-    import PIL.Image
     if image.has_transparency_data:
         rgba = (image.convert("LA") if image.mode == "La" else image).convert("RGBA")
         white = PIL.Image.new("RGBA", rgba.size, (255, 255, 255, 255))

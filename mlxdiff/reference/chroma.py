@@ -13,14 +13,14 @@ import json
 import sys
 from pathlib import Path
 
+from . import transformer_file
 from .common import device as _device, loaded_two_ways, noise, phase
 
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
         guidance=5.0, seed=0, transformer=None):
-    import torch
-    from diffusers import ChromaPipeline, ChromaTransformer2DModel
-    from . import transformer_file
+    import torch  # optional: the reference extra
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel  # optional: the reference extra
     width, height = width or size, height or size
     device, dtype = _device(), torch.bfloat16
     vae = json.loads((Path(model) / "vae" / "config.json").read_text())

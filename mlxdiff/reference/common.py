@@ -16,14 +16,17 @@ import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
+
+from mlxdiff import switches
+
 
 def mark(phase, event):
     print(f"MLXDIFF_PHASE {phase} {event} {time.time():.3f}", file=sys.stderr, flush=True)
 
 
 def device() -> str:
-    import torch
-    from mlxdiff import switches
+    import torch  # optional: the reference extra
     if switches.read().get("MLXDIFF_DEVICE") == "cpu":    # as mlxdiff/backend.py: the CPU on a machine with a GPU
         return "cpu"
     if torch.cuda.is_available():
@@ -34,7 +37,7 @@ def device() -> str:
 
 
 def free(device):
-    import torch
+    import torch  # optional: the reference extra
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -68,7 +71,7 @@ def loaded_two_ways(pipeline_class, model, mode, device, dtype, encode, encoders
 
 
 def synchronize(device):
-    import torch
+    import torch  # optional: the reference extra
     if device == "cuda":
         torch.cuda.synchronize()
     elif device == "mps":
@@ -99,7 +102,7 @@ def _rss_peak():
 @contextmanager
 def phase(name, device):
     """Markers around a phase; on Linux, the phase's peak RSS; on CUDA, the allocator's peaks over the phase."""
-    import torch
+    import torch  # optional: the reference extra
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -120,6 +123,5 @@ def phase(name, device):
 
 def noise(shape, seed, dtype):
     """Seeded float noise in diffusers' `latents` layout (numpy, so that it is the same on every device)."""
-    import numpy as np
-    import torch
+    import torch  # optional: the reference extra
     return torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32)).to(dtype)

@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from . import transformer_file
 from .common import device as _device, loaded_two_ways, noise, phase
 
 
@@ -39,10 +40,9 @@ def options(model) -> dict:
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", width=None, height=None, size=512, steps=2,
         guidance=None, seed=0, transformer=None):
-    import torch
-    import diffusers
-    from diffusers import Flux2Transformer2DModel
-    from . import transformer_file
+    import torch  # optional: the reference extra
+    import diffusers  # optional: the reference extra
+    from diffusers import Flux2Transformer2DModel  # optional: the reference extra
     opts = options(model)
     Pipeline = getattr(diffusers, opts["class"])
     width, height = width or size, height or size

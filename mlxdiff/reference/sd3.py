@@ -11,14 +11,14 @@ Each prints phase markers (see mlxdiff.reference.common) so that an outside samp
 
 import sys
 
+from . import transformer_file
 from .common import device as _device, free as _free, mark, noise, phase  # noqa: F401  (mark: kept importable)
 
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
         guidance=7.0, seed=0, transformer=None):
-    import torch
-    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
-    from . import transformer_file
+    import torch  # optional: the reference extra
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline  # optional: the reference extra
     width, height = width or size, height or size
     guidance = 7.0 if guidance is None else guidance
     device, dtype = _device(), torch.bfloat16

@@ -36,7 +36,7 @@ def pipeline_class(model) -> str:
 
 def held(pipe) -> str:
     """What a loaded pipeline holds per torch component: its parameters' and buffers' dtypes and bytes."""
-    import torch
+    import torch  # optional: the reference extra
     parts = []
     for name, module in pipe.components.items():
         if not isinstance(module, torch.nn.Module):
@@ -52,8 +52,8 @@ def held(pipe) -> str:
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
         guidance=None, seed=0, dtype="bfloat16"):
-    import torch
-    import diffusers
+    import torch  # optional: the reference extra
+    import diffusers  # optional: the reference extra
     cls = pipeline_class(model)
     xl = cls == "StableDiffusionXLPipeline"
     Pipeline = getattr(diffusers, cls)

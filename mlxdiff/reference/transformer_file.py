@@ -6,8 +6,8 @@ from pathlib import Path
 
 
 def load(cls, path, folder, dtype):
-    import torch
-    from diffusers import GGUFQuantizationConfig
+    import torch  # optional: the reference extra
+    from diffusers import GGUFQuantizationConfig  # optional: the reference extra
     kwargs = {}
     gguf = Path(path).suffix.lower() == ".gguf"
     if gguf:

@@ -14,8 +14,8 @@ from .common import device as _device, loaded_two_ways, noise, phase
 
 def run(model, mode="as_is", prompt="a photo of a fox in the snow", size=512, width=None, height=None, steps=2,
         guidance=5.0, seed=0):
-    import torch
-    from diffusers import ZImagePipeline
+    import torch  # optional: the reference extra
+    from diffusers import ZImagePipeline  # optional: the reference extra
     width, height = width or size, height or size
     device, dtype = _device(), torch.bfloat16
     vae = json.loads((Path(model) / "vae" / "config.json").read_text())

@@ -6,6 +6,7 @@ from the shapes, the tokenizer is the bundled real T5 vocabulary, the scheduler 
 Chroma1-HD folder's scheduler config is not at hand here, and ChromaPipeline computes mu from its
 base/max_image_seq_len and base/max_shift, which FLUX.1-dev's has)."""
 
+from dataclasses import replace
 from pathlib import Path
 
 from ...errors import MlxdiffError
@@ -37,7 +38,6 @@ def chroma_files(transformer, text_encoders=None, vae_file=None) -> PipelineSour
                                "../text_encoders/, ../clip/); pass it with text_encoders={'t5xxl': FILE} "
                                "(--text-encoder t5xxl=FILE)")
         t5_file = found[0]
-    from dataclasses import replace
     specs["text_encoder"] = replace(text_encoder_file("t5xxl", t5_file), name="text_encoder")
     if vae_file is None:
         found = _near(transformer, "vae", VAE_PATTERNS)

@@ -7,6 +7,8 @@ from ...formats import tensor_shapes
 from ...loading.sources import folder_component, read_scheduler_config, tokenizer_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import chroma
+from ...tokenizers import load_tokenizer
+from ..family import identify
 
 
 def check_components(where, specs) -> None:
@@ -24,7 +26,6 @@ def check_components(where, specs) -> None:
 
 def check_is_chroma(path) -> None:
     """A transformer file another family says is its own (FLUX.1's or FLUX.2's BFL names, ...) refused in one line."""
-    from ..family import identify
     names = list(tensor_shapes(path))
     if not chroma.is_original(names):
         hint = identify(names, but="chroma")
@@ -33,7 +34,6 @@ def check_is_chroma(path) -> None:
 
 
 def chroma_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
-    from ...tokenizers import load_tokenizer
     specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
              for name in ("transformer", "vae", "text_encoder")}
     if transformer is not None:

@@ -9,6 +9,8 @@ from ...loading.sources import folder_component, read_scheduler_config, tokenize
     transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import flux1
+from ...tokenizers import load_tokenizer
+from ..family import identify
 
 ENCODERS = ("text_encoder", "text_encoder_2")     # CLIP-L (pooled), T5-XXL
 
@@ -29,7 +31,6 @@ def check_encoders(where, specs) -> None:
 def check_is_flux1(path) -> None:
     """A transformer file given to a FLUX.1 model that another family says is its own (FLUX.2's BFL names, an SD3.5
     transformer, ...) is refused in one line saying what it is."""
-    from ..family import identify
     names = list(tensor_shapes(path))
     if not flux1.is_original(names):
         hint = identify(names, but="flux1")
@@ -83,7 +84,6 @@ def check_latents(where, specs, pipeline_class) -> None:
 def flux1_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     """A FluxPipeline folder; `transformer`: a file replacing its transformer (BFL / ComfyUI names, GGUF, or
     diffusers names with the folder's config)."""
-    from ...tokenizers import load_tokenizer
     specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
              for name in ("transformer", "vae", *ENCODERS)}
     specs["text_encoder"].config["architectures"] = [components["text_encoder"]]   # CLIPTextModel: no projection

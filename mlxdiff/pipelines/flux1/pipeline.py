@@ -26,7 +26,7 @@ from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from ... import schedulers
-from ...arguments import check_generate
+from ...arguments import check_generate, check_images
 from ...errors import MlxdiffError
 from ...tokenizers import report_truncation, tokenize
 from .. import image_inputs
@@ -179,7 +179,6 @@ class Flux1Pipeline(Pipeline):
 
     def take_mask(self, run):
         """Fill's mask: required with its image, one image of the image's size; refused by the other variants."""
-        from ...arguments import check_images
         mask = run.options["mask"]
         if not self.fill:
             if mask is not None:

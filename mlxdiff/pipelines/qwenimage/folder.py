@@ -10,6 +10,8 @@ from ...loading.sources import (ComponentSpec, folder_component, not_a_folder, r
                                 text_encoder_spec, tokenizer_folder, transformer_from_file)
 from ...loading.spec import PipelineSources
 from ...models import qwenimage, text_llm
+from ...tokenizers import load_tokenizer
+from ..family import identify
 
 # the prompt template's control tokens: a tokenizer without them is not Qwen's
 TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>")
@@ -18,7 +20,6 @@ TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>")
 def transformer_file(path, base_config, base_where) -> ComponentSpec:
     """transformer=FILE: a Qwen-Image transformer file in diffusers' names, bare or under ComfyUI's prefix (safetensors,
     fp8 or GGUF), its config read off the shapes, the folder's axes_dims_rope and patch_size kept."""
-    from ..family import identify
     path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
     names = list(tensor_shapes(path))
     if qwenimage.is_qwen_image_21(names):
@@ -45,7 +46,6 @@ def check_tokenizer(tokenizer, source, rows, encoder_where) -> None:
 
 def qwenimage_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     """A QwenImagePipeline folder; a `transformer` file (diffusers' or ComfyUI's names) replaces its denoiser."""
-    from ...tokenizers import load_tokenizer
     where = root / "model_index.json"
     specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
              for name in ("transformer", "vae")}

@@ -36,6 +36,9 @@ import mlx.core as mx
 from ... import schedulers
 from ...arguments import check_generate
 from ...errors import MlxdiffError
+from ...memory import budget_bytes
+from ...pacing import pace
+from ...policy import RunPolicy, current
 from ...tokenizers import report_truncation
 from .. import image_inputs
 from ..image_inputs import latent_mask
@@ -226,9 +229,6 @@ class QwenImagePipeline(Pipeline):
         """QwenImageImg2ImgPipeline's start: the image resized to the output size, a sample of its VAE posterior
         (image_noise, else the seed's second stream), (z - latents_mean) / latents_std, packed, noised to the first
         step run (scale_noise)."""
-        from ...memory import budget_bytes
-        from ...pacing import pace
-        from ...policy import RunPolicy, current
         policy = current() or RunPolicy()
         pixels = image_inputs.to_array(image_inputs.resized(run.images[0], run.width, run.height))
         vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)

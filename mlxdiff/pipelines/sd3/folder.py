@@ -7,10 +7,10 @@ from ...loading.sources import check_together, folder_component, read_scheduler_
     transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import mmdit
+from ...tokenizers import load_tokenizer
 
 
 def sd3_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
-    from ...tokenizers import load_tokenizer
     specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
              for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
     has_t5 = components["text_encoder_3"] is not None

@@ -9,6 +9,7 @@ from ...errors import MlxdiffError
 from ...loading.sources import folder_component, read_scheduler_config, tokenizer_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import unet as unet_arch
+from ...tokenizers import load_tokenizer
 # the UNet family's scheduler classes -> the sampler a folder runs by default (ldm_schedulers.SCHEDULERS)
 LDM_SCHEDULERS = {"PNDMScheduler": "pndm", "EulerDiscreteScheduler": "euler",
                   "EulerAncestralDiscreteScheduler": "euler_a", "DDIMScheduler": "ddim",
@@ -49,7 +50,6 @@ class LdmSchedulerArgs(CheckedArgs):
 def sd_folder(root: Path, index, pipeline_class, components, unet=None) -> PipelineSources:
     """A StableDiffusionPipeline (SD 1.x / 2.x) or StableDiffusionXLPipeline folder; `unet`: a file replacing the
     UNet (original or diffusers names). The scheduler's class is the default sampler (LDM_SCHEDULERS)."""
-    from ...tokenizers import load_tokenizer
     xl = pipeline_class == "StableDiffusionXLPipeline"
     encoders = ("text_encoder", "text_encoder_2") if xl else ("text_encoder",)
     specs = {name: folder_component(root, name, components[name], name == "unet" and unet is not None)

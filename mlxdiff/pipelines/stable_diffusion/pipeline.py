@@ -21,6 +21,7 @@ from ...errors import MlxdiffError
 from ...tokenizers import report_truncation, tokenize
 from .. import image_inputs
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from .folder import LDM_SCHEDULERS
 
 # SDXL's micro-conditioning keywords: (height, width) / (top, left) pairs that become the UNet's added time ids
 SIZE_OPTIONS = ("original_size", "crops_coords_top_left", "target_size", "negative_original_size",
@@ -80,7 +81,6 @@ class StableDiffusionPipeline(Pipeline):
 
     def default_scheduler(self) -> str:
         """The sampler the model's scheduler config names (folder.LDM_SCHEDULERS)."""
-        from .folder import LDM_SCHEDULERS
         return LDM_SCHEDULERS[self.scheduler_config.get("_class_name", "EulerDiscreteScheduler")]
 
     # -- encode ---------------------------------------------------------------------------------------------

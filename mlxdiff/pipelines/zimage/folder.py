@@ -9,6 +9,7 @@ from ...loading.sources import check_together, folder_component, read_json, read
     text_encoder_spec, tokenizer_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import text_llm, zimage
+from ...tokenizers import load_chat_tokenizer
 
 # the text encoder's classes: diffusers' ZImagePipeline takes a Qwen3Model (Tongyi-MAI's folders name it so, its
 # weights without `model.`) or the causal LM around it; text_llm reads both namings
@@ -17,7 +18,6 @@ TEXT_ENCODER_CLASSES = (text_llm.ARCHITECTURES["qwen3"], "Qwen3Model")
 
 def zimage_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:
     """A ZImagePipeline folder; a `transformer` file (diffusers or original names) replaces its denoiser."""
-    from ...tokenizers import load_chat_tokenizer
     where = root / "model_index.json"
     specs = {name: folder_component(root, name, components[name], name == "transformer" and transformer is not None)
              for name in ("transformer", "vae")}
