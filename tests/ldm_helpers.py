@@ -5,8 +5,13 @@ stable-diffusion.cpp's GGUF names (what its `convert` writes, with its choice of
 The inverse maps here are written from the ldm layout (openaimodel.py's flat input/output blocks, the ldm VAE's
 numbering, OpenCLIP's text tower), not from mlxdiff's tables; tests/test_sd_single_file.py proves them against
 diffusers' own converters (single_file_utils.convert_ldm_*), which must give back the diffusers state dict exactly.
+
+Also the UNet family's tiny diffusers twins (sd15_components, sd2_components, sdxl_components: every dimension
+distinct), strong enough that the image sees the prompt, CFG, the sampler and SDXL's sizes (wake_norms_), and the
+reference run every pipeline parity test compares with (reference: diffusers' final latents and image of one run).
 """
 
+import copy
 import re
 
 import numpy as np
@@ -168,3 +173,157 @@ def write_sdcpp_gguf(path, checkpoint: dict, qtype) -> dict:
     w.write_tensors_to_file()
     w.close()
     return decoded
+
+
+# -- the tiny diffusers twins of the UNet family (tests/test_sd_pipeline.py, test_coreml_pipeline.py, ...) ---------
+
+def wake_norms_(model):
+    """randomize_ leaves every GroupNorm / LayerNorm weight near 0 unless its name ends in "norm" (the resnets'
+    norm1 / norm2, the transformer blocks' norm1-3, CLIP's layer_norm1 / 2, the VAE's): every branch behind such a
+    norm then adds almost nothing, and diffusers' own image moved by 1 level when the prompt, CFG or the sampler
+    changed (issue 47). Near 1, as in a trained model, each of them reaches the image (tests/parity.py checks it)."""
+    import torch
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if isinstance(m, (torch.nn.GroupNorm, torch.nn.LayerNorm)) and m.weight is not None \
+                    and not name.endswith("norm"):
+                m.weight.add_(1.0)
+    return model
+
+
+def twin_(model, seed, scale=0.15):
+    from helpers import randomize_
+    return wake_norms_(randomize_(model, seed=seed, scale=scale)).eval()
+
+
+def clip_twin(with_projection, hidden, layers, heads, inter, projection=None, act="quick_gelu", seed=0):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    import torch
+    config = CLIPTextConfig(vocab_size=49408, hidden_size=hidden, intermediate_size=inter,
+                            projection_dim=projection or hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                            max_position_embeddings=77, hidden_act=act, bos_token_id=49406, eos_token_id=49407,
+                            pad_token_id=1)
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+
+
+def clip_tokenizer(pad="<|endoftext|>"):
+    from transformers import CLIPTokenizer
+    from conftest import ASSETS, FIXTURES
+    vocab = FIXTURES / "clip" if (FIXTURES / "clip" / "vocab.json").exists() else ASSETS / "clip"
+    return CLIPTokenizer(str(vocab / "vocab.json"), str(vocab / "merges.txt"), model_max_length=77, pad_token=pad)
+
+
+def vae_twin(scaling, seed):
+    from diffusers import AutoencoderKL
+    import torch
+    torch.manual_seed(seed)
+    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 12, 16), layers_per_block=1,
+                         latent_channels=4, norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 3,
+                         up_block_types=("UpDecoderBlock2D",) * 3, scaling_factor=scaling, sample_size=64)
+
+
+def sd15_components(scheduler="PNDMScheduler"):
+    import diffusers
+    import torch
+    from diffusers import UNet2DConditionModel
+    torch.manual_seed(0)
+    unet = UNet2DConditionModel(
+        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 24), norm_num_groups=8,
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=20, attention_head_dim=4)
+    text_encoder = clip_twin(False, 20, 2, 4, 36, seed=1)
+    vae = vae_twin(0.18215, 2)
+    for i, m in enumerate((unet, text_encoder, vae)):
+        twin_(m, seed=10 + i)
+    sched = getattr(diffusers, scheduler).from_config(dict(  # SD 1.5's scheduler_config.json
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, skip_prk_steps=True,
+        set_alpha_to_one=False, clip_sample=False))
+    return dict(unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=clip_tokenizer(), scheduler=sched,
+                safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+
+
+def sd2_components():
+    """SD 2.x's shape of the family: linear projections, 64-wide-head-like head counts per level, a v-prediction
+    DDIM config (as stable-diffusion-2-1's scheduler_config.json)."""
+    import diffusers
+    import torch
+    from diffusers import UNet2DConditionModel
+    parts = sd15_components()
+    torch.manual_seed(0)
+    parts["unet"] = twin_(UNet2DConditionModel(
+        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 32), norm_num_groups=8,
+        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=20, attention_head_dim=(2, 4),
+        use_linear_projection=True), seed=13)
+    parts["scheduler"] = diffusers.DDIMScheduler.from_config(dict(
+        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, clip_sample=False,
+        set_alpha_to_one=False, prediction_type="v_prediction"))
+    return parts
+
+
+def sdxl_components():
+    import torch
+    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
+    torch.manual_seed(0)
+    text_encoder = clip_twin(False, 16, 2, 2, 28, seed=1)
+    text_encoder_2 = clip_twin(True, 24, 3, 3, 40, projection=12, act="gelu", seed=2)
+    unet = UNet2DConditionModel(
+        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 32), norm_num_groups=8,
+        layers_per_block=(1, 2), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=40, attention_head_dim=(2, 4),
+        transformer_layers_per_block=(1, 2), use_linear_projection=True, addition_embed_type="text_time",
+        addition_time_embed_dim=8, projection_class_embeddings_input_dim=12 + 6 * 8)
+    vae = vae_twin(0.13025, 3)
+    for i, m in enumerate((unet, text_encoder, text_encoder_2, vae)):   # the UNet at 0.1: at 0.15 its DDIM img2img
+        twin_(m, seed=20 + i, scale=0.1 if m is unet else 0.15)        # run amplified float32 rounding to 4e-5
+    sched = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
+                                   timestep_spacing="leading")
+    return dict(unet=unet, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
+                tokenizer=clip_tokenizer(), tokenizer_2=clip_tokenizer("!"), scheduler=sched)
+
+
+def with_scheduler(pipe, name):
+    """A new diffusers pipeline (the same models) with the scheduler mlxdiff's sampler `name` stands for, over the
+    pipeline's scheduler config; `pipe` itself is left as it is (a shared fixture)."""
+    import diffusers
+    from mlxdiff import ldm_schedulers
+    cls, _, overrides = ldm_schedulers.SCHEDULERS[name]
+    plms = {"skip_prk_steps": True} if name == "pndm" else {}     # what mlxdiff's pndm is over another config
+    other = copy.copy(pipe)       # DiffusionPipeline.__setattr__ gives the copy its own config dict
+    other.scheduler = getattr(diffusers, cls).from_config(pipe.scheduler.config, **overrides, **plms)
+    return other
+
+
+def reference(pipe, scheduler=None, **kwargs):
+    """diffusers' run of `pipe` (with mlxdiff's sampler `scheduler`, else its own): (the final latents as the
+    pipeline hands them to the VAE, scaled as mlxdiff's Result.latents are; the float image in [0, 1])."""
+    if scheduler is not None:
+        pipe = with_scheduler(pipe, scheduler)
+    final = {}
+
+    def keep_latents(_, i, t, tensors):
+        final["latents"] = tensors["latents"].detach().numpy().copy()
+        return {}
+    image = pipe(output_type="np", callback_on_step_end=keep_latents, **kwargs).images[0]
+    return final["latents"], image
+
+
+def showing_moves(what, run):
+    """`run` (a parity.assert_inputs_matter reference), printing how far each run after the first moved diffusers'
+    latents and image from the first, and which keywords it changed: `pytest -s` shows each check's margin."""
+    from parity import levels, rel_diff
+    first = {}
+
+    def call(**kwargs):
+        latents, image = run(**kwargs)
+        if not first:
+            first.update(kwargs=kwargs, latents=latents, image=image)
+        else:
+            changed = sorted(k for k in kwargs if kwargs[k] is not first["kwargs"].get(k))
+            moved = rel_diff(latents, first["latents"])
+            shift = levels(np.round(image * 255).astype(np.uint8), first["image"])
+            print(f"{what}: {', '.join(changed)} changed: diffusers' latents moved {moved:.1e}, image {shift} levels")
+        return latents, image
+    return call
+

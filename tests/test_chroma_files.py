@@ -13,16 +13,25 @@ from safetensors.torch import save_file
 
 import mlxdiff
 from conftest import ASSETS, FIXTURES
+import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
+from test_chroma_pipeline import check_parity, reference_run
 from test_chroma_transformer import diffusers_converter
 from test_gguf_models import dequantized
 from twins import chroma_to_original, diffusers_to_ldm
+import fixture_guard
 
 H, W = 40, 24
 LATENT = 6
 SEQUENCE = 40
 WIDTH = 64          # 2 heads of 32: the RoPE axes (4, 14, 14) that config_from_original infers
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['files', 'references'])
 
 
 def components(seed=3):
@@ -102,56 +111,64 @@ def files(tmp_path_factory):
     return models, pipe, gguf_pipe, quantized
 
 
-def reference(pipe, noise, prompt, negative, output_type="np"):
-    def embeds(text):
-        with torch.no_grad():
-            e, m = pipe._get_t5_prompt_embeds(text, max_sequence_length=SEQUENCE)
-        return e, m > 0
-    (pe, pm), (ne, nm) = embeds(prompt), embeds(negative)
-    return pipe(prompt_embeds=pe, prompt_attention_mask=pm, negative_prompt_embeds=ne,
-                negative_prompt_attention_mask=nm, height=H, width=W, num_inference_steps=3, guidance_scale=4.0,
-                latents=torch.from_numpy(noise), output_type=output_type).images[0]
+PROMPT, NEGATIVE = "a lighthouse at dusk", "blurry"
 
 
-def reference_latents(pipe, noise, prompt, negative):
-    packed = reference(pipe, noise, prompt, negative, "latent")[None]
-    return pipe._unpack_latents(packed, H, W, pipe.vae_scale_factor).numpy()
-
-
-@pytest.mark.parametrize("layout", ["comfyui_folders", "files_alone", "gguf"])
-def test_files_match_diffusers(files, layout):
-    models, pipe, gguf_pipe, quantized = files
+@pytest.fixture(scope="module")
+def references(files):
+    """(noise, diffusers' (latents, image) on the components, the same on the GGUF's decoded values): true CFG at
+    4, diffusers' prompt embeddings with the mask made boolean; the prompt and the negative prompt each move the
+    first (parity.assert_inputs_matter)."""
+    _, pipe, gguf_pipe, _ = files
     noise = np.random.default_rng(9).standard_normal((1, (H // 4) * (W // 4), 4 * LATENT)).astype(np.float32)
-    given = dict(text_encoders={"t5xxl": str(models / "text_encoders" / "t5xxl_fp16.safetensors")},
-                 vae=str(models / "vae" / "ae.safetensors"))
-    if layout == "comfyui_folders":
-        loaded = mlxdiff.load(str(models / "diffusion_models" / "chroma-tiny.safetensors"))
-    elif layout == "files_alone":
-        loaded = mlxdiff.load(transformer=str(models / "diffusion_models" / "chroma-tiny.safetensors"), **given)
-    else:
-        loaded = mlxdiff.load(transformer=str(models / "unet" / "chroma-tiny-Q8_0.gguf"), **given)
+
+    def run(twin):
+        return lambda **kw: reference_run(twin, noise, num_inference_steps=3, guidance_scale=4.0, **kw)
+    base = dict(prompt=PROMPT, negative_prompt=NEGATIVE)
+    plain = parity.assert_inputs_matter(run(pipe), base, {"the prompt": dict(prompt="a red barn at noon"),
+                                                          "the negative prompt": dict(negative_prompt="sharp")})
+    return noise, plain, run(gguf_pipe)(**base)
+
+
+def generate(loaded, noise):
     assert loaded.family == "chroma"
-    prompt, negative = "a lighthouse at dusk", "blurry"
-    ours = loaded.generate(prompt, negative_prompt=negative, width=W, height=H, steps=3, guidance=4.0, latents=noise,
+    return loaded.generate(PROMPT, negative_prompt=NEGATIVE, width=W, height=H, steps=3, guidance=4.0, latents=noise,
                            max_sequence_length=SEQUENCE, progress_bar=False)
-    twin = gguf_pipe if layout == "gguf" else pipe
-    ref = reference(twin, noise, prompt, negative)
-    diff = np.abs(np.asarray(ours.image).astype(np.float32) / 255.0 - (ref * 255).round() / 255.0).max()
-    ref_latents = reference_latents(twin, noise, prompt, negative)
-    err = max_rel_err(ours.latents, ref_latents)
-    print(f"Chroma {layout}: latents max_rel_err {err:.2e}, image {diff * 255:.1f}/255")
-    assert err <= 1e-4
-    assert diff <= 2 / 255
-    if layout == "gguf":
-        # the file's values are what agree: the unquantized pipeline's latents are further off than ours
-        moved = max_rel_err(reference_latents(pipe, noise, prompt, negative), ref_latents)
-        assert quantized and moved > 10 * max(err, 1e-6), (moved, err)
-        import mlx.core as mx
-        import mlx.nn as nn
-        from mlxdiff.formats.gguf import RawLinear
-        model = loaded.components["transformer"].build(mx.float32)     # the weights kept quantized
-        kept = sum(isinstance(m, (nn.QuantizedLinear, RawLinear)) for _, m in model.named_modules())
-        assert kept >= len(quantized), (kept, len(quantized))
+
+
+def test_files_match_diffusers(files, references):
+    """ComfyUI's folders and the files given alone: the same file read the same way, so mlxdiff's two results are
+    equal bit for bit, and diffusers' within the parity tolerances."""
+    models = files[0]
+    noise, (ref_latents, ref), _ = references
+    unet = str(models / "diffusion_models" / "chroma-tiny.safetensors")
+    folders = generate(mlxdiff.load(unet), noise)
+    check_parity(folders, ref_latents, ref, "Chroma comfyui_folders")
+    alone = generate(mlxdiff.load(transformer=unet, vae=str(models / "vae" / "ae.safetensors"),
+                                  text_encoders={"t5xxl": str(models / "text_encoders" / "t5xxl_fp16.safetensors")}),
+                     noise)
+    assert np.array_equal(alone.latents, folders.latents)
+    assert np.array_equal(np.asarray(alone.image), np.asarray(folders.image))
+
+
+def test_gguf_matches_diffusers_on_its_values(files, references):
+    """A Q8_0 GGUF of the transformer kept quantized, against diffusers with gguf-py's decoding of the file."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlxdiff.formats.gguf import RawLinear
+    models, _, _, quantized = files
+    noise, (plain_latents, _), (ref_latents, ref) = references
+    loaded = mlxdiff.load(transformer=str(models / "unet" / "chroma-tiny-Q8_0.gguf"),
+                          text_encoders={"t5xxl": str(models / "text_encoders" / "t5xxl_fp16.safetensors")},
+                          vae=str(models / "vae" / "ae.safetensors"))
+    err = check_parity(generate(loaded, noise), ref_latents, ref, "Chroma gguf")
+    # the file's values are what agree: the unquantized pipeline's latents are further off than ours
+    moved = max_rel_err(plain_latents, ref_latents)
+    assert quantized and moved > 10 * max(err, 1e-6), (moved, err)
+    model = loaded.components["transformer"].build(mx.float32)     # the weights kept quantized
+    kept = sum(isinstance(m, (nn.QuantizedLinear, RawLinear)) for _, m in model.named_modules())
+    assert kept >= len(quantized), (kept, len(quantized))
+
 
 def test_a_missing_part_is_one_line_naming_it(files, tmp_path):
     import shutil

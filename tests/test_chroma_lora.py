@@ -9,13 +9,21 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import mlxdiff
-from helpers import max_rel_err
+import parity
 from lora_helpers import flux1_lora_files
 from mlxdiff.errors import MlxdiffError
-from test_chroma_pipeline import H, W, chroma_tiny, diffusers_prompt, packed_noise  # noqa: F401  (the fixture)
+from test_chroma_pipeline import (H, W, check_parity, chroma_tiny, packed_noise,  # noqa: F401  (the fixture)
+                                  reference_run)
+import fixture_guard
 
 RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5
 PROMPT, NEGATIVE, SEQUENCE = "a red fox in the snow", "blurry", 40
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['chroma_tiny', 'lora_files'])
 
 
 @pytest.fixture(scope="module")
@@ -37,32 +45,30 @@ def lora_files(chroma_tiny, tmp_path_factory):  # noqa: F811
     return folder, files
 
 
-def reference_latents(folder, lora, noise, scale):
+@pytest.fixture(scope="module")
+def peft_reference(lora_files):
+    """The three namings' one reference: diffusers' ChromaPipeline with the PEFT twin loaded by load_lora_weights at
+    0.8 (true CFG at 4), from packed_noise(5); the LoRA at 0.3 moves it (parity.assert_inputs_matter)."""
     from diffusers import ChromaPipeline
+    folder, files = lora_files
     pipe = ChromaPipeline.from_pretrained(str(folder))
-    pipe.load_lora_weights(str(lora), adapter_name="test")
-    pipe.set_adapters(["test"], [scale])
-    pe, pm = diffusers_prompt(pipe, PROMPT)
-    ne, nm = diffusers_prompt(pipe, NEGATIVE)
-    latents = pipe(prompt_embeds=pe, prompt_attention_mask=pm, negative_prompt_embeds=ne,
-                   negative_prompt_attention_mask=nm, num_inference_steps=3, guidance_scale=4.0, height=H, width=W,
-                   latents=torch.from_numpy(noise), output_type="latent").images
-    return pipe._unpack_latents(latents, H, W, pipe.vae_scale_factor).numpy()
+    pipe.load_lora_weights(str(files["peft"]), adapter_name="test")
+
+    def run(scale):
+        pipe.set_adapters(["test"], [scale])
+        return reference_run(pipe, packed_noise(5), prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=3,
+                             guidance_scale=4.0)
+    return parity.assert_inputs_matter(run, dict(scale=0.8), {"the LoRA's scale": dict(scale=0.3)})
 
 
 @pytest.mark.parametrize("naming", ["kohya", "original", "peft"])
-def test_chroma_lora_matches_diffusers(lora_files, naming):
+def test_chroma_lora_matches_diffusers(lora_files, peft_reference, naming):
     folder, files = lora_files
-    noise = packed_noise(5)
-    ref = reference_latents(folder, files["peft"], noise, scale=0.8)
-    kw = dict(negative_prompt=NEGATIVE, steps=3, guidance=4.0, width=W, height=H, latents=noise,
-              max_sequence_length=SEQUENCE, progress_bar=False)
-    result = mlxdiff.load(str(folder), loras=[(str(files[naming]), 0.8)]).generate(PROMPT, **kw)
-    plain = mlxdiff.load(str(folder)).generate(PROMPT, **kw)
-    err, moved = max_rel_err(result.latents, ref), max_rel_err(plain.latents, ref)
-    print(f"Chroma LoRA ({naming}): latents {err:.2e} from diffusers with the LoRA; the LoRA moves them {moved:.2e}")
-    assert err <= 1e-4
-    assert moved > 1e-2
+    ref_latents, ref_image = peft_reference
+    result = mlxdiff.load(str(folder), loras=[(str(files[naming]), 0.8)]).generate(
+        PROMPT, negative_prompt=NEGATIVE, steps=3, guidance=4.0, width=W, height=H, latents=packed_noise(5),
+        max_sequence_length=SEQUENCE, progress_bar=False)
+    check_parity(result, ref_latents, ref_image, f"Chroma LoRA ({naming}) at 0.8")
 
 
 def test_a_layer_chroma_lacks_is_one_line(lora_files):

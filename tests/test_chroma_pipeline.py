@@ -11,12 +11,20 @@ import torch
 
 import mlxdiff
 from conftest import ASSETS, FIXTURES
+import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
+import fixture_guard
 
 H, W = 40, 24      # non-square; multiples of 2 (the VAE) x 2 (the patches)
 LATENT = 5
 SEQUENCE = 40      # T5 tokens: short prompts leave padding to mask
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['chroma_tiny'])
 
 
 def chroma_components(seed=0):
@@ -80,36 +88,57 @@ def test_encode_prompt_matches_diffusers(chroma_tiny):
     assert max_rel_err(unmasked, diffusers_prompt(pipe, "a cat")[0].numpy()) > 1e-3
 
 
+def reference_run(pipe, noise=None, prompt=None, negative_prompt=None, generator_seed=None, **kw):
+    """One diffusers run on its own prompt embeddings (mask made boolean) from the packed noise, or from a generator
+    seeded afresh: (its final latents, unpacked to the VAE's layout, from the step callback; its image in [0, 1])."""
+    final = {}
+
+    def keep_latents(_, i, t, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+    pe, pm = diffusers_prompt(pipe, prompt)
+    if negative_prompt is not None:
+        kw["negative_prompt_embeds"], kw["negative_prompt_attention_mask"] = diffusers_prompt(pipe, negative_prompt)
+    if noise is not None:
+        kw["latents"] = torch.from_numpy(noise)
+    if generator_seed is not None:
+        kw["generator"] = torch.Generator().manual_seed(generator_seed)
+    image = pipe(prompt_embeds=pe, prompt_attention_mask=pm, height=H, width=W, output_type="np",
+                 callback_on_step_end=keep_latents, **kw).images[0]
+    return pipe._unpack_latents(final["latents"], H, W, pipe.vae_scale_factor).numpy(), image
+
+
+def check_parity(result, ref_latents, ref_image, what):
+    """mlxdiff's latents within LATENT_TOL of diffusers', its image within IMAGE_LEVELS."""
+    err = max_rel_err(result.latents, ref_latents)
+    shift = parity.levels(result.image, ref_image)
+    print(f"{what}: latents max_rel_err {err:.2e}, image {shift}/255")
+    assert err <= parity.LATENT_TOL and shift <= parity.IMAGE_LEVELS
+    return err
+
+
 @pytest.mark.parametrize("guidance", [4.0, 1.0])
 def test_pipeline_matches_diffusers(chroma_tiny, guidance):
+    """True CFG at 4 (the prompt, the negative prompt and the scale each move diffusers' result) and no CFG at 1
+    (the prompt moves it)."""
     folder, pipe = chroma_tiny
     noise = packed_noise(1)
     prompt, negative = "a red fox in the snow", "blurry, low quality"
-    pe, pm = diffusers_prompt(pipe, prompt)
-    ne, nm = diffusers_prompt(pipe, negative)
-    kw = dict(prompt_embeds=pe, prompt_attention_mask=pm, num_inference_steps=3, guidance_scale=guidance,
-              height=H, width=W, latents=torch.from_numpy(noise))
+    base = dict(prompt=prompt, num_inference_steps=3, guidance_scale=guidance)
+    changes = {"the prompt": dict(prompt="a blue car in the desert")}
     if guidance > 1:
-        kw.update(negative_prompt_embeds=ne, negative_prompt_attention_mask=nm)
-    ref = pipe(output_type="np", **kw).images[0]
-    ref_latents = pipe._unpack_latents(pipe(output_type="latent", **kw).images, H, W, pipe.vae_scale_factor)
+        base["negative_prompt"] = negative
+        changes.update({"the negative prompt": dict(negative_prompt="sharp, vivid colours"),
+                        "the CFG scale": dict(guidance_scale=2.0)})
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(pipe, noise, **kw), base, changes)
     result = mlxdiff.load(str(folder)).generate(prompt, negative_prompt=negative, steps=3, guidance=guidance,
                                                width=W, height=H, latents=noise, max_sequence_length=SEQUENCE,
                                                progress_bar=False)
-    ours = np.asarray(result.image).astype(np.float32) / 255.0
-    err = max_rel_err(result.latents, ref_latents.numpy())
-    ref_u8 = (ref * 255).round() / 255.0
-    print(f"Chroma guidance {guidance}: latents max_rel_err {err:.2e}, image "
-          f"{np.abs(ours - ref_u8).max() * 255:.1f}/255")
-    assert err <= 1e-4
-    assert np.abs(ours - ref_u8).max() <= 2 / 255
-    if guidance > 1:     # the negative prompt takes part, or the comparison proves little of CFG
-        other = dict(kw, negative_prompt_embeds=pe, negative_prompt_attention_mask=pm)
-        assert max_rel_err(pipe(output_type="latent", **other).images.numpy(),
-                           pipe(output_type="latent", **kw).images.numpy()) > 1e-3
+    check_parity(result, ref_latents, ref, f"Chroma guidance {guidance}")
 
 
 def test_img2img_matches_diffusers(chroma_tiny):
+    """The init image, the strength and the prompt each move diffusers' result."""
     from diffusers import ChromaImg2ImgPipeline
     from PIL import Image
     folder, pipe = chroma_tiny
@@ -117,24 +146,24 @@ def test_img2img_matches_diffusers(chroma_tiny):
     # ChromaImg2ImgPipeline casts even a boolean mask to float (added to the scores); ChromaPipeline's extension
     # keeps it boolean, as the mask is meant
     img_pipe._prepare_attention_mask = lambda **kw: type(pipe)._prepare_attention_mask(img_pipe, **kw)
-    picture = Image.fromarray(np.random.default_rng(3).integers(0, 256, (H // 4, W // 4, 3), dtype=np.uint8)).resize(
-        (W, H), Image.Resampling.BILINEAR)
+
+    def picture(seed):
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (H // 4, W // 4, 3), dtype=np.uint8)
+                               ).resize((W, H), Image.Resampling.BILINEAR)
     # diffusers draws from its generator the VAE posterior's sample, then the noise (given latents would be taken as
     # the start itself); ours is handed both
     g, shape = torch.Generator().manual_seed(8), (1, LATENT, H // 2, W // 2)
     image_noise, noise = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     noise = pipe._pack_latents(noise, 1, LATENT, H // 2, W // 2).numpy()
-    pe, pm = diffusers_prompt(pipe, "a fox")
-    ref = img_pipe(prompt_embeds=pe, prompt_attention_mask=pm, image=picture, strength=0.7, guidance_scale=1.0,
-                   num_inference_steps=4, height=H, width=W, generator=torch.Generator().manual_seed(8),
-                   output_type="latent").images
-    result = mlxdiff.load(str(folder)).generate("a fox", image=picture, strength=0.7, guidance=1.0, steps=4,
+    base = dict(prompt="a fox", image=picture(3), strength=0.7, guidance_scale=1.0, num_inference_steps=4,
+                generator_seed=8)
+    changes = {"the init image": dict(image=picture(13)), "the strength": dict(strength=0.45),
+               "the prompt": dict(prompt="a lighthouse")}
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(img_pipe, **kw), base, changes)
+    result = mlxdiff.load(str(folder)).generate("a fox", image=base["image"], strength=0.7, guidance=1.0, steps=4,
                                                width=W, height=H, latents=noise, image_noise=image_noise.numpy(),
                                                max_sequence_length=SEQUENCE, progress_bar=False)
-    ref = pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy()
-    err = max_rel_err(result.latents, ref)
-    print(f"Chroma img2img: latents max_rel_err {err:.2e}")
-    assert err <= 1e-4
+    check_parity(result, ref_latents, ref, "Chroma img2img")
 
 
 def test_defaults_and_refusals(chroma_tiny):

@@ -1,8 +1,10 @@
 """A Core ML package as an SD pipeline's UNet (issue 26): a tiny SD 1.5 pipeline (diffusers) whose UNet coremltools
 converts (torch.jit.trace + ct.convert) and palettizes (6-bit k-means); mlxdiff with transformer= the package against
 diffusers' pipeline with its UNet's weights replaced by coremltools' decompress_weights output, from the same
-injected latents: the images within 2 levels, the palettized Linear layers still palettized once built (resident
-bytes: their indices and tables); bad packages refused in one line."""
+injected latents: the final latents within 1e-4 and the images within 2 levels (tests/parity.py; the prompt and
+guidance each move diffusers' result by more than that), the palettized Linear layers still palettized once built
+(resident bytes: their indices and tables); bad packages refused in one line. The shared fixture's diffusers
+pipeline is checked unchanged after each test."""
 
 import json
 import shutil
@@ -21,7 +23,10 @@ from mlxdiff.formats import coreml
 import coremltools as ct              # the dev extra installs it (and scikit-learn, its k-means): no skip
 from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, decompress_weights, \
     get_weights_metadata, palettize_weights
-from test_sd_pipeline import sd15_components
+from helpers import max_rel_err
+import fixture_guard
+from ldm_helpers import reference, sd15_components, showing_moves
+from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
 
 warnings.filterwarnings("ignore")
 
@@ -40,23 +45,21 @@ class Wrapper(torch.nn.Module):
         return self.unet(x, t, c, return_dict=False)[0]
 
 
-def _levels(ours_image, ref) -> float:
-    """Largest difference in levels (of 255) between mlxdiff's image and diffusers' float image rounded as its PIL
-    output is."""
-    ours = np.asarray(ours_image).astype(np.float32)
-    assert ours.shape == ref.shape
-    return float(np.abs(ours - (ref * 255).round()).max())
-
-
-def _image_levels(folder, package, pipe, seed, steps) -> float:
+def _assert_matches(folder, package, pipe, seed, steps):
     """mlxdiff with the package as its UNet against `pipe` (diffusers on the package's decompressed weights), from
-    the same noise: the largest difference in levels."""
+    the same noise: latents within LATENT_TOL, image within IMAGE_LEVELS; the prompt and guidance (CFG's uncond
+    branch) each move diffusers' result by more than that."""
     noise = np.random.default_rng(seed).standard_normal((1, 4, H // 4, W // 4)).astype(np.float32)
-    ref = pipe(prompt=PROMPT, height=H, width=W, num_inference_steps=steps, guidance_scale=5.0,
-               latents=torch.from_numpy(noise), output_type="np").images[0]
+    run = lambda **kw: reference(pipe, height=H, width=W, num_inference_steps=steps, latents=torch.tensor(noise),
+                                 **kw)
+    ref_latents, ref_image = assert_inputs_matter(showing_moves("coreml", run), dict(prompt=PROMPT, guidance_scale=5.0),
+                                                  {"the prompt": {"prompt": "a blue boat on a lake"},
+                                                   "guidance": {"guidance_scale": 7.0}})
     ours = mlxdiff.load(str(folder), transformer=str(package)).generate(
         PROMPT, width=W, height=H, steps=steps, guidance=5.0, latents=noise, progress_bar=False)
-    return _levels(ours.image, ref)
+    err, shift = max_rel_err(ours.latents, ref_latents), levels(ours.image, ref_image)
+    print(f"coreml: latents max_rel_err {err:.1e}, image {shift} levels")
+    assert err <= LATENT_TOL and shift <= IMAGE_LEVELS, (err, shift)
 
 
 def _convert(module, example, names):
@@ -162,24 +165,30 @@ def sd15_coreml(tmp_path_factory):
     return _coreml_unet(tmp_path_factory, Wrapper)
 
 
+@pytest.fixture(autouse=True)
+def shared_fixture_unchanged(request):
+    """The module's shared fixture (folder, package, diffusers pipeline, LUTs) is left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ["sd15_coreml"])
+
+
 def test_apple_layout_maps_onto_diffusers_names(tmp_path_factory):
     """A package in the layout of Apple's ml-stable-diffusion conversion (Linears as 1x1 convolutions [out, in, 1,
     1], LayerNorms fused into layer_norm ops whose gamma/beta have op-made names, no wrapper prefix): every diffusers
     weight found (the norms by dataflow), each equal to coremltools' own decompression (the fixture checks), the
-    Linears kept palettized, and the image within 2 levels of diffusers on those weights."""
+    Linears kept palettized, and the latents and image those of diffusers on those weights."""
     folder, package, pipe, luts = _coreml_unet(tmp_path_factory, AppleStyle)
     program = coreml._Program(package)
     fused = [op for op in program.ops if op.type == "layer_norm"]
     assert fused and all("norm" not in op.inputs["gamma"][0] for op in fused)   # names the dataflow must undo
     as_conv = [v for k, v in luts.items() if len(v.shape) == 2]
     assert len(as_conv) > 20 and all(v.palettized() is not None for v in as_conv)
-    assert _image_levels(folder, package, pipe, seed=2, steps=3) <= 2
+    _assert_matches(folder, package, pipe, seed=2, steps=3)
 
 
 def test_pipeline_image_matches_diffusers_on_decompressed(sd15_coreml):
     folder, package, pipe, luts = sd15_coreml
     assert sum(v.nbits == 6 for v in luts.values()) > 30
-    assert _image_levels(folder, package, pipe, seed=1, steps=4) <= 2
+    _assert_matches(folder, package, pipe, seed=1, steps=4)
 
 
 def test_palettized_layers_stay_palettized(sd15_coreml):

@@ -130,3 +130,54 @@ def test_cli_guidance_split(launcher, tmp_path, sd3_tiny):
     assert "rank 1: computed its guidance forwards" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
     assert np.array_equal(np.array(PIL.Image.open(tmp_path / "single.png")),
                           np.array(PIL.Image.open(tmp_path / "ranks.png")))
+
+
+SD_GUIDED = """import numpy as np
+import mlxdiff
+import mlx.core as mx
+group = mx.distributed.init()
+pipe = mlxdiff.load({folder!r}, group=group if group.size() > 1 else None)
+r = pipe.generate("a fox in the snow", negative_prompt="blurry", width=32, height=48, steps=3, guidance=3.0,
+                  latents=np.load({noise!r}), progress_bar=False)
+if group.rank() == 0:
+    np.save({out!r}, r.latents)
+    np.save({image!r}, np.asarray(r.image))
+"""
+
+
+def test_sdxl_guidance_parallel_matches_diffusers(launcher, tmp_path):
+    """SDXL's CFG over two ranks (each rank its half of the prompt embeddings, pooled embeddings and time ids): the
+    single process's latents (within 1e-5 relative), and both those of diffusers' StableDiffusionXLPipeline from the
+    same noise (latents within 1e-4, image within 2 levels: tests/parity.py), whose result the prompt, the negative
+    prompt and guidance each move by more than that."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    import mlxdiff
+    from helpers import max_rel_err
+    from ldm_helpers import reference, sdxl_components, showing_moves
+    from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
+    pipe = StableDiffusionXLPipeline(**sdxl_components())
+    folder = tmp_path / "sdxl"
+    pipe.save_pretrained(str(folder))
+    noise = np.random.default_rng(8).standard_normal((1, 4, 12, 8)).astype(np.float32)
+    np.save(tmp_path / "noise.npy", noise)
+    run = lambda **kw: reference(pipe, height=48, width=32, num_inference_steps=3, latents=torch.tensor(noise), **kw)
+    ref_latents, ref_image = assert_inputs_matter(showing_moves("sdxl guidance-parallel", run), dict(
+        prompt="a fox in the snow", negative_prompt="blurry", guidance_scale=3.0), {
+        "the prompt": {"prompt": "a blue boat on a lake"}, "the negative prompt": {"negative_prompt": None},
+        "guidance": {"guidance_scale": 5.0}})
+    single = mlxdiff.load(str(folder)).generate("a fox in the snow", negative_prompt="blurry", width=32, height=48,
+                                                steps=3, guidance=3.0, latents=noise, progress_bar=False)
+    out, image = tmp_path / "ranks.npy", tmp_path / "ranks_image.npy"
+    script = tmp_path / "ranks.py"
+    script.write_text(SD_GUIDED.format(folder=str(folder), noise=str(tmp_path / "noise.npy"), out=str(out),
+                                       image=str(image)))
+    p = launch(str(script), port=32333)
+    assert out.exists(), p.stdout[-2000:] + p.stderr[-2000:]
+    # one batch of two against two batches of one: the UNet's matmuls may round differently (2.6e-6 seen here)
+    assert max_rel_err(np.load(out), single.latents) <= 1e-5
+    for mode, (latents, picture) in {"single process": (single.latents, single.image),
+                                     "two ranks": (np.load(out), np.load(image))}.items():
+        err, shift = max_rel_err(latents, ref_latents), levels(picture, ref_image)
+        print(f"sdxl guidance-parallel, {mode}: latents max_rel_err {err:.1e}, image {shift} levels")
+        assert err <= LATENT_TOL and shift <= IMAGE_LEVELS, (mode, err, shift)

@@ -74,7 +74,7 @@ def test_quantize_convert_and_cache(tmp_path):
     dest = convert(str(folder), tmp_path / "flux1-native", progress=lambda *_: None)
     again = mlxdiff.load(str(dest)).generate("a red fox", latents=noise, **RUN)
     assert np.array_equal(np.asarray(again.image), np.asarray(plain.image))
-    assert max_rel_err(again.latents, plain.latents) <= 1e-6
+    assert np.array_equal(again.latents, plain.latents)     # the same float32 weights, re-saved
     # the first-block cache runs through FLUX.1's blocks (threshold 1: every step after the first reuses)
     cached = mlxdiff.load(str(folder)).generate("a red fox", latents=noise, cache="first-block:1", **dict(RUN, steps=3))
     assert cached.cached_steps and np.isfinite(cached.latents).all()

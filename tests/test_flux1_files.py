@@ -11,12 +11,21 @@ from safetensors.torch import save_file
 
 import mlxdiff
 from conftest import ASSETS, FIXTURES
+import parity
 from helpers import randomize_
 from mlxdiff.errors import MlxdiffError
+from test_flux1_pipeline import check_parity, reference_run
 from twins import diffusers_to_ldm, flux1_to_bfl
+import fixture_guard
 
 H, W = 40, 24
 LATENT = 6
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['files'])
 
 
 def components(seed=5):
@@ -82,31 +91,37 @@ def files(tmp_path_factory):
     return models, pipe
 
 
-def reference(pipe, noise, **kw):
-    return pipe(prompt="a lighthouse at dusk", height=H, width=W, num_inference_steps=3, guidance_scale=3.5,
-                latents=torch.from_numpy(noise), output_type="np", **kw).images[0]
+PROMPT = "a lighthouse at dusk"
 
 
-@pytest.mark.parametrize("layout", ["comfyui_folders", "all_in_one", "files_alone"])
-def test_files_match_diffusers(files, layout):
+def test_files_match_diffusers(files):
+    """The three layouts against one diffusers run (the prompt moves it); the layouts hold the same tensors under
+    other names, so mlxdiff's three results are equal bit for bit."""
     models, pipe = files
     noise = np.random.default_rng(7).standard_normal((1, (H // 4) * (W // 4), 4 * LATENT)).astype(np.float32)
-    if layout == "comfyui_folders":
-        loaded = mlxdiff.load(str(models / "unet" / "flux1-tiny.safetensors"))
-    elif layout == "all_in_one":
-        loaded = mlxdiff.load(str(models / "checkpoints" / "flux1-tiny-fp16.safetensors"))
-    else:
-        loaded = mlxdiff.load(transformer=str(models / "unet" / "flux1-tiny.safetensors"),
-                              text_encoders={"clip_l": str(models / "clip" / "clip_l.safetensors"),
-                                             "t5xxl": str(models / "clip" / "t5xxl_fp16.safetensors")},
-                              vae=str(models / "vae" / "ae.safetensors"))
-    assert loaded.family == "flux1" and loaded.defaults() == {"steps": 28, "guidance": 3.5}
-    ours = loaded.generate("a lighthouse at dusk", width=W, height=H, steps=3, guidance=3.5, latents=noise,
-                           max_sequence_length=512, progress_bar=False)
-    ref = reference(pipe, noise, max_sequence_length=512)
-    diff = np.abs(np.asarray(ours.image).astype(np.float32) / 255.0 - (ref * 255).round() / 255.0).max()
-    print(f"{layout}: image {diff * 255:.1f}/255")
-    assert diff <= 2 / 255
+    ref_latents, ref = parity.assert_inputs_matter(
+        lambda **kw: reference_run(pipe, noise, num_inference_steps=3, guidance_scale=3.5, max_sequence_length=512,
+                                   **kw),
+        dict(prompt=PROMPT), {"the prompt": dict(prompt="a red barn at noon")})
+    unet = str(models / "unet" / "flux1-tiny.safetensors")
+    layouts = {"comfyui_folders": lambda: mlxdiff.load(unet),
+               "all_in_one": lambda: mlxdiff.load(str(models / "checkpoints" / "flux1-tiny-fp16.safetensors")),
+               "files_alone": lambda: mlxdiff.load(
+                   transformer=unet, vae=str(models / "vae" / "ae.safetensors"),
+                   text_encoders={"clip_l": str(models / "clip" / "clip_l.safetensors"),
+                                  "t5xxl": str(models / "clip" / "t5xxl_fp16.safetensors")})}
+    first = None
+    for layout, load in layouts.items():
+        loaded = load()
+        assert loaded.family == "flux1" and loaded.defaults() == {"steps": 28, "guidance": 3.5}
+        ours = loaded.generate(PROMPT, width=W, height=H, steps=3, guidance=3.5, latents=noise,
+                               max_sequence_length=512, progress_bar=False)
+        if first is None:
+            check_parity(ours, ref_latents, ref, layout)
+            first = ours
+        else:
+            assert np.array_equal(ours.latents, first.latents), layout
+            assert np.array_equal(np.asarray(ours.image), np.asarray(first.image)), layout
 
 
 def test_a_missing_part_is_one_line_naming_it(files, tmp_path):

@@ -9,11 +9,18 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
-from helpers import max_rel_err
+import parity
 from lora_helpers import flux1_lora_files
-from test_flux1_pipeline import H, W, flux1_components, packed_noise
+from test_flux1_pipeline import H, W, check_parity, flux1_components, packed_noise, reference_run
+import fixture_guard
 
 RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['lora_files', 'peft_reference'])
 
 
 @pytest.fixture(scope="module")
@@ -31,31 +38,38 @@ def lora_files(tmp_path_factory):
     return root / "model", files
 
 
-def reference(folder, lora, noise, scale=1.0):
+PROMPT = "a red fox in the snow"
+RUN = dict(width=W, height=H, steps=3, guidance=3.5, progress_bar=False)
+
+
+def reference(folder, lora, noise, scale, moved_scale):
+    """diffusers' FluxPipeline with the LoRA loaded by load_lora_weights at `scale`: (latents, image), after
+    checking that the LoRA at `moved_scale` moves both (parity.assert_inputs_matter)."""
     from diffusers import FluxPipeline
     pipe = FluxPipeline.from_pretrained(str(folder))
     pipe.load_lora_weights(str(lora), adapter_name="test")
-    pipe.set_adapters(["test"], [scale])
-    return pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=3, guidance_scale=3.5,
-                latents=torch.from_numpy(noise), output_type="latent", max_sequence_length=512).images
+
+    def run(scale):
+        pipe.set_adapters(["test"], [scale])
+        return reference_run(pipe, noise, prompt=PROMPT, num_inference_steps=3, guidance_scale=3.5,
+                             max_sequence_length=512)
+    return parity.assert_inputs_matter(run, dict(scale=scale), {"the LoRA's scale": dict(scale=moved_scale)})
+
+
+@pytest.fixture(scope="module")
+def peft_reference(lora_files):
+    """The three namings' one reference: the PEFT twin at 0.8 (0.3 moves it), from packed_noise(4)."""
+    folder, files = lora_files
+    return reference(folder, files["peft"], packed_noise(4), 0.8, 0.3)
 
 
 @pytest.mark.parametrize("naming", ["kohya", "original", "peft"])
-def test_lora_matches_diffusers(lora_files, naming):
+def test_lora_matches_diffusers(lora_files, peft_reference, naming):
     folder, files = lora_files
-    from diffusers import FluxPipeline
-    noise = packed_noise(4)
-    ref = reference(folder, files["peft"], noise, scale=0.8)
-    result = mlxdiff.load(str(folder), loras=[(str(files[naming]), 0.8)]).generate(
-        "a red fox in the snow", width=W, height=H, steps=3, guidance=3.5, latents=noise, progress_bar=False)
-    ref_unpacked = FluxPipeline._unpack_latents(ref, H, W, 2).numpy()
-    err = max_rel_err(result.latents, ref_unpacked)
-    plain = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=3, guidance=3.5,
-                                               latents=noise, progress_bar=False)
-    moved = max_rel_err(plain.latents, ref_unpacked)
-    print(f"{naming}: latents {err:.2e} from diffusers with the LoRA; the LoRA moves them {moved:.2e}")
-    assert err <= 1e-4
-    assert moved > 1e-2
+    ref_latents, ref_image = peft_reference
+    result = mlxdiff.load(str(folder), loras=[(str(files[naming]), 0.8)]).generate(PROMPT, latents=packed_noise(4),
+                                                                                 **RUN)
+    check_parity(result, ref_latents, ref_image, f"{naming} LoRA at 0.8")
 
 
 def test_flux1_lora_on_another_family_is_one_line(lora_files, sd3_tiny):
@@ -90,12 +104,9 @@ def test_xlabs_lora_matches_diffusers(lora_files, tmp_path):
     path = tmp_path / "flux1-xlabs-lora.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     noise = packed_noise(6)
-    ref = reference(folder, path, noise, scale=0.7)
-    result = mlxdiff.load(str(folder), loras=[(str(path), 0.7)]).generate(
-        "a red fox in the snow", width=W, height=H, steps=3, guidance=3.5, latents=noise, progress_bar=False)
-    err = max_rel_err(result.latents, FluxPipeline._unpack_latents(ref, H, W, 2).numpy())
-    print(f"xlabs: latents {err:.2e} from diffusers with the same file")
-    assert err <= 1e-4
+    ref_latents, ref_image = reference(folder, path, noise, 0.7, 0.3)
+    result = mlxdiff.load(str(folder), loras=[(str(path), 0.7)]).generate(PROMPT, latents=noise, **RUN)
+    check_parity(result, ref_latents, ref_image, "xlabs LoRA at 0.7")
 
 
 def test_dora_matches_diffusers(lora_files, tmp_path):
@@ -120,13 +131,14 @@ def test_dora_matches_diffusers(lora_files, tmp_path):
     path = tmp_path / "flux1-dora.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     noise = packed_noise(8)
-    ref = reference(folder, path, noise, scale=0.9)
-    result = mlxdiff.load(str(folder), loras=[(str(path), 0.9)]).generate(
-        "a red fox in the snow", width=W, height=H, steps=3, guidance=3.5, latents=noise, progress_bar=False)
-    err = max_rel_err(result.latents, FluxPipeline._unpack_latents(ref, H, W, 2).numpy())
+    ref_latents, ref_image = reference(folder, path, noise, 0.9, 0.4)
+    result = mlxdiff.load(str(folder), loras=[(str(path), 0.9)]).generate(PROMPT, latents=noise, **RUN)
+    check_parity(result, ref_latents, ref_image, "DoRA at 0.9")
+    # the magnitudes matter: the same LoRA without them (plain LoRA) moves diffusers' result
     plain = {k: v for k, v in tensors.items() if "magnitude" not in k}
     save_file({k: v.contiguous() for k, v in plain.items()}, str(tmp_path / "plain.safetensors"))
-    without = reference(folder, tmp_path / "plain.safetensors", noise, scale=0.9)
-    moved = max_rel_err(without.numpy(), ref.numpy())
-    print(f"dora: latents {err:.2e} from diffusers with the same file; the magnitudes move them {moved:.2e}")
-    assert err <= 1e-4 and moved > 100 * max(err, 1e-6)
+    pipe.load_lora_weights(str(tmp_path / "plain.safetensors"), adapter_name="plain")
+    pipe.set_adapters(["plain"], [0.9])
+    without = reference_run(pipe, noise, prompt=PROMPT, num_inference_steps=3, guidance_scale=3.5,
+                            max_sequence_length=512)
+    parity.assert_moves("the DoRA magnitudes", ref_latents, without[0], ref_image, without[1])

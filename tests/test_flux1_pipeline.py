@@ -7,11 +7,19 @@ import torch
 
 import mlxdiff
 from conftest import ASSETS, FIXTURES
+import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
+import fixture_guard
 
 H, W = 40, 24      # non-square; multiples of vae_scale_factor (2) * 2 (the 2x2 patches)
 LATENT = 5         # VAE latent channels: the transformer takes 4 x 5 = 20
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['flux1_tiny', 'kontext_tiny', 'fill_tiny', 'control_tiny'])
 
 
 def flux1_components(variant, seed=0):
@@ -63,37 +71,51 @@ def packed_noise(seed):
     return np.random.default_rng(seed).standard_normal((1, (H // 4) * (W // 4), 4 * LATENT)).astype(np.float32)
 
 
+def reference_run(pipe, noise, generator_seed=None, height=H, width=W, **kw):
+    """One diffusers run from the packed noise (a generator seeded afresh where the pipeline draws a VAE posterior):
+    (its final latents, unpacked to the VAE's layout, from the step callback; its image in [0, 1])."""
+    final = {}
+
+    def keep_latents(_, i, t, tensors):
+        final["latents"] = tensors["latents"]
+        return {}
+    if generator_seed is not None:
+        kw["generator"] = torch.Generator().manual_seed(generator_seed)
+    image = pipe(height=height, width=width, latents=torch.from_numpy(noise), output_type="np",
+                 callback_on_step_end=keep_latents, **kw).images[0]
+    return pipe._unpack_latents(final["latents"], height, width, pipe.vae_scale_factor).numpy(), image
+
+
+def check_parity(result, ref_latents, ref_image, what):
+    """mlxdiff's latents within LATENT_TOL of diffusers', its image within IMAGE_LEVELS."""
+    err = max_rel_err(result.latents, ref_latents)
+    shift = parity.levels(result.image, ref_image)
+    print(f"{what}: latents max_rel_err {err:.2e}, image {shift}/255; notes {result.notes}")
+    assert err <= parity.LATENT_TOL and shift <= parity.IMAGE_LEVELS
+    return err
+
+
 @pytest.mark.parametrize("case", ["guidance", "true_cfg"])
 def test_pipeline_matches_diffusers(flux1_tiny, case):
     variant, folder, pipe = flux1_tiny
     noise = packed_noise(1)
     sequence = 512 if variant == "dev" else 256       # our defaults: dev's and schnell's
-    kw = dict(prompt="a red fox in the snow", num_inference_steps=3, guidance_scale=3.5,
-              max_sequence_length=sequence)
-    ours_kw = dict(prompt="a red fox in the snow", steps=3, guidance=3.5)
+    base = dict(prompt="a red fox in the snow", num_inference_steps=3, guidance_scale=3.5,
+                max_sequence_length=sequence)
+    ours_kw = dict(steps=3, guidance=3.5)
+    changes = {"the prompt": dict(prompt="a blue car in the desert")}
+    if variant == "dev":        # schnell has no guidance embedder: diffusers and mlxdiff ignore the scale
+        changes["the embedded guidance"] = dict(guidance_scale=1.5)
     if case == "true_cfg":
-        kw.update(negative_prompt="blurry, low quality", true_cfg_scale=2.5)
+        base.update(negative_prompt="blurry, low quality", true_cfg_scale=2.5)
         ours_kw.update(negative_prompt="blurry, low quality", true_cfg_scale=2.5)
-    ref = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="np", **kw).images[0]
-    ref_latents = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **kw).images
-    result = mlxdiff.load(str(folder)).generate(width=W, height=H, latents=noise, progress_bar=False, **ours_kw)
-    ours = np.asarray(result.image).astype(np.float32) / 255.0
-    ref_u8 = (ref * 255).round() / 255.0
-    unpacked = pipe._unpack_latents(ref_latents, H, W, pipe.vae_scale_factor).numpy()
-    err = max_rel_err(result.latents, unpacked)
-    print(f"{variant} {case}: latents max_rel_err {err:.2e}, image {np.abs(ours - ref_u8).max() * 255:.1f}/255")
-    assert err <= 1e-4
-    assert ours.shape == ref.shape
-    assert np.abs(ours - ref_u8).max() <= 2 / 255
+        changes.update({"the negative prompt": dict(negative_prompt="sharp, vivid colours"),
+                        "true_cfg_scale": dict(true_cfg_scale=1.5)})
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(pipe, noise, **kw), base, changes)
+    result = mlxdiff.load(str(folder)).generate(base["prompt"], width=W, height=H, latents=noise, progress_bar=False,
+                                                **ours_kw)
+    check_parity(result, ref_latents, ref, f"{variant} {case}")
     assert set(result.timings) == {"encode", "denoise", "decode"}
-    # the embedded guidance moves dev's result (schnell has none), true CFG's scale moves both, or the comparison
-    # proves little
-    def moved(**change):
-        changed = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **dict(kw, **change))
-        return max_rel_err(changed.images.numpy(), ref_latents.numpy()) > 1e-3
-    assert moved(guidance_scale=1.5) == (variant == "dev")
-    if case == "true_cfg":
-        assert moved(true_cfg_scale=1.5)
 
 
 def test_encode_prompt_matches_diffusers(flux1_tiny):
@@ -142,28 +164,24 @@ def reference_picture(width, height, seed=0):
 def test_kontext_matches_diffusers(kontext_tiny, case):
     """The reference at its own size (auto_resize=False: the preferred Kontext resolutions are 1 MP, too many tokens
     for a CPU test) beside the noise tokens, the output area kept (max_area = H x W); and a reference of another size
-    (cut to a multiple of 4 pixels here) with true CFG."""
+    (cut to a multiple of 4 pixels here) with true CFG. The reference image, the prompt (and the negative prompt)
+    each move diffusers' result."""
     folder, pipe = kontext_tiny
-    image = reference_picture(28, 44) if case == "own_size" else reference_picture(37, 30, seed=1)
+    size, seed = ((28, 44), 0) if case == "own_size" else ((37, 30), 1)
     noise = packed_noise(5)
-    kw = dict(prompt="make it a watercolor", num_inference_steps=3, guidance_scale=2.5, max_area=H * W,
-              _auto_resize=False, max_sequence_length=512)
+    base = dict(image=reference_picture(*size, seed=seed), prompt="make it a watercolor", num_inference_steps=3,
+                guidance_scale=2.5, max_area=H * W, _auto_resize=False, max_sequence_length=512)
     ours_kw = dict(steps=3, guidance=2.5, max_area=H * W, auto_resize=False)
+    changes = {"the reference image": dict(image=reference_picture(*size, seed=seed + 20)),
+               "the prompt": dict(prompt="a pencil sketch of it")}
     if case == "other_size_cfg":
-        kw.update(negative_prompt="blurry", true_cfg_scale=2.0)
+        base.update(negative_prompt="blurry", true_cfg_scale=2.0)
         ours_kw.update(negative_prompt="blurry", true_cfg_scale=2.0)
-    ref = pipe(image=image, height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **kw).images
-    ref_image = pipe(image=image, height=H, width=W, latents=torch.from_numpy(noise), output_type="np",
-                     **kw).images[0]
-    result = mlxdiff.load(str(folder)).generate("make it a watercolor", image=image, width=W, height=H, latents=noise,
-                                                progress_bar=False, **ours_kw)
-    err = max_rel_err(result.latents, pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy())
-    diff = np.abs(np.asarray(result.image, np.float32) / 255 - (ref_image * 255).round() / 255).max()
-    print(f"kontext {case}: latents {err:.2e}, image {diff * 255:.1f}/255; notes {result.notes}")
-    assert err <= 1e-4 and diff <= 2 / 255
-    # the reference matters: without it the same noise gives another result
-    plain = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="latent", **kw).images
-    assert max_rel_err(plain.numpy(), ref.numpy()) > 1e-2
+        changes["the negative prompt"] = dict(negative_prompt="sharp, vivid colours")
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(pipe, noise, **kw), base, changes)
+    result = mlxdiff.load(str(folder)).generate(base["prompt"], image=base["image"], width=W, height=H,
+                                                latents=noise, progress_bar=False, **ours_kw)
+    check_parity(result, ref_latents, ref, f"kontext {case}")
 
 
 def test_kontext_size_and_inputs(kontext_tiny, flux1_tiny):
@@ -214,7 +232,8 @@ GUIDANCE = 3.5
 @pytest.mark.parametrize("case", ["inpaint", "outpaint"])
 def test_fill_matches_diffusers(fill_tiny, case):
     """The image with the mask's area blanked, its VAE posterior sampled with the same noise diffusers draws from
-    its generator, the mask's pixel patches: inpainting a box, and outpainting a padded border."""
+    its generator, the mask's pixel patches: inpainting a box, and outpainting a padded border. The mask, the image
+    and the prompt each move diffusers' result."""
     from PIL import Image
     folder, pipe = fill_tiny
     image = reference_picture(W, H, seed=3)
@@ -228,23 +247,16 @@ def test_fill_matches_diffusers(fill_tiny, case):
         mask.paste(0, (4, 6, W - 4, H - 6))
     noise = packed_noise(7)
     posterior = torch.randn((1, LATENT, H // 2, W // 2), generator=torch.Generator().manual_seed(8))
-    kw = dict(prompt="a red door", num_inference_steps=3, guidance_scale=GUIDANCE, max_sequence_length=512)
-    ref = pipe(image=image, mask_image=mask, height=H, width=W, latents=torch.from_numpy(noise),
-               generator=torch.Generator().manual_seed(8), output_type="latent", **kw).images
-    ref_image = pipe(image=image, mask_image=mask, height=H, width=W, latents=torch.from_numpy(noise),
-                     generator=torch.Generator().manual_seed(8), output_type="np", **kw).images[0]
+    base = dict(image=image, mask_image=mask, prompt="a red door", num_inference_steps=3, guidance_scale=GUIDANCE,
+                max_sequence_length=512, generator_seed=8)
+    changes = {"the mask": dict(mask_image=fill_mask_picture(W, H, (0, 0, 8, 8))),
+               "the image": dict(image=reference_picture(W, H, seed=13)),
+               "the prompt": dict(prompt="a green window")}
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(pipe, noise, **kw), base, changes)
     result = mlxdiff.load(str(folder)).generate("a red door", image=image, mask=mask, steps=3, guidance=GUIDANCE,
                                                 latents=noise, image_noise=posterior.numpy(), progress_bar=False)
     assert result.image.size == (W, H)                       # the image's size by default
-    err = max_rel_err(result.latents, pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy())
-    diff = np.abs(np.asarray(result.image, np.float32) / 255 - (ref_image * 255).round() / 255).max()
-    print(f"fill {case}: latents {err:.2e}, image {diff * 255:.1f}/255")
-    assert err <= 1e-4 and diff <= 2 / 255
-    # the mask matters: another mask, another result
-    other = pipe(image=image, mask_image=fill_mask_picture(W, H, (0, 0, 8, 8)), height=H, width=W,
-                 latents=torch.from_numpy(noise), generator=torch.Generator().manual_seed(8), output_type="latent",
-                 **kw).images
-    assert max_rel_err(other.numpy(), ref.numpy()) > 1e-2
+    check_parity(result, ref_latents, ref, f"fill {case}")
 
 
 def test_fill_inputs_are_one_line(fill_tiny, flux1_tiny):
@@ -283,25 +295,21 @@ def control_tiny(tmp_path_factory):
 
 def test_control_matches_diffusers(control_tiny):
     """The control image (another size: resized to the output's) encoded with the posterior noise diffusers draws
-    from its generator, on the noise tokens' channels."""
+    from its generator, on the noise tokens' channels. The control image and the prompt each move diffusers'
+    result."""
     folder, pipe = control_tiny
     control = reference_picture(30, 50, seed=8)
     noise = packed_noise(9)
     posterior = torch.randn((1, LATENT, H // 2, W // 2), generator=torch.Generator().manual_seed(10))
-    kw = dict(prompt="a lighthouse", num_inference_steps=3, guidance_scale=3.5, max_sequence_length=512)
-    ref = pipe(control_image=control, height=H, width=W, latents=torch.from_numpy(noise),
-               generator=torch.Generator().manual_seed(10), output_type="latent", **kw).images
+    base = dict(control_image=control, prompt="a lighthouse", num_inference_steps=3, guidance_scale=3.5,
+                max_sequence_length=512, generator_seed=10)
+    changes = {"the control image": dict(control_image=reference_picture(30, 50, seed=11)),
+               "the prompt": dict(prompt="a red barn")}
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(pipe, noise, **kw), base, changes)
     result = mlxdiff.load(str(folder)).generate("a lighthouse", image=control, width=W, height=H, steps=3,
                                                 guidance=3.5, latents=noise, image_noise=posterior.numpy(),
                                                 progress_bar=False)
-    err = max_rel_err(result.latents, pipe._unpack_latents(ref, H, W, pipe.vae_scale_factor).numpy())
-    print(f"control: latents {err:.2e}; {result.notes}")
-    assert err <= 1e-4
-    other = pipe(control_image=reference_picture(30, 50, seed=11), height=H, width=W,
-                 latents=torch.from_numpy(noise), generator=torch.Generator().manual_seed(10), output_type="latent",
-                 **kw).images
-    # the control image matters: another one moves the result (6.4e-3 here) far beyond the parity error (4.7e-6)
-    assert max_rel_err(other.numpy(), ref.numpy()) > max(100 * err, 1e-3)
+    check_parity(result, ref_latents, ref, "control")
     with pytest.raises(MlxdiffError, match="draw from a control image"):
         mlxdiff.load(str(folder)).generate("a lighthouse", width=W, height=H, steps=1)
     with pytest.raises(MlxdiffError, match="one control image"):

@@ -6,7 +6,9 @@ A tiny klein-shaped pipeline (Qwen3 encoder deep enough for klein's taps 9, 18, 
 is saved as a diffusers folder, and its weights are written again as the tools write them: the transformer in BFL
 names under ComfyUI's `model.diffusion_model.` prefix, the encoder as llama.cpp's Qwen3 GGUF, the VAE in BFL's
 `ae.safetensors` names. mlxdiff's image from the files must equal its image from the folder (which
-test_flux2_pipeline.py proves against diffusers) within 2/255 for the same injected latents, in float32.
+test_flux2_pipeline.py proves against diffusers) for the same injected latents, in float32: bit for bit, latents
+and image, since the files hold the same float32 values as the folder (names, fused q/k/v and llama.cpp's q/k row
+order are undone on reading).
 """
 
 import json
@@ -20,8 +22,8 @@ import mlxdiff
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.flux2 import files as flux2_files
 from gguf_helpers import write_llama_cpp_gguf
-from twins import (MISTRAL_TEMPLATE, QWEN3_TEMPLATE, _scheduler, _transformer, build_tokenizer, diffusers_to_ldm,
-                   flux2_to_bfl, make_flux2_twin, save_mistral3, save_qwen3)
+from twins import (DEV_SEQ, MISTRAL_TEMPLATE, QWEN3_TEMPLATE, _scheduler, _transformer, build_tokenizer,
+                   diffusers_to_ldm, flux2_to_bfl, make_flux2_twin, save_mistral3, save_qwen3)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -68,7 +70,7 @@ def build_files(kind, root):
         cls, extra, hidden, arch = Flux2KleinPipeline, {"is_distilled": False}, TEXT["hidden_size"], "qwen3"
         names = ("flux-2-klein-base-tiny.safetensors", "qwen3-tiny-f32.gguf")   # "base": klein base, as BFL names it
     else:
-        encoder = save_mistral3(root / "te_src", DEV_TEXT, DEV_VISION, seed=3)
+        encoder = save_mistral3(root / "te_src", DEV_TEXT, DEV_VISION, seed=3, positions=2 * DEV_SEQ)
         tok_dir = build_tokenizer(root / "tok_src", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
                                                      "[/SYSTEM_PROMPT]", "<pad>", "[IMG]"], MISTRAL_TEMPLATE, "left",
                                   "<pad>", "<s>", "</s>", add_bos=True)
@@ -99,10 +101,18 @@ def klein_files(tmp_path_factory):
     return build_files("klein", tmp_path_factory.mktemp("klein_files"))
 
 
-def image(pipe, noise, **kw):
-    result = pipe.generate(PROMPT, width=W, height=H, steps=2, guidance=3.5, latents=noise, max_sequence_length=SEQ,
+def run(pipe, noise, seq=SEQ, **kw):
+    """(latents, image as ints) of a 2-step run from the injected noise."""
+    result = pipe.generate(PROMPT, width=W, height=H, steps=2, guidance=3.5, latents=noise, max_sequence_length=seq,
                            progress_bar=False, **kw)
-    return np.asarray(result.image).astype(int)
+    return result.latents, np.asarray(result.image).astype(int)
+
+
+def assert_same(ours, want):
+    """Equal bit for bit: the same float32 weights through the same computation."""
+    assert np.array_equal(ours[0], want[0]), f"latents differ by up to {np.abs(ours[0] - want[0]).max():.2e}"
+    assert np.array_equal(ours[1], want[1]), f"images differ by up to {np.abs(ours[1] - want[1]).max()} levels"
+    assert ours[1].std() > 5   # a real image, not a flat one
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +122,7 @@ def noise():
 
 @pytest.fixture(scope="module")
 def folder_image(klein_files, noise):
-    return image(mlxdiff.load(str(klein_files[0])), noise)
+    return run(mlxdiff.load(str(klein_files[0])), noise)
 
 
 def test_files_alone_give_the_folder_image(klein_files, noise, folder_image):
@@ -124,28 +134,26 @@ def test_files_alone_give_the_folder_image(klein_files, noise, folder_image):
     scheduler = json.loads((folder / "scheduler" / "scheduler_config.json").read_text())
     scheduler.pop("_diffusers_version")
     assert pipe.scheduler_config == scheduler == flux2_files.SCHEDULER   # the table is diffusers' config
-    ours = image(pipe, noise)
-    assert np.abs(ours - folder_image).max() <= 2
-    assert ours.std() > 5   # a real image, not a flat one
+    assert_same(run(pipe, noise), folder_image)
 
 
 def test_dev_files_alone_give_the_folder_image(tmp_path, noise):
     """dev from files alone (the guidance embedder says dev): a llama.cpp GGUF of the Mistral encoder (q/k rows
-    permuted, its settings in the metadata) and the folder's tokenizer; embedded guidance, one forward per step."""
+    permuted, its settings in the metadata) and the folder's tokenizer; embedded guidance, one forward per step. At
+    DEV_SEQ tokens, past dev's system message, so that the prompt reaches the encoder."""
     folder, files = build_files("dev", tmp_path)
     pipe = mlxdiff.load(transformer=str(files["transformer"]), text_encoder=str(files["text_encoder"]),
                         vae=str(files["vae"]), tokenizer=str(files["tokenizer"]))
     assert pipe.pipeline_class == "Flux2Pipeline" and not pipe.is_klein
     assert pipe.components["transformer"].args.guidance_embeds
-    ours = image(pipe, noise)
-    assert np.abs(ours - image(mlxdiff.load(str(folder)), noise)).max() <= 2 and ours.std() > 5
+    assert_same(run(pipe, noise, DEV_SEQ), run(mlxdiff.load(str(folder)), noise, DEV_SEQ))
 
 
 def test_vae_file_replaces_the_folder_vae(klein_files, noise, folder_image):
     folder, files = klein_files
     pipe = mlxdiff.load(str(folder), vae=str(files["vae"]))
     assert pipe.components["vae"].files == [files["vae"]]
-    assert np.abs(image(pipe, noise) - folder_image).max() <= 2
+    assert_same(run(pipe, noise), folder_image)
 
 
 def test_sd3_vae_file_replaces_the_folder_vae(sd3_tiny, tmp_path):
@@ -157,12 +165,15 @@ def test_sd3_vae_file_replaces_the_folder_vae(sd3_tiny, tmp_path):
     save_file({"first_stage_model." + k: v.detach().clone().contiguous() for k, v in ldm.items()}, str(path))
     sd3_noise = np.random.default_rng(3).standard_normal((1, 16, 20, 12)).astype(np.float32)
     kw = dict(width=24, height=40, steps=2, guidance=3.0, latents=sd3_noise, progress_bar=False)
-    want = np.asarray(mlxdiff.load(str(folder)).generate("a cat", **kw).image).astype(int)
+    want = mlxdiff.load(str(folder)).generate("a cat", **kw)
     pipe = mlxdiff.load(str(folder), vae=str(path))
     assert pipe.components["vae"].files == [path]
     assert pipe.components["vae"].config["scaling_factor"] == reference.vae.config.scaling_factor
-    got = np.asarray(pipe.generate("a cat", **kw).image).astype(int)
-    assert np.abs(got - want).max() <= 2 and got.std() > 1
+    got = pipe.generate("a cat", **kw)
+    assert np.array_equal(got.latents, want.latents)     # the VAE only decodes: the latents are the same run's
+    got, want = np.asarray(got.image).astype(int), np.asarray(want.image).astype(int)
+    assert np.array_equal(got, want), np.abs(got - want).max()   # the same float32 weights, renamed
+    assert got.std() > 1
 
 
 def test_cli_files_alone(klein_files, tmp_path):

@@ -21,6 +21,7 @@ import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
+import fixture_guard
 from helpers import max_rel_err, randomize_
 from lora_helpers import save
 from test_unet import CONFIGS
@@ -53,6 +54,13 @@ TE_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 
 
 # -- the models: torch twins and mlxdiff's, the same weights --------------------------------------------------------
+
+@pytest.fixture(autouse=True)
+def bases_unchanged(request):
+    """Fixtures are immutable: the tests load LoRAs onto copies (diffusers_with, the dequantized twins); after each
+    test the shared torch twins are as built (fixture_guard: weights, adapters, hooks)."""
+    yield from fixture_guard.unchanged(request, ["bases"])
+
 
 @pytest.fixture(scope="module")
 def bases():
@@ -387,3 +395,42 @@ def test_kohya_sdxl_sgm_names_match_diffusers(bases, tmp_path):
     path = kohya_locon(bases, "sgm", tmp_path / "sgm.safetensors", seed=8, rename=sgm)
     assert lora.components(path) == ["text_encoder", "text_encoder_2", "unet"]
     compare(bases, "sgm", [(path, 0.9)], "sgm")
+
+
+# -- through the pipeline: mlxdiff.load(loras=) against diffusers' pipeline with load_lora_weights --------------------
+
+@pytest.mark.parametrize("family", ["sd15", "sdxl"])
+def test_lora_through_the_pipeline_matches_diffusers(family, tmp_path):
+    """A kohya LoCon (UNet and text encoders) at scale 0.8 on the tiny pipelines of tests/ldm_helpers.py:
+    mlxdiff.load(folder, loras=[(file, 0.8)]) against diffusers' pipeline with load_lora_weights and the adapter at
+    0.8, from the same noise: final latents within 1e-4, image within 2 levels (tests/parity.py); the LoRA scale
+    (0.8 -> 0.4) and the prompt each move diffusers' result by more than that."""
+    import diffusers
+    from ldm_helpers import reference, sd15_components, sdxl_components, showing_moves
+    from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
+    from diffusers.utils.peft_utils import set_weights_and_activate_adapters
+    cls = diffusers.StableDiffusionXLPipeline if family == "sdxl" else diffusers.StableDiffusionPipeline
+    parts = sdxl_components() if family == "sdxl" else sd15_components()
+    folder = tmp_path / family
+    cls(**parts).save_pretrained(str(folder))
+    path = kohya_locon({family: {k: parts[k] for k in KOHYA[family]}}, family, tmp_path / "locon.safetensors", seed=3,
+                       scale=0.1)
+    pipe = cls.from_pretrained(str(folder), **({} if family == "sdxl" else dict(safety_checker=None,
+                                                                                 requires_safety_checker=False)))
+    pipe.load_lora_weights(str(path), adapter_name="locon")
+    h, w, steps, guidance = 48, 40, 3, 4.0
+    noise = np.random.default_rng(6).standard_normal((1, 4, h // 4, w // 4)).astype(np.float32)
+
+    def run(lora_scale, **kw):
+        for name in KOHYA[family]:      # pipe.set_adapters: it cannot expand a scale over per-level layer counts
+            set_weights_and_activate_adapters(getattr(pipe, name), ["locon"], [lora_scale])
+        return reference(pipe, height=h, width=w, num_inference_steps=steps, guidance_scale=guidance,
+                         latents=torch.tensor(noise), **kw)
+    ref_latents, ref_image = assert_inputs_matter(showing_moves(f"{family} lora", run), dict(
+        prompt="a red fox", lora_scale=0.8), {"the LoRA scale": {"lora_scale": 0.4},
+                                               "the prompt": {"prompt": "a blue boat on a lake"}})
+    ours = mlxdiff.load(str(folder), loras=[(str(path), 0.8)]).generate(
+        "a red fox", width=w, height=h, steps=steps, guidance=guidance, latents=noise, progress_bar=False)
+    err, shift = max_rel_err(ours.latents, ref_latents), levels(ours.image, ref_image)
+    print(f"{family} lora pipeline: latents max_rel_err {err:.1e}, image {shift} levels")
+    assert err <= LATENT_TOL and shift <= IMAGE_LEVELS, (err, shift)

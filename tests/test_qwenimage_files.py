@@ -14,11 +14,14 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
+import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from test_gguf_models import dequantized
+from test_qwenimage_pipeline import check_parity
 from test_vae_qwenimage import to_original
 from twins import build_tokenizer
+import fixture_guard
 
 H, W = 32, 48      # latents 8 x 12 (VAE factor 4), 4 x 6 tokens
 Z = 16             # Qwen-Image's latent channels: its VAE's latent statistics are the file reader's
@@ -35,6 +38,12 @@ TRANSFORMER = dict(patch_size=2, in_channels=4 * Z, out_channels=Z, num_layers=2
                    num_attention_heads=3, joint_attention_dim=TEXT["hidden_size"], axes_dims_rope=(4, 14, 14))
 VAE = dict(base_dim=6, z_dim=Z, dim_mult=[1, 2, 2], num_res_blocks=2, attn_scales=[],
            temperal_downsample=[False, True])
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['files', 'references'])
 
 
 def one_line(error, *parts):
@@ -104,63 +113,87 @@ def files(tmp_path_factory):
     # the GGUF's reference: the same pipeline with the file's values as gguf-py decodes them
     twin = copy.deepcopy(transformer)
     twin.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in dequantized(paths["gguf"]).items()})
-    reference = QwenImagePipeline.from_pretrained(str(folder))
-    gguf_pipe = QwenImagePipeline(**{**reference.components, "transformer": twin.eval()})
-    return paths, reference, gguf_pipe, quantized
+    folder_pipe = QwenImagePipeline.from_pretrained(str(folder))
+    gguf_pipe = QwenImagePipeline(**{**folder_pipe.components, "transformer": twin.eval()})
+    return paths, folder_pipe, gguf_pipe, quantized
 
 
 def noise():
     return np.random.default_rng(2).standard_normal((1, (H // 8) * (W // 8), 4 * Z)).astype(np.float32)
 
 
-def compare(loaded, pipe, what):
-    assert loaded.family == "qwenimage" and loaded.pipeline_class == "QwenImagePipeline"
+def reference(pipe, prompt=PROMPT, negative_prompt=NEGATIVE):
+    """diffusers' (latents, unpacked to the VAE's layout, from the step callback; image) at true CFG (4.0)."""
     final = {}
 
     def keep(_, i, t, tensors):
         final["latents"] = tensors["latents"]
         return {}
     with torch.no_grad():
-        ref = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_inference_steps=STEPS,
+        ref = pipe(prompt=prompt, negative_prompt=negative_prompt, height=H, width=W, num_inference_steps=STEPS,
                    max_sequence_length=SEQ, latents=torch.from_numpy(noise()), output_type="np",
                    callback_on_step_end=keep).images[0]
+    return pipe._unpack_latents(final["latents"], H, W, pipe.vae_scale_factor)[:, :, 0].numpy(), ref
+
+
+@pytest.fixture(scope="module")
+def references(files):
+    """(diffusers on the folder's weights, on the GGUF's decoded values): (latents, image) each; the prompt and the
+    negative prompt each move the first (parity.assert_inputs_matter)."""
+    _, pipe, gguf_pipe, _ = files
+    plain = parity.assert_inputs_matter(lambda **kw: reference(pipe, **kw), {},
+                                        {"the prompt": dict(prompt="a blue car parked in the desert at noon"),
+                                         "the negative prompt": dict(negative_prompt="sharp, vivid colours")})
+    return plain, reference(gguf_pipe)
+
+
+def compare(loaded, ref, what):
+    """mlxdiff's run of `loaded` against diffusers' (latents, image) `ref`: the Result."""
+    assert loaded.family == "qwenimage" and loaded.pipeline_class == "QwenImagePipeline"
     got = loaded.generate(PROMPT, negative_prompt=NEGATIVE, width=W, height=H, steps=STEPS, latents=noise(),
                           max_sequence_length=SEQ, progress_bar=False)
-    ref_latents = pipe._unpack_latents(final["latents"], H, W, pipe.vae_scale_factor)[:, :, 0].numpy()
-    err = max_rel_err(np.asarray(got.latents, np.float32), ref_latents)
-    diff = np.abs(np.asarray(got.image).astype(np.float32) / 255.0 - (ref * 255).round() / 255.0).max()
-    print(f"Qwen-Image {what}: latents max_rel_err {err:.2e}, image {diff * 255:.1f}/255")
-    assert err <= 1e-4 and diff <= 2 / 255
+    check_parity(got, *ref, f"Qwen-Image {what}")
     assert np.asarray(got.image).std() > 5      # a real picture, not a flat one
-    return err, ref_latents
+    return got
 
 
-@pytest.mark.parametrize("layout", ["comfyui_folders", "files_alone", "q8_gguf"])
-def test_files_match_diffusers(files, layout):
-    paths, pipe, gguf_pipe, quantized = files
-    if layout == "comfyui_folders":   # the encoder and VAE found beside the transformer, ComfyUI's way
-        loaded = mlxdiff.load(str(paths["transformer"]), tokenizer=str(paths["tokenizer"]), dtype="float32")
-        assert loaded.components["text_encoder"].files == [paths["encoder"]]
-        assert loaded.components["vae"].files == [paths["vae"]]
-    else:
-        transformer = paths["transformer" if layout == "files_alone" else "gguf"]
-        loaded = mlxdiff.load(transformer=str(transformer), text_encoder=str(paths["encoder"]),
-                              vae=str(paths["vae"]), tokenizer=str(paths["tokenizer"]), dtype="float32")
-    assert loaded.components["text_encoder"].args.taps == (TEXT["num_hidden_layers"],)     # hidden_states[-1]
+def test_files_match_diffusers(files, references):
+    """ComfyUI's folders (the encoder and VAE found beside the transformer) and the same files given alone: read the
+    same way, so mlxdiff's two results are equal bit for bit."""
+    paths = files[0]
+    results = []
+    for layout in ("comfyui_folders", "files_alone"):
+        if layout == "comfyui_folders":
+            loaded = mlxdiff.load(str(paths["transformer"]), tokenizer=str(paths["tokenizer"]), dtype="float32")
+            assert loaded.components["text_encoder"].files == [paths["encoder"]]
+            assert loaded.components["vae"].files == [paths["vae"]]
+        else:
+            loaded = mlxdiff.load(transformer=str(paths["transformer"]), text_encoder=str(paths["encoder"]),
+                                  vae=str(paths["vae"]), tokenizer=str(paths["tokenizer"]), dtype="float32")
+        assert loaded.components["text_encoder"].args.taps == (TEXT["num_hidden_layers"],)     # hidden_states[-1]
+        assert loaded.components["transformer"].args.axes_dims_rope == TRANSFORMER["axes_dims_rope"]
+        results.append(compare(loaded, references[0], layout))
+    a, b = results
+    assert np.array_equal(np.asarray(a.latents), np.asarray(b.latents))
+    assert np.array_equal(np.asarray(a.image), np.asarray(b.image))
+
+
+def test_q8_gguf_matches_diffusers_on_its_values(files, references):
+    """The Q8_0 GGUF transformer kept quantized, against diffusers with the file's decoded values."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlxdiff.formats.gguf import RawLinear
+    paths, _, _, quantized = files
+    loaded = mlxdiff.load(transformer=str(paths["gguf"]), text_encoder=str(paths["encoder"]), vae=str(paths["vae"]),
+                          tokenizer=str(paths["tokenizer"]), dtype="float32")
     assert loaded.components["transformer"].args.axes_dims_rope == TRANSFORMER["axes_dims_rope"]
-    if layout == "q8_gguf":     # kept quantized, against diffusers with the file's decoded values
-        import mlx.core as mx
-        import mlx.nn as nn
-        from mlxdiff.formats.gguf import RawLinear
-        model = loaded.components["transformer"].build(mx.float32)
-        assert sum(isinstance(m, (nn.QuantizedLinear, RawLinear)) for _, m in model.named_modules()) == len(quantized)
-        err, ref_latents = compare(loaded, gguf_pipe, layout)
-        # the file's values are what agree: the unquantized pipeline's latents are further off
-        plain = mlxdiff.load(str(paths["transformer"]), tokenizer=str(paths["tokenizer"]), dtype="float32")
-        moved = max_rel_err(compare(plain, pipe, "the unquantized file")[1], ref_latents)
-        assert moved > 10 * max(err, 1e-6), (moved, err)
-        return
-    compare(loaded, pipe, layout)
+    model = loaded.components["transformer"].build(mx.float32)
+    assert sum(isinstance(m, (nn.QuantizedLinear, RawLinear)) for _, m in model.named_modules()) == len(quantized)
+    (plain_latents, _), gguf_ref = references
+    err = max_rel_err(compare(loaded, gguf_ref, "q8_gguf").latents, gguf_ref[0])
+    # the file's values are what agree: the unquantized pipeline's latents are further off
+    moved = max_rel_err(plain_latents, gguf_ref[0])
+    assert moved > 10 * max(err, 1e-6), (moved, err)
 
 
 def test_missing_parts_and_wrong_files_are_one_line(files, tmp_path):
@@ -215,7 +248,7 @@ def test_fp8_files_match_diffusers_with_the_decoded_weights(files, tmp_path):
     missing, unexpected = text.load_state_dict(renamed, strict=False)
     assert not unexpected and not [k for k in missing if not k.startswith("lm_head")], (missing, unexpected)
     from diffusers import QwenImagePipeline
-    reference = QwenImagePipeline(**{**pipe.components, "transformer": twin.eval(), "text_encoder": text.eval()})
+    twin_pipe = QwenImagePipeline(**{**pipe.components, "transformer": twin.eval(), "text_encoder": text.eval()})
     loaded = mlxdiff.load(str(t_path), text_encoder=str(e_path), vae=str(paths["vae"]),
                           tokenizer=str(paths["tokenizer"]), dtype="float32")
     import mlx.core as mx
@@ -223,4 +256,4 @@ def test_fp8_files_match_diffusers_with_the_decoded_weights(files, tmp_path):
         model = loaded.components[component].build(mx.float32)
         kinds = {type(m).__name__ for _, m in model.named_modules()}
         assert "Fp8Linear" in kinds, (component, kinds)
-    compare(loaded, reference, "fp8 transformer + fp8_scaled encoder")
+    compare(loaded, reference(twin_pipe), "fp8 transformer + fp8_scaled encoder")

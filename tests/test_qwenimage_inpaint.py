@@ -15,13 +15,21 @@ import pytest
 import torch
 
 import mlxdiff
-from helpers import max_rel_err
-from test_qwenimage_pipeline import H, NEGATIVE, PROMPT, SEQ, W, Z, qwen_tiny, reference  # noqa: F401  (the fixture)
+import parity
+from test_qwenimage_pipeline import (H, NEGATIVE, PROMPT, SEQ, W, Z, check_parity,  # noqa: F401  (the fixture)
+                                    qwen_tiny, reference_unpacked)
 from test_zimage_img2img import mask_picture
 from twins import picture
+import fixture_guard
 
 IMAGE, MASK = (44, 30), (40, 26)        # both resized to 48 x 32 (the output) by both sides
 STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['qwen_tiny'])
 
 
 def draws(pipe, seed):
@@ -34,33 +42,27 @@ def draws(pipe, seed):
 
 @pytest.mark.parametrize("strength,negative", [(0.6, None), (1.0, NEGATIVE)], ids=["s0.6", "s1.0_true_cfg"])
 def test_inpaint_matches_diffusers(qwen_tiny, strength, negative):
+    """The mask, the init image and the prompt (and the negative prompt) each move diffusers' result."""
     from diffusers import QwenImageInpaintPipeline
     _, pipe, ours = qwen_tiny
     init, mask = picture(*IMAGE, 4), mask_picture(*MASK)
     image_noise, noise = draws(pipe, 11)
-    kw = dict(prompt=PROMPT, negative_prompt=negative, image=init, strength=strength, height=H, width=W,
-              num_inference_steps=STEPS, true_cfg_scale=3.0, max_sequence_length=SEQ)
-    ref_latents, ref = reference(QwenImageInpaintPipeline(**pipe.components), **kw, mask_image=mask,
-                                 generator=torch.Generator().manual_seed(11))
-    ref_latents = pipe._unpack_latents(ref_latents, H, W, pipe.vae_scale_factor)[:, :, 0].numpy()
+    base = dict(prompt=PROMPT, negative_prompt=negative, image=init, mask_image=mask, strength=strength, height=H,
+                width=W, num_inference_steps=STEPS, true_cfg_scale=3.0, max_sequence_length=SEQ, generator_seed=11)
+    changes = {"the mask": dict(mask_image=mask_picture(MASK[1], MASK[0])),
+               "the init image": dict(image=picture(*IMAGE, 14)),
+               "the prompt": dict(prompt="a blue car parked in the desert at noon")}
+    if negative:
+        changes["the negative prompt"] = dict(negative_prompt="sharp, vivid colours")
+    inpaint = QwenImageInpaintPipeline(**pipe.components)
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_unpacked(inpaint, **kw), base, changes)
     got = ours.generate(PROMPT, negative_prompt=negative, image=init, mask=mask, strength=strength, width=W,
                         height=H, steps=STEPS, true_cfg_scale=3.0, latents=noise, image_noise=image_noise,
                         max_sequence_length=SEQ, progress_bar=False)
-    latents = np.asarray(got.latents).astype(np.float32)
-    err = max_rel_err(latents, ref_latents)
-    img = np.asarray(got.image).astype(np.float32) / 255.0
-    diff = np.abs(img - (ref * 255).round() / 255.0).max()
-    print(f"inpaint strength {strength}: latents max_rel_err {err:.2e}, image {diff * 255:.1f}/255; {got.notes}")
-    assert latents.shape == ref_latents.shape and err <= 1e-4
-    assert img.shape == ref.shape and diff <= 2 / 255
+    check_parity(got, ref_latents, ref, f"inpaint strength {strength}")
     start = int(STEPS - STEPS * strength)
     assert any(n.startswith("inpainting where #1 (a PIL image) is white") for n in got.notes), got.notes
     assert any(f"strength {strength:g}, steps {start + 1} to {STEPS}" in n for n in got.notes), got.notes
-    # the mask is not idle: without it (img2img) the same draws give other latents
-    plain = ours.generate(PROMPT, negative_prompt=negative, image=init, strength=strength, width=W, height=H,
-                          steps=STEPS, true_cfg_scale=3.0, latents=noise, image_noise=image_noise,
-                          max_sequence_length=SEQ, progress_bar=False)
-    assert max_rel_err(np.asarray(plain.latents), ref_latents) > 1e-2
 
 
 def test_packed_mask_is_diffusers(qwen_tiny):

@@ -1,4 +1,6 @@
-"""End to end: mlxdiff's SD3 pipeline against diffusers' StableDiffusion3Pipeline on the same injected noise."""
+"""End to end: mlxdiff's SD3 pipeline against diffusers' StableDiffusion3Pipeline on the same injected noise: final
+latents within 1e-4 and images within 2 levels, the prompt, negative prompt, CFG scale and skip-layer guidance each
+shown to move diffusers' own output (tests/parity.py)."""
 
 import numpy as np
 import pytest
@@ -6,6 +8,7 @@ import torch
 
 import mlxdiff
 from helpers import max_rel_err
+from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels, rel_diff
 
 H, W = 40, 24  # non-square; multiples of vae_scale_factor (2) * patch_size (2)
 
@@ -15,13 +18,24 @@ def _noise(seed, batch=1):
 
 
 def _diffusers(pipe, noise, **kw):
-    out = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="np", **kw)
-    return out.images[0]  # HWC float in [0, 1]
+    """diffusers' run from the injected noise: (its final latents, before the VAE's scaling is undone, as mlxdiff's
+    Result.latents; its HWC float image in [0, 1])."""
+    final = {}
+
+    def keep_latents(_, i, t, tensors):
+        final["latents"] = tensors["latents"].numpy()
+        return {}
+    out = pipe(height=H, width=W, latents=torch.from_numpy(noise), output_type="np",
+               callback_on_step_end=keep_latents, **kw)
+    return final["latents"], out.images[0]
 
 
 def _ours(folder, noise, **kw):
-    result = mlxdiff.load(str(folder)).generate(width=W, height=H, latents=noise, progress_bar=False, **kw)
-    return np.asarray(result.image).astype(np.float32) / 255.0, result
+    return mlxdiff.load(str(folder)).generate(width=W, height=H, latents=noise, progress_bar=False, **kw)
+
+
+SLG = dict(skip_guidance_layers=[1], skip_layer_guidance_start=0.0, skip_layer_guidance_stop=0.8,
+           skip_layer_guidance_scale=2.0)
 
 
 @pytest.mark.parametrize("case", ["cfg_negative", "no_cfg", "skip_layer_guidance"])
@@ -30,23 +44,23 @@ def test_pipeline_matches_diffusers(sd3_tiny, case):
     noise = _noise(1)
     kw = dict(prompt="a red fox in the snow", num_inference_steps=4, guidance_scale=4.5)
     ours_kw = dict(prompt="a red fox in the snow", steps=4, guidance=4.5)
+    changes = {"the prompt": dict(prompt="a lighthouse by the sea")}
     if case == "cfg_negative":
         kw["negative_prompt"] = ours_kw["negative_prompt"] = "blurry, low quality"
+        changes.update({"the negative prompt": dict(negative_prompt=None),    # diffusers' uncond is then ""
+                        "guidance": dict(guidance_scale=7.0)})
     if case == "no_cfg":
         kw["guidance_scale"] = ours_kw["guidance"] = 1.0
     if case == "skip_layer_guidance":
-        kw.update(skip_guidance_layers=[1], skip_layer_guidance_start=0.0, skip_layer_guidance_stop=0.8,
-                  skip_layer_guidance_scale=2.0)
-        ours_kw.update(skip_guidance_layers=[1], skip_layer_guidance_start=0.0, skip_layer_guidance_stop=0.8,
-                       skip_layer_guidance_scale=2.0)
-    ref = _diffusers(pipe, noise, **kw)
-    ours, result = _ours(folder, noise, **ours_kw)
-    # diffusers' float image rounded the way its PIL output is
-    ref_u8 = (ref * 255).round() / 255.0
-    assert ours.shape == ref.shape
-    assert np.abs(ours - ref_u8).max() <= 2 / 255
+        kw.update(SLG)
+        ours_kw.update(SLG)
+        changes = {"the skip-layer guidance scale": dict(skip_layer_guidance_scale=4.0),
+                   "the skipped layer": dict(skip_guidance_layers=[2])}
+    ref_latents, ref = assert_inputs_matter(lambda **k: _diffusers(pipe, noise, **k), kw, changes)
+    result = _ours(folder, noise, **ours_kw)
+    assert rel_diff(result.latents, ref_latents) <= LATENT_TOL
+    assert levels(result.image, ref) <= IMAGE_LEVELS
     assert set(result.timings) == {"encode", "denoise", "decode"}
-    assert result.latents.shape == noise.shape
 
 
 def test_encode_prompt_matches_diffusers(sd3_tiny):

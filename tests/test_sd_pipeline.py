@@ -1,82 +1,42 @@
-"""End to end: mlxdiff's UNet family (SD 1.x, SDXL) against diffusers' StableDiffusionPipeline /
+"""End to end: mlxdiff's UNet family (SD 1.x, SD 2.x, SDXL) against diffusers' StableDiffusionPipeline /
 StableDiffusionXLPipeline and their Img2Img twins, on tiny random models saved with save_pretrained (every
-dimension distinct), from the same injected noise: images within 2/255, conditioning within 1e-4."""
+dimension distinct; tests/ldm_helpers.py), from the same injected noise: final latents within 1e-4 (float32) and
+images within 2 levels (tests/parity.py), conditioning within 1e-4. Each pipeline test proves that every input it
+claims to cover reaches diffusers' own result (the prompt, the negative prompt, guidance, the sampler, SDXL's sizes,
+the init image, the strength): changed alone, it moves diffusers' latents and image by more than those tolerances.
+The shared fixtures' diffusers pipelines are never changed by a test (checked after each one)."""
 
 import numpy as np
 import pytest
 import torch
 
+import fixture_guard
 import mlxdiff
-from conftest import ASSETS, FIXTURES
-from helpers import max_rel_err, randomize_
+from helpers import max_rel_err
+from ldm_helpers import (clip_tokenizer as _tokenizer, reference, sd2_components, sd15_components, sdxl_components,
+                         showing_moves, twin_)
 from mlxdiff.errors import MlxdiffError
+from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
 
 H, W = 48, 40     # latents 12 x 10 (the VAE's factor is 4 here: two levels... of three: 2**2)
+PROMPT, OTHER_PROMPT = "a red fox in the snow", "a blue boat on a lake"
+SHARED = {}       # fixture name -> (its (folder, diffusers pipeline), fixture_guard.state_of it when built)
 
 
-def _clip(with_projection, hidden, layers, heads, inter, projection=None, act="quick_gelu", seed=0):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-    config = CLIPTextConfig(vocab_size=49408, hidden_size=hidden, intermediate_size=inter,
-                            projection_dim=projection or hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                            max_position_embeddings=77, hidden_act=act, bos_token_id=49406, eos_token_id=49407,
-                            pad_token_id=1)
-    torch.manual_seed(seed)
-    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
+def _shared(name, folder, pipe):
+    SHARED[name] = ((folder, pipe), fixture_guard.state_of((folder, pipe)))
+    return folder, pipe
 
 
-def _tokenizer(pad="<|endoftext|>"):
-    from transformers import CLIPTokenizer
-    vocab = FIXTURES / "clip" if (FIXTURES / "clip" / "vocab.json").exists() else ASSETS / "clip"
-    return CLIPTokenizer(str(vocab / "vocab.json"), str(vocab / "merges.txt"), model_max_length=77, pad_token=pad)
-
-
-def _vae(scaling, seed):
-    from diffusers import AutoencoderKL
-    torch.manual_seed(seed)
-    return AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 12, 16), layers_per_block=1,
-                         latent_channels=4, norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 3,
-                         up_block_types=("UpDecoderBlock2D",) * 3, scaling_factor=scaling, sample_size=64)
-
-
-def sd15_components(scheduler="PNDMScheduler"):
-    import diffusers
-    from diffusers import UNet2DConditionModel
-    torch.manual_seed(0)
-    unet = UNet2DConditionModel(
-        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 24), norm_num_groups=8,
-        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=20, attention_head_dim=4)
-    text_encoder = _clip(False, 20, 2, 4, 36, seed=1)
-    vae = _vae(0.18215, 2)
-    for i, m in enumerate((unet, text_encoder, vae)):
-        randomize_(m, seed=10 + i, scale=0.15)
-        m.eval()
-    sched = getattr(diffusers, scheduler).from_config(dict(  # SD 1.5's scheduler_config.json
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, skip_prk_steps=True,
-        set_alpha_to_one=False, clip_sample=False))
-    return dict(unet=unet, vae=vae, text_encoder=text_encoder, tokenizer=_tokenizer(), scheduler=sched,
-                safety_checker=None, feature_extractor=None, requires_safety_checker=False)
-
-
-def sdxl_components():
-    from diffusers import EulerDiscreteScheduler, UNet2DConditionModel
-    torch.manual_seed(0)
-    text_encoder = _clip(False, 16, 2, 2, 28, seed=1)
-    text_encoder_2 = _clip(True, 24, 3, 3, 40, projection=12, act="gelu", seed=2)
-    unet = UNet2DConditionModel(
-        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 32), norm_num_groups=8,
-        layers_per_block=(1, 2), down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=40, attention_head_dim=(2, 4),
-        transformer_layers_per_block=(1, 2), use_linear_projection=True, addition_embed_type="text_time",
-        addition_time_embed_dim=8, projection_class_embeddings_input_dim=12 + 6 * 8)
-    vae = _vae(0.13025, 3)
-    for i, m in enumerate((unet, text_encoder, text_encoder_2, vae)):
-        randomize_(m, seed=20 + i, scale=0.15)
-        m.eval()
-    sched = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
-                                   timestep_spacing="leading")
-    return dict(unet=unet, vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
-                tokenizer=_tokenizer(), tokenizer_2=_tokenizer("!"), scheduler=sched)
+@pytest.fixture(autouse=True)
+def shared_pipelines_unchanged():
+    """Fixtures are immutable: a test that needs another scheduler builds its own pipeline (ldm_helpers.
+    with_scheduler). After each test, every shared fixture built so far (the tests reach most of them through
+    request.getfixturevalue, which fixture_guard.unchanged does not see) is as built: folder files, components,
+    scheduler config, weights."""
+    yield
+    for name, (value, state) in SHARED.items():
+        assert fixture_guard.state_of(value) == state, f"a test changed the shared {name} fixture"
 
 
 @pytest.fixture(scope="module")
@@ -84,30 +44,17 @@ def sd15(tmp_path_factory):
     from diffusers import StableDiffusionPipeline
     folder = tmp_path_factory.mktemp("sd15_tiny")
     StableDiffusionPipeline(**sd15_components()).save_pretrained(str(folder))
-    return folder, StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None,
-                                                           requires_safety_checker=False)
+    return _shared("sd15", folder, StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None,
+                                                                           requires_safety_checker=False))
 
 
 @pytest.fixture(scope="module")
 def sd2(tmp_path_factory):
-    """SD 2.x's shape of the family: linear projections, 64-wide-head-like head counts per level, a v-prediction
-    DDIM config (as stable-diffusion-2-1's scheduler_config.json)."""
-    import diffusers
-    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
-    parts = sd15_components()
-    torch.manual_seed(0)
-    parts["unet"] = randomize_(UNet2DConditionModel(
-        sample_size=12, in_channels=4, out_channels=4, block_out_channels=(16, 32), norm_num_groups=8,
-        layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=20, attention_head_dim=(2, 4),
-        use_linear_projection=True).eval(), seed=13, scale=0.15)
-    parts["scheduler"] = diffusers.DDIMScheduler.from_config(dict(
-        beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1, clip_sample=False,
-        set_alpha_to_one=False, prediction_type="v_prediction"))
+    from diffusers import StableDiffusionPipeline
     folder = tmp_path_factory.mktemp("sd2_tiny")
-    StableDiffusionPipeline(**parts).save_pretrained(str(folder))
-    return folder, StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None,
-                                                           requires_safety_checker=False)
+    StableDiffusionPipeline(**sd2_components()).save_pretrained(str(folder))
+    return _shared("sd2", folder, StableDiffusionPipeline.from_pretrained(str(folder), safety_checker=None,
+                                                                          requires_safety_checker=False))
 
 
 @pytest.fixture(scope="module")
@@ -115,31 +62,23 @@ def sdxl(tmp_path_factory):
     from diffusers import StableDiffusionXLPipeline
     folder = tmp_path_factory.mktemp("sdxl_tiny")
     StableDiffusionXLPipeline(**sdxl_components()).save_pretrained(str(folder))
-    return folder, StableDiffusionXLPipeline.from_pretrained(str(folder))
+    return _shared("sdxl", folder, StableDiffusionXLPipeline.from_pretrained(str(folder)))
 
 
-def _noise(seed, batch=1):
-    return np.random.default_rng(seed).standard_normal((batch, 4, H // 4, W // 4)).astype(np.float32)
+def _noise(seed, batch=1, h=H, w=W, factor=4):
+    return np.random.default_rng(seed).standard_normal((batch, 4, h // factor, w // factor)).astype(np.float32)
 
 
-def _levels(ours_image, ref):
-    """The largest difference in 8-bit levels between our PNG's pixels and diffusers' float image rounded as its PIL
-    output is (counted in integers: 2 levels in float32 / 255 can compare above 2 / 255)."""
-    ours = np.asarray(ours_image).astype(np.int32)
-    assert ours.shape == ref.shape
-    return int(np.abs(ours - np.round(ref * 255).astype(np.int32)).max())
+def assert_matches(what, ours, ref_latents, ref_image):
+    """mlxdiff's Result against diffusers' run: the final latents (both scaled, before the VAE undoes its scaling)
+    within LATENT_TOL, the image within IMAGE_LEVELS."""
+    err, shift = max_rel_err(ours.latents, ref_latents), levels(ours.image, ref_image)
+    print(f"{what}: latents max_rel_err {err:.1e}, image {shift} levels")
+    assert err <= LATENT_TOL, (what, err)
+    assert shift <= IMAGE_LEVELS, (what, shift)
 
 
-def _scheduled(pipe, name):
-    """The diffusers pipeline with the scheduler mlxdiff's `name` stands for (same config)."""
-    import diffusers
-    from mlxdiff import ldm_schedulers
-    cls, _, overrides = ldm_schedulers.SCHEDULERS[name]
-    plms = {"skip_prk_steps": True} if name == "pndm" else {}     # what mlxdiff's pndm is over another config
-    pipe.scheduler = getattr(diffusers, cls).from_config({**pipe.scheduler.config, **overrides, **plms})
-    return pipe
-
-
+STEPS = 4
 CASES = [("sd15", "default", 7.5, "blurry"), ("sd15", "ddim", 1.0, None), ("sd15", "dpmpp_2m_karras", 4.0, None),
          ("sd15", "euler", 6.0, "dark"), ("sdxl", "default", 5.0, None), ("sdxl", "dpmpp_2m", 3.0, "grey"),
          ("sdxl", "euler_karras", 1.0, None), ("sdxl", "pndm", 2.5, None), ("sd2", "default", 6.0, None),
@@ -148,29 +87,47 @@ CASES = [("sd15", "default", 7.5, "blurry"), ("sd15", "ddim", 1.0, None), ("sd15
 
 @pytest.mark.parametrize("model,scheduler,guidance,negative", CASES)
 def test_text_to_image_matches_diffusers(request, model, scheduler, guidance, negative):
+    """The prompt always; the negative prompt where the case has one (dropped: SD encodes "", SDXL zeros); guidance
+    where CFG runs (its uncond branch); the sampler where the case names one (against the folder's own)."""
     folder, pipe = request.getfixturevalue(model)
-    if scheduler != "default":
-        pipe = _scheduled(pipe, scheduler)
     noise = _noise(1)
-    ref = pipe(prompt="a red fox in the snow", negative_prompt=negative, height=H, width=W, num_inference_steps=5,
-               guidance_scale=guidance, latents=torch.from_numpy(noise), output_type="np").images[0]
-    ours = mlxdiff.load(str(folder)).generate(
-        "a red fox in the snow", negative_prompt=negative, width=W, height=H, steps=5, guidance=guidance,
-        latents=noise, progress_bar=False, scheduler=None if scheduler == "default" else scheduler)
-    assert _levels(ours.image, ref) <= 2
+    named = None if scheduler == "default" else scheduler
+    run = lambda **kw: reference(pipe, height=H, width=W, num_inference_steps=STEPS, latents=torch.tensor(noise),
+                                 **kw)
+    changes = {"the prompt": {"prompt": OTHER_PROMPT}}
+    if negative:
+        changes["the negative prompt"] = {"negative_prompt": None}
+    if guidance > 1:
+        changes["guidance"] = {"guidance_scale": guidance + 2}
+    if named:
+        changes["the sampler"] = {"scheduler": None}
+    run = showing_moves(f"{model} {scheduler}", run)
+    ref_latents, ref_image = assert_inputs_matter(run, dict(prompt=PROMPT, negative_prompt=negative,
+                                                            guidance_scale=guidance, scheduler=named), changes)
+    ours = mlxdiff.load(str(folder)).generate(PROMPT, negative_prompt=negative, width=W, height=H, steps=STEPS,
+                                              guidance=guidance, latents=noise, progress_bar=False, scheduler=named)
+    assert_matches(f"{model} {scheduler}", ours, ref_latents, ref_image)
     assert set(ours.timings) == {"encode", "denoise", "decode"}
 
 
 def test_sdxl_micro_conditioning_matches_diffusers(sdxl):
+    """Each of SDXL's sizes reaches the UNet's added time ids in its place: original and target size swapped,
+    original_size's height and width swapped, the crop moved, the negative sizes dropped (CFG's uncond ids) each
+    move diffusers' result."""
     folder, pipe = sdxl
     noise = _noise(2)
     sizes = dict(original_size=(512, 768), crops_coords_top_left=(16, 8), target_size=(640, 640),
                  negative_original_size=(256, 256), negative_target_size=(320, 192))
-    ref = pipe(prompt="a lighthouse", height=H, width=W, num_inference_steps=4, guidance_scale=4.0,
-               latents=torch.from_numpy(noise), output_type="np", **sizes).images[0]
-    ours = mlxdiff.load(str(folder)).generate("a lighthouse", width=W, height=H, steps=4, guidance=4.0, latents=noise,
-                                              progress_bar=False, **sizes)
-    assert _levels(ours.image, ref) <= 2
+    run = lambda **kw: reference(pipe, prompt="a lighthouse", height=H, width=W, num_inference_steps=STEPS,
+                                 guidance_scale=4.0, latents=torch.tensor(noise), **kw)
+    ref_latents, ref_image = assert_inputs_matter(showing_moves("sdxl sizes", run), sizes, {
+        "original and target size swapped": {"original_size": (640, 640), "target_size": (512, 768)},
+        "original_size's height and width": {"original_size": (768, 512)},
+        "crops_coords_top_left": {"crops_coords_top_left": (8, 16)},
+        "the negative sizes": {"negative_original_size": None, "negative_target_size": None}})
+    ours = mlxdiff.load(str(folder)).generate("a lighthouse", width=W, height=H, steps=STEPS, guidance=4.0,
+                                              latents=noise, progress_bar=False, **sizes)
+    assert_matches("sdxl sizes", ours, ref_latents, ref_image)
 
 
 @pytest.mark.parametrize("model,clip_skip", [("sd15", None), ("sd15", 1), ("sdxl", None), ("sdxl", 1)])
@@ -197,36 +154,44 @@ def test_encode_prompt_matches_diffusers(request, model, clip_skip):
         assert max_rel_err(ours[name], value.detach().numpy()) <= 1e-4, name
 
 
-def _img2img_reference(kind, folder, image, strength, seed, steps, scheduler=None):
-    """diffusers' Img2Img pipeline with a seeded generator, and the two noises it drew (the posterior's, then the
-    noise added to the init latents), to give mlxdiff the same."""
+def _img2img_pipe(kind, folder):
     import diffusers
-    cls = diffusers.StableDiffusionXLImg2ImgPipeline if kind == "sdxl" else diffusers.StableDiffusionImg2ImgPipeline
-    pipe = cls.from_pretrained(str(folder), **({} if kind == "sdxl" else dict(safety_checker=None,
-                                                                               requires_safety_checker=False)))
-    if scheduler:
-        pipe = _scheduled(pipe, scheduler)
-    out = pipe(prompt="a boat", image=image, strength=strength, num_inference_steps=steps, guidance_scale=3.0,
-               generator=torch.Generator().manual_seed(seed), output_type="np").images[0]
+    if kind == "sdxl":
+        return diffusers.StableDiffusionXLImg2ImgPipeline.from_pretrained(str(folder))
+    return diffusers.StableDiffusionImg2ImgPipeline.from_pretrained(str(folder), safety_checker=None,
+                                                                    requires_safety_checker=False)
+
+
+def _drawn(seed, shape):
+    """The two noises diffusers' Img2Img pipeline draws from a generator seeded `seed` (the posterior's, then the
+    noise added to the init latents), to give mlxdiff the same."""
     drawn = torch.Generator().manual_seed(seed)
-    shape = (1, 4, image.height // 4, image.width // 4)
     posterior = torch.randn(shape, generator=drawn).numpy()
-    noise = torch.randn(shape, generator=drawn).numpy()
-    return out, posterior, noise
+    return posterior, torch.randn(shape, generator=drawn).numpy()
 
 
 @pytest.mark.parametrize("model,strength,scheduler", [("sd15", 0.6, None), ("sdxl", 0.5, "ddim"),
                                                       ("sdxl", 0.3, None)])
 def test_image_to_image_matches_diffusers(request, model, strength, scheduler):
+    """The prompt, the init image, the strength and (where named) the sampler each move diffusers' result."""
     from twins import picture
     folder, _ = request.getfixturevalue(model)
-    image = picture(W, H, seed=4)
-    ref, posterior, noise = _img2img_reference(model, folder, image, strength, 7, 6, scheduler)
-    ours = mlxdiff.load(str(folder)).generate("a boat", image=image, strength=strength, steps=6, guidance=3.0,
+    pipe, image, steps = _img2img_pipe(model, folder), picture(W, H, seed=4), 6
+    run = lambda **kw: reference(pipe, num_inference_steps=steps, guidance_scale=3.0,
+                                 generator=torch.Generator().manual_seed(7), **kw)
+    changes = {"the prompt": {"prompt": OTHER_PROMPT}, "the init image": {"image": picture(W, H, seed=5)},
+               "the strength": {"strength": strength + 0.2}}
+    if scheduler:
+        changes["the sampler"] = {"scheduler": None}
+    run = showing_moves(f"{model} img2img {strength}", run)
+    ref_latents, ref_image = assert_inputs_matter(run, dict(prompt="a boat", image=image, strength=strength,
+                                                            scheduler=scheduler), changes)
+    posterior, noise = _drawn(7, (1, 4, H // 4, W // 4))
+    ours = mlxdiff.load(str(folder)).generate("a boat", image=image, strength=strength, steps=steps, guidance=3.0,
                                               latents=noise, image_noise=posterior, progress_bar=False,
                                               scheduler=scheduler)
     assert ours.image.size == (W, H)
-    assert _levels(ours.image, ref) <= 2
+    assert_matches(f"{model} img2img {strength}", ours, ref_latents, ref_image)
     assert set(ours.timings) == {"encode", "reference", "denoise", "decode"}
 
 
@@ -258,7 +223,8 @@ def test_bad_requests_are_one_line(sd15, sdxl):
 @pytest.mark.parametrize("name", ["sd15", "sdxl"])
 def test_single_file_pipeline_matches_diffusers(name, tmp_path):
     """An original single file (ldm / SGM names, as tests/test_sd_single_file.py writes and diffusers' converters
-    read back) through mlxdiff.load(file): the image equals diffusers' pipeline of the same models."""
+    read back) through mlxdiff.load(file): the latents and image of diffusers' pipeline of the same models (the
+    released model's scheduler, as mlxdiff reads the file), whose result the prompt and guidance each move."""
     import diffusers
     from safetensors.numpy import save_file
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
@@ -266,14 +232,13 @@ def test_single_file_pipeline_matches_diffusers(name, tmp_path):
     spec = FAMILIES[name]
     real_vocab = dict(vocab_size=49408, max_position_embeddings=77)    # the released tokenizers' ids and length
     torch.manual_seed(0)
-    models = {"unet": randomize_(diffusers.UNet2DConditionModel(**spec["unet"]).eval(), seed=1, scale=0.1),
-              "vae": randomize_(diffusers.AutoencoderKL(**spec["vae"], scaling_factor=0.13025 if spec["big_g"]
-                                                        else 0.18215).eval(), seed=2, scale=0.1),
-              "text_encoder": randomize_(CLIPTextModel(CLIPTextConfig(**{**CLIP_L, **real_vocab})).eval(), seed=3,
-                                         scale=0.1)}
+    models = {"unet": twin_(diffusers.UNet2DConditionModel(**spec["unet"]), seed=1, scale=0.1),
+              "vae": twin_(diffusers.AutoencoderKL(**spec["vae"], scaling_factor=0.13025 if spec["big_g"]
+                                                   else 0.18215), seed=2, scale=0.1),
+              "text_encoder": twin_(CLIPTextModel(CLIPTextConfig(**{**CLIP_L, **real_vocab})), seed=3, scale=0.1)}
     if spec["big_g"]:
-        models["text_encoder_2"] = randomize_(CLIPTextModelWithProjection(CLIPTextConfig(
-            **{**BIG_G, **real_vocab})).eval(), seed=4, scale=0.1)
+        models["text_encoder_2"] = twin_(CLIPTextModelWithProjection(CLIPTextConfig(**{**BIG_G, **real_vocab})),
+                                         seed=4, scale=0.1)
     path = tmp_path / f"{name}.safetensors"
     save_file(_checkpoint(models, spec), str(path))
     from mlxdiff.pipelines.stable_diffusion.single_file import sd_single_file
@@ -289,12 +254,15 @@ def test_single_file_pipeline_matches_diffusers(name, tmp_path):
                                                  requires_safety_checker=False)
     factor = 2 ** (len(spec["vae"]["block_out_channels"]) - 1)
     h, w = 32, 24          # multiples of 8 (diffusers' check) and of the VAE's factor
-    noise = np.random.default_rng(5).standard_normal((1, 4, h // factor, w // factor)).astype(np.float32)
-    ref = pipe(prompt="a red fox", height=h, width=w, num_inference_steps=4, guidance_scale=4.0,
-               latents=torch.from_numpy(noise), output_type="np").images[0]
-    ours = mlxdiff.load(str(path)).generate("a red fox", width=w, height=h, steps=4, guidance=4.0, latents=noise,
+    noise = _noise(5, h=h, w=w, factor=factor)
+    run = lambda **kw: reference(pipe, height=h, width=w, num_inference_steps=STEPS, latents=torch.tensor(noise),
+                                 **kw)
+    ref_latents, ref_image = assert_inputs_matter(showing_moves(f"{name} single file", run),
+                                                  dict(prompt="a red fox", guidance_scale=4.0), {
+        "the prompt": {"prompt": OTHER_PROMPT}, "guidance": {"guidance_scale": 6.0}})
+    ours = mlxdiff.load(str(path)).generate("a red fox", width=w, height=h, steps=STEPS, guidance=4.0, latents=noise,
                                             progress_bar=False)
-    assert _levels(ours.image, ref) <= 2
+    assert_matches(f"{name} single file", ours, ref_latents, ref_image)
 
 
 def test_step_cache_is_refused_for_the_unet(sd15):

@@ -18,6 +18,7 @@ import mlxdiff  # noqa: F401
 import mlx.core as mx
 import mlx.nn as nn
 
+import fixture_guard
 from helpers import max_rel_err, randomize_
 from ldm_helpers import clip_to_openclip, unet_to_ldm, vae_to_ldm, write_sdcpp_gguf
 from mlxdiff.errors import MlxdiffError
@@ -106,6 +107,13 @@ def _diffusers_states(checkpoint, models, spec) -> dict:
     if spec["big_g"]:
         out["text_encoder_2"] = su.convert_open_clip_checkpoint(models["text_encoder_2"], ckpt, prefix=BIG_G_PREFIX)
     return out
+
+
+@pytest.fixture(autouse=True)
+def family_unchanged(request):
+    """Fixtures are immutable: tests load weights into copies (_load on deepcopies); after each test the shared torch
+    twins, checkpoint and file are as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ["family"])
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

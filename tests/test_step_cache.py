@@ -15,7 +15,7 @@ import torch
 import mlxdiff
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.step_cache import FirstBlockCache, parse
-from twins import H, SEQ, TAPS, W, build_pipeline
+from twins import H, TAPS, W, build_pipeline, text_length
 
 STEPS = 10
 
@@ -68,11 +68,18 @@ class _Recorder:
 
 def _with_context(transformer, name="cond"):
     """diffusers' SD3 and FLUX.2-dev pipelines set no cache context (klein's set "cond"/"uncond" themselves)."""
-    from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
-    # the registry caches its children's registries at the first context set: a hook applied after an earlier
-    # test's (the session's shared SD3 pipeline) would not get the context
-    HookRegistry.check_if_exists_or_initialize(transformer)._child_registries_cache = None
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
     _set_cache_context(transformer, CacheContext(name))
+
+
+def _own_sd3(sd3_tiny):
+    """(folder, a diffusers SD3 pipeline of its own): the session's shared one's components with the transformer
+    (which the hooks change) and the scheduler copied, so that the shared fixture stays as it is."""
+    import copy
+    from diffusers import StableDiffusion3Pipeline
+    folder, pipe = sd3_tiny
+    return folder, StableDiffusion3Pipeline(**{**pipe.components, "transformer": copy.deepcopy(pipe.transformer),
+                                               "scheduler": copy.deepcopy(pipe.scheduler)})
 
 
 def _image(result):
@@ -104,30 +111,24 @@ def _flux2_both(kind, guidance, tmp_path, seed, cache, recorder_for):
     noise = np.random.default_rng(seed).standard_normal((1, 20, H // 4, W // 4)).astype(np.float32)
     recorder = recorder_for(pipe.transformer)
     _with_context(pipe.transformer)
+    seq = text_length(kind)     # dev: past its system message, so that the prompt reaches the tokens
     ref = pipe(prompt="a red fox in the snow", height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
-               latents=torch.from_numpy(noise), max_sequence_length=SEQ, text_encoder_out_layers=TAPS,
+               latents=torch.from_numpy(noise), max_sequence_length=seq, text_encoder_out_layers=TAPS,
                output_type="np").images[0]
     ours = mlxdiff.load(str(folder)).generate("a red fox in the snow", width=W, height=H, steps=STEPS,
-                                              guidance=guidance, latents=noise, max_sequence_length=SEQ,
+                                              guidance=guidance, latents=noise, max_sequence_length=seq,
                                               text_encoder_out_layers=TAPS, progress_bar=False, cache=cache)
     return ours, ref, recorder
 
 
 def test_sd3_skips_what_diffusers_skips(sd3_tiny, monkeypatch):
-    folder, pipe = sd3_tiny
+    folder, pipe = _own_sd3(sd3_tiny)
     H3, W3, threshold = 40, 24, 0.9
     noise = np.random.default_rng(1).standard_normal((1, 16, H3 // 2, W3 // 2)).astype(np.float32)
     recorder = _Recorder(monkeypatch, pipe.transformer, threshold)
     _with_context(pipe.transformer)
-    try:
-        ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
-                   guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]
-    finally:
-        from diffusers.hooks.hooks import HookRegistry
-        for block in pipe.transformer.transformer_blocks:   # the session's shared pipeline goes back uncached
-            registry = HookRegistry.check_if_exists_or_initialize(block)
-            for name in list(registry.hooks):
-                registry.remove_hook(name)
+    ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
+               guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]
     ours = mlxdiff.load(str(folder)).generate("a cat", negative_prompt="blurry", width=W3, height=H3, steps=STEPS,
                                               guidance=4.0, latents=noise, progress_bar=False,
                                               cache=f"first-block:{threshold}")
@@ -188,19 +189,13 @@ def test_flux2_predicts_what_diffusers_taylorseer_predicts(kind, guidance, inter
 
 
 def test_sd3_predicts_what_diffusers_taylorseer_predicts(sd3_tiny, monkeypatch):
-    folder, pipe = sd3_tiny
+    folder, pipe = _own_sd3(sd3_tiny)
     H3, W3 = 40, 24
     noise = np.random.default_rng(4).standard_normal((1, 16, H3 // 2, W3 // 2)).astype(np.float32)
     recorder = _TaylorRecorder(monkeypatch, pipe.transformer, 5, 1)
     _with_context(pipe.transformer)
-    try:
-        ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
-                   guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]
-    finally:
-        for _, module in pipe.transformer.named_modules():   # the session's shared pipeline goes back uncached
-            registry = getattr(module, "_diffusers_hook", None)
-            for name in list(registry.hooks) if registry is not None else ():
-                registry.remove_hook(name)
+    ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
+               guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]
     ours = mlxdiff.load(str(folder)).generate("a cat", negative_prompt="blurry", width=W3, height=H3, steps=STEPS,
                                               guidance=4.0, latents=noise, progress_bar=False, cache="taylorseer")
     _check_taylor(ours, ref, recorder, 5)

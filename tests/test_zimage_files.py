@@ -20,12 +20,15 @@ from safetensors.torch import save_file
 
 import mlxdiff
 from gguf_helpers import write_llama_cpp_gguf
+import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import text_llm
 from test_gguf_models import dequantized
+from test_zimage_pipeline import check_parity
 from test_zimage_transformer import to_original
 from twins import QWEN3_TEMPLATE, build_tokenizer, diffusers_to_ldm, save_qwen3
+import fixture_guard
 
 pytest.importorskip("gguf")
 
@@ -39,6 +42,12 @@ TEXT = dict(hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_atten
 # the tiny encoder's row in the known models' table (what Qwen3-4B's is for qwen_3_4b.safetensors)
 TINY_QWEN3 = ("Qwen3-tiny", "qwen3", dict(hidden_size=40, vocab_size=321),
               dict(num_hidden_layers=3, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=128))
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['files', 'noise', 'references'])
 
 
 def one_line(error, *parts):
@@ -139,82 +148,117 @@ def noise():
     return np.random.default_rng(2).standard_normal((1, LATENT, H // 2, W // 2)).astype(np.float32)
 
 
-def reference(pipe, noise, guidance=0.0):
-    """diffusers' image and its latents (the last step's, as output_type="latent" returns them), from one run."""
+def reference(pipe, noise, guidance=0.0, prompt=PROMPT, negative="blurry"):
+    """diffusers' latents (the last step's, as output_type="latent" returns them) and its image, from one run."""
     seen = {}
 
     def keep(_pipe, i, t, kwargs):
         seen["latents"] = kwargs["latents"].numpy().copy()
         return {}
     with torch.no_grad():
-        image = pipe(PROMPT, height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
-                     negative_prompt="blurry" if guidance else None, max_sequence_length=SEQ,
+        image = pipe(prompt, height=H, width=W, num_inference_steps=STEPS, guidance_scale=guidance,
+                     negative_prompt=negative if guidance else None, max_sequence_length=SEQ,
                      latents=torch.from_numpy(noise), output_type="np", callback_on_step_end=keep).images[0]
-    return image, seen["latents"]
+    return seen["latents"], image
 
 
-def compare(loaded, twin, noise, what, guidance=0.0):
+@pytest.fixture(scope="module")
+def references(files, noise):
+    """get(twin, guidance): diffusers' (latents, image), each made once: the components' pipeline ("pipe") without
+    CFG (the prompt moves it) and with CFG 3.5 (the negative prompt and the scale move it), the GGUF's decoded
+    values ("gguf") without CFG."""
+    _, pipe, gguf_pipe, _ = files
+    made = {}
+
+    def get(twin, guidance=0.0):
+        if (twin, guidance) not in made:
+            changes = {} if twin == "gguf" else {"the prompt": dict(prompt="a blue car in the desert")}
+            if guidance:
+                changes = {"the negative prompt": dict(negative="sharp, vivid colours"),
+                           "the CFG scale": dict(guidance=1.5)}
+            made[twin, guidance] = parity.assert_inputs_matter(
+                lambda **kw: reference(pipe if twin == "pipe" else gguf_pipe, noise, **kw), dict(guidance=guidance),
+                changes)
+        return made[twin, guidance]
+    return get
+
+
+def compare(loaded, ref, noise, what, guidance=0.0):
+    """mlxdiff's run of `loaded` against diffusers' (latents, image) `ref`: the Result."""
     assert loaded.family == "zimage" and loaded.pipeline_class == "ZImagePipeline"
     ours = loaded.generate(PROMPT, negative_prompt="blurry" if guidance else None, width=W, height=H, steps=STEPS,
                            guidance=guidance, latents=noise, max_sequence_length=SEQ, progress_bar=False)
-    ref, ref_latents = reference(twin, noise, guidance)
-    err = max_rel_err(np.asarray(ours.latents, np.float32), ref_latents)
-    diff = np.abs(np.asarray(ours.image).astype(np.float32) / 255.0 - (ref * 255).round() / 255.0).max()
-    print(f"Z-Image {what}: latents max_rel_err {err:.2e}, image {diff * 255:.1f}/255")
-    assert err <= 1e-4
-    assert diff <= 2 / 255
+    check_parity(ours, *ref, f"Z-Image {what}")
     assert np.asarray(ours.image).std() > 5      # a real picture, not a flat one
-    return err, ref_latents
+    return ours
 
 
-@pytest.mark.parametrize("layout", ["comfyui_folders", "files_alone"])
-def test_files_match_diffusers(files, noise, layout):
-    paths, pipe, _, _ = files
-    if layout == "comfyui_folders":   # the encoder and VAE found beside the transformer, ComfyUI's way
-        loaded = mlxdiff.load(str(paths["transformer"]), tokenizer=str(paths["tokenizer"]))
-        assert loaded.components["text_encoder"].files == [paths["encoder"]]
-        assert loaded.components["vae"].files == [paths["vae"]]
-    else:                             # given alone: the encoder a llama.cpp Qwen3 GGUF (its metadata says its settings)
-        loaded = mlxdiff.load(transformer=str(paths["transformer"]), text_encoder=str(paths["encoder_gguf"]),
-                              vae=str(paths["vae"]), tokenizer=str(paths["tokenizer"]))
-    assert loaded.components["text_encoder"].args.taps == (TEXT["num_hidden_layers"] - 1,)   # hidden_states[-2]
-    assert loaded.scheduler_config == {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
-    compare(loaded, pipe, noise, layout)
+def same(a, b):
+    """Two mlxdiff Results equal bit for bit."""
+    assert np.array_equal(np.asarray(a.latents), np.asarray(b.latents))
+    assert np.array_equal(np.asarray(a.image), np.asarray(b.image))
 
 
-def test_q8_gguf_transformer_kept_quantized_matches_diffusers(files, noise):
+def test_files_match_diffusers(files, noise, references):
+    """ComfyUI's folders (the encoder and VAE found beside the transformer), and the files given alone with the
+    encoder a llama.cpp Qwen3 GGUF (its metadata says its settings; F32, the same values as the safetensors):
+    the same weights, so mlxdiff's two results are equal bit for bit."""
+    paths = files[0]
+    results = []
+    for layout, loaded in (("comfyui_folders", lambda: mlxdiff.load(str(paths["transformer"]),
+                                                                    tokenizer=str(paths["tokenizer"]))),
+                           ("files_alone", lambda: mlxdiff.load(
+                               transformer=str(paths["transformer"]), text_encoder=str(paths["encoder_gguf"]),
+                               vae=str(paths["vae"]), tokenizer=str(paths["tokenizer"])))):
+        loaded = loaded()
+        if layout == "comfyui_folders":
+            assert loaded.components["text_encoder"].files == [paths["encoder"]]
+            assert loaded.components["vae"].files == [paths["vae"]]
+        assert loaded.components["text_encoder"].args.taps == (TEXT["num_hidden_layers"] - 1,)   # hidden_states[-2]
+        assert loaded.scheduler_config == {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
+        results.append(compare(loaded, references("pipe"), noise, layout))
+    same(*results)
+
+
+def test_q8_gguf_transformer_kept_quantized_matches_diffusers(files, noise, references):
     import mlx.core as mx
     import mlx.nn as nn
     from mlxdiff.formats.gguf import RawLinear
-    paths, pipe, gguf_pipe, quantized = files
+    paths, _, _, quantized = files
     loaded = mlxdiff.load(transformer=str(paths["gguf"]), text_encoder=str(paths["encoder"]), vae=str(paths["vae"]),
                           tokenizer=str(paths["tokenizer"]))
-    err, ref_latents = compare(loaded, gguf_pipe, noise, "Q8_0 GGUF transformer")
+    ref_latents = references("gguf")[0]
+    err = max_rel_err(compare(loaded, references("gguf"), noise, "Q8_0 GGUF transformer").latents, ref_latents)
     # the file's values are what agree: the unquantized pipeline's latents are further off
-    moved = max_rel_err(reference(pipe, noise)[1], ref_latents)
+    moved = max_rel_err(references("pipe")[0], ref_latents)
     assert quantized and moved > 10 * max(err, 1e-6), (moved, err)
     model = loaded.components["transformer"].build(mx.float32)
     kept = sum(isinstance(m, (nn.QuantizedLinear, RawLinear)) for _, m in model.named_modules())
     assert kept >= len(quantized), (kept, len(quantized))   # each fused qkv became three quantized layers
 
 
-def test_qwen3model_folder_matches_diffusers(files, noise):
+def test_qwen3model_folder_matches_diffusers(files, noise, references):
     """Tongyi-MAI's folder layout: model_index.json names the encoder Qwen3Model, its weights have no `model.`."""
     import json
     from mlxdiff.formats import tensor_shapes
-    paths, pipe, _, _ = files
+    paths = files[0]
     folder = paths["folder"]
     assert json.loads((folder / "model_index.json").read_text())["text_encoder"] == ["transformers", "Qwen3Model"]
     names = [n for f in (folder / "text_encoder").glob("*.safetensors") for n in tensor_shapes(f)]
     assert "embed_tokens.weight" in names and not any(n.startswith("model.") for n in names)
-    compare(mlxdiff.load(str(folder)), pipe, noise, "Qwen3Model folder (CFG 3.5)", guidance=3.5)
+    compare(mlxdiff.load(str(folder)), references("pipe", 3.5), noise, "Qwen3Model folder (CFG 3.5)", guidance=3.5)
 
 
-def test_a_folder_takes_a_vae_file(files, noise):
-    paths, pipe, _, _ = files
+def test_a_folder_takes_a_vae_file(files, noise, references):
+    """vae=ae.safetensors (BFL's names) on the folder: the folder's own VAE in other names, so the same result bit for
+    bit."""
+    paths = files[0]
     loaded = mlxdiff.load(str(paths["folder"]), vae=str(paths["vae"]))
     assert loaded.components["vae"].files == [paths["vae"]]
-    compare(loaded, pipe, noise, "folder with vae=ae.safetensors")
+    with_file = compare(loaded, references("pipe"), noise, "folder with vae=ae.safetensors")
+    same(with_file, mlxdiff.load(str(paths["folder"])).generate(
+        PROMPT, width=W, height=H, steps=STEPS, guidance=0.0, latents=noise, max_sequence_length=SEQ,
+        progress_bar=False))
 
 
 def test_a_zimage_file_is_claimed_by_zimage_only(files):

@@ -17,14 +17,23 @@ import pytest
 import torch
 
 import mlxdiff
+import parity
 from helpers import max_rel_err
-from test_zimage_pipeline import LATENT, SEQ, zimage_tiny  # noqa: F401  (the module-scoped tiny folder)
+from test_zimage_pipeline import (LATENT, SEQ, check_parity, reference_run,  # noqa: F401  (the tiny folder)
+                                 zimage_tiny)
 from twins import picture
+import fixture_guard
 
 PROMPT = "a red fox in the snow"
 IMAGE = (50, 35)        # cut to 48 x 32 (multiples of 4: the tiny VAE's 2 x the patches' 2) by both sides
 H, W = 32, 48
 SHAPE = (1, LATENT, H // 2, W // 2)
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['zimage_tiny'])
 
 
 def mask_picture(width, height):
@@ -42,37 +51,38 @@ def draws(seed):
 
 
 def diffusers_run(cls, pipe, seed, **kwargs):
-    final = {}
-
-    def keep_latents(_, i, t, tensors):
-        final["latents"] = tensors["latents"].numpy()
-        return {}
-    with torch.no_grad():
-        image = cls(**pipe.components)(prompt=PROMPT, num_inference_steps=3, max_sequence_length=SEQ,
-                                       generator=torch.Generator().manual_seed(seed), output_type="np",
-                                       callback_on_step_end=keep_latents, **kwargs).images[0]
-    return image, final["latents"]
+    """One run of diffusers' `cls` on the fixture's components, its generator seeded afresh: (image, latents)."""
+    latents, image = reference_run(cls(**pipe.components), generator_seed=seed, **{"prompt": PROMPT, **kwargs})
+    return image, latents
 
 
 def check_against(result, ref_image, ref_latents):
-    latents = np.asarray(result.latents).astype(np.float32)
-    assert latents.shape == ref_latents.shape
-    err = max_rel_err(latents, ref_latents)
-    print(f"latents max_rel_err {err:.2e}")
-    assert err <= 1e-4
-    image = np.asarray(result.image).astype(np.float32) / 255.0
-    assert image.shape == ref_image.shape
-    assert np.abs(image - (ref_image * 255).round() / 255.0).max() <= 2 / 255
+    check_parity(result, ref_latents, ref_image, "Z-Image")
+
+
+def matters(cls, pipe, seed, base, changes):
+    """diffusers' (image, latents) for `base`, after checking that each of `changes` moves them."""
+    latents, image = parity.assert_inputs_matter(
+        lambda **kw: reference_run(cls(**pipe.components), generator_seed=seed, num_inference_steps=3, **kw),
+        dict(prompt=PROMPT, **base), changes)
+    return image, latents
 
 
 @pytest.mark.parametrize("strength,guidance", [(0.6, 3.5), (1.0, 0.0)], ids=["s0.6_cfg", "s1.0"])
 def test_img2img_matches_diffusers(zimage_tiny, strength, guidance):
+    """The prompt moves diffusers' result; below strength 1 (where the image is more than noised away) the init
+    image and the strength too, and the CFG scale where there is CFG."""
     from diffusers import ZImageImg2ImgPipeline
     _, pipe, ours = zimage_tiny
     init = picture(*IMAGE, 3)
     image_noise, noise = draws(7)
-    ref_image, ref_latents = diffusers_run(ZImageImg2ImgPipeline, pipe, 7, image=init, strength=strength,
-                                           guidance_scale=guidance)
+    changes = {"the prompt": dict(prompt="a blue car")}
+    if strength < 1:
+        changes.update({"the init image": dict(image=picture(*IMAGE, 13)), "the strength": dict(strength=0.3)})  # 1 step, not 2
+    if guidance:
+        changes["the CFG scale"] = dict(guidance_scale=1.5)
+    ref_image, ref_latents = matters(ZImageImg2ImgPipeline, pipe, 7, dict(image=init, strength=strength,
+                                                                          guidance_scale=guidance), changes)
     result = ours.generate(PROMPT, image=init, strength=strength, steps=3, guidance=guidance, latents=noise,
                            image_noise=image_noise, max_sequence_length=SEQ, progress_bar=False)
     check_against(result, ref_image, ref_latents)
@@ -82,12 +92,18 @@ def test_img2img_matches_diffusers(zimage_tiny, strength, guidance):
 
 @pytest.mark.parametrize("strength,guidance", [(0.6, 0.0), (1.0, 3.5)], ids=["s0.6", "s1.0_cfg"])
 def test_inpaint_matches_diffusers(zimage_tiny, strength, guidance):
+    """The mask, the init image and the prompt move diffusers' result; with CFG the negative prompt too."""
     from diffusers import ZImageInpaintPipeline
     _, pipe, ours = zimage_tiny
     init, mask = picture(*IMAGE, 4), mask_picture(40, 26)
     image_noise, noise = draws(11)
-    ref_image, ref_latents = diffusers_run(ZImageInpaintPipeline, pipe, 11, image=init, mask_image=mask,
-                                           strength=strength, guidance_scale=guidance)
+    changes = {"the mask": dict(mask_image=mask_picture(26, 40)), "the init image": dict(image=picture(*IMAGE, 14)),
+               "the prompt": dict(prompt="a blue car")}
+    if guidance:
+        changes["the negative prompt"] = dict(negative_prompt="sharp, vivid colours")
+    ref_image, ref_latents = matters(ZImageInpaintPipeline, pipe, 11, dict(image=init, mask_image=mask,
+                                                                           strength=strength,
+                                                                           guidance_scale=guidance), changes)
     result = ours.generate(PROMPT, image=init, mask=mask, strength=strength, steps=3, guidance=guidance,
                            latents=noise, image_noise=image_noise, max_sequence_length=SEQ, progress_bar=False)
     check_against(result, ref_image, ref_latents)
@@ -102,7 +118,7 @@ def test_inpaint_keeps_black_and_defaults_to_strength_one(zimage_tiny):
     init, mask = picture(*IMAGE, 5), mask_picture(40, 26)
     image_noise, noise = draws(3)
     ref_image, ref_latents = diffusers_run(ZImageInpaintPipeline, pipe, 3, image=init, mask_image=mask,
-                                           guidance_scale=0.0)
+                                           guidance_scale=0.0, num_inference_steps=3)
     result = ours.generate(PROMPT, image=init, mask=mask, steps=3, guidance=0.0, latents=noise,
                            image_noise=image_noise, max_sequence_length=SEQ, progress_bar=False)
     check_against(result, ref_image, ref_latents)

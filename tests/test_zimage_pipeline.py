@@ -7,14 +7,22 @@ import pytest
 import torch
 
 import mlxdiff
+import parity
 from helpers import max_rel_err, randomize_
 from twins import QWEN3_TEMPLATE, build_tokenizer, save_qwen3
+import fixture_guard
 
 H, W = 32, 48      # non-square; multiples of 2 (the VAE) x 2 (the patches): latents 16 x 24, 8 x 12 tokens
 LATENT = 4
 SEQ = 48           # prompt tokens: the short prompts leave padding to drop
 TEXT = dict(hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
             head_dim=12, vocab_size=321, rope_theta=1e6)
+
+
+@pytest.fixture(autouse=True)
+def _shared_fixtures_unchanged(request):
+    """The module's shared fixtures are left as built (fixture_guard)."""
+    yield from fixture_guard.unchanged(request, ['zimage_tiny'])
 
 
 @pytest.fixture(scope="module")
@@ -62,23 +70,49 @@ def test_encode_prompt_matches_diffusers(zimage_tiny):
         assert max_rel_err(valid, r.float().numpy()) <= 1e-4
 
 
+def reference_run(pipe, noise=None, generator_seed=None, **kw):
+    """One diffusers run from the noise (or a generator seeded afresh): (its final latents, from the step callback;
+    its image in [0, 1])."""
+    final = {}
+
+    def keep_latents(_, i, t, tensors):
+        final["latents"] = tensors["latents"].numpy().copy()
+        return {}
+    if noise is not None:
+        kw["latents"] = torch.from_numpy(noise)
+    if generator_seed is not None:
+        kw["generator"] = torch.Generator().manual_seed(generator_seed)
+    with torch.no_grad():
+        image = pipe(max_sequence_length=SEQ, output_type="np", callback_on_step_end=keep_latents, **kw).images[0]
+    return final["latents"], image
+
+
+def check_parity(result, ref_latents, ref_image, what):
+    """mlxdiff's latents within LATENT_TOL of diffusers', its image within IMAGE_LEVELS."""
+    latents = np.asarray(result.latents, np.float32)
+    assert latents.shape == ref_latents.shape
+    err = max_rel_err(latents, ref_latents)
+    shift = parity.levels(result.image, ref_image)
+    print(f"{what}: latents max_rel_err {err:.2e}, image {shift}/255")
+    assert err <= parity.LATENT_TOL and shift <= parity.IMAGE_LEVELS
+    return err
+
+
 @pytest.mark.parametrize("guidance,negative", [(0.0, None), (3.5, "blurry, dark")], ids=["no_cfg", "cfg"])
 def test_zimage_pipeline_matches_diffusers(zimage_tiny, guidance, negative):
+    """The prompt moves diffusers' result; with CFG the negative prompt and the scale do too."""
     _, pipe, ours = zimage_tiny
     noise = np.random.default_rng(2).standard_normal((1, LATENT, H // 2, W // 2)).astype(np.float32)
-    kwargs = dict(prompt="a red fox in the snow", negative_prompt=negative, height=H, width=W, num_inference_steps=3,
-                  guidance_scale=guidance, max_sequence_length=SEQ)
-    with torch.no_grad():
-        ref_latents = pipe(**kwargs, latents=torch.from_numpy(noise), output_type="latent").images.numpy()
-        ref = pipe(**kwargs, latents=torch.from_numpy(noise), output_type="np").images[0]
+    base = dict(prompt="a red fox in the snow", negative_prompt=negative, height=H, width=W, num_inference_steps=3,
+                guidance_scale=guidance)
+    changes = {"the prompt": dict(prompt="a blue car in the desert")}
+    if guidance:
+        changes.update({"the negative prompt": dict(negative_prompt="sharp, vivid colours"),
+                        "the CFG scale": dict(guidance_scale=1.5)})
+    ref_latents, ref = parity.assert_inputs_matter(lambda **kw: reference_run(pipe, noise, **kw), base, changes)
     got = ours.generate("a red fox in the snow", negative_prompt=negative, width=W, height=H, steps=3,
                         guidance=guidance, latents=noise, max_sequence_length=SEQ, progress_bar=False)
-    latents = np.array(got.latents).astype(np.float32)
-    assert latents.shape == ref_latents.shape
-    assert max_rel_err(latents, ref_latents) <= 1e-4
-    img = np.asarray(got.image).astype(np.float32) / 255.0
-    assert img.shape == ref.shape
-    assert np.abs(img - (ref * 255).round() / 255.0).max() <= 2 / 255
+    check_parity(got, ref_latents, ref, f"Z-Image guidance {guidance}")
 
 
 def test_defaults_are_diffusers():

@@ -4,7 +4,8 @@
   randomized Mistral3 / Qwen3 models saved with save_pretrained (save_mistral3, save_qwen3);
 - the FLUX.2 VAE twin (make_flux2_twin);
 - diffusers -> original naming of the transformers (flux2_to_bfl, sd3_to_sai) and of the VAE (diffusers_to_ldm);
-- a whole tiny FLUX.2 pipeline (build_pipeline) and the sizes it is run at (H, W, SEQ, TAPS);
+- a whole tiny FLUX.2 pipeline (build_pipeline), the sizes it is run at (H, W, SEQ / text_length, TAPS) and
+  diffusers' run of it with its final latents (flux2_reference);
 - smooth random input pictures for the image-input tests (picture).
 """
 
@@ -56,9 +57,10 @@ def build_tokenizer(folder, specials, template, padding_side, pad, bos=None, eos
     return folder
 
 
-def save_mistral3(folder, text, vision, seed, scale=0.2):
+def save_mistral3(folder, text, vision, seed, scale=0.2, positions=128):
     import transformers
-    config = transformers.Mistral3Config(text_config=dict(model_type="mistral", max_position_embeddings=128, **text),
+    config = transformers.Mistral3Config(text_config=dict(model_type="mistral", max_position_embeddings=positions,
+                                                          **text),
                                          vision_config=dict(model_type="pixtral", **vision),
                                          tie_word_embeddings=False)   # as Mistral-Small: its own lm_head
     model = randomize_(transformers.Mistral3ForConditionalGeneration(config).eval(), seed, scale)
@@ -211,6 +213,15 @@ def sd3_to_sai(sd, num_layers):
 H, W = 24, 40            # latent 12x20 (VAE factor 2) -> 6x10 patches
 TAPS = (1, 3, 4)
 SEQ = 48
+# dev: diffusers' system message alone takes 118 of the stand-in tokenizer's tokens (right-truncated at the text
+# length), so at SEQ every prompt gives the same tokens; DEV_SEQ leaves room for the test prompts after it
+DEV_SEQ = 144
+
+
+def text_length(kind):
+    """The text length a FLUX.2 twin of `kind` is run at: past dev's system message, SEQ for klein (no system
+    message)."""
+    return DEV_SEQ if kind == "dev" else SEQ
 
 
 def _transformer(joint, guidance, seed):
@@ -244,7 +255,7 @@ def build_pipeline(kind, root):
                     num_key_value_heads=2, head_dim=20, vocab_size=333, rope_theta=1e6, sliding_window=None)
         vision = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
                       image_size=28, patch_size=14)
-        encoder = save_mistral3(root / "te_src", text, vision, seed=3)
+        encoder = save_mistral3(root / "te_src", text, vision, seed=3, positions=2 * DEV_SEQ)
         tok_dir = build_tokenizer(root / "tok_src", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
                                                      "[/SYSTEM_PROMPT]", "<pad>", "[IMG]"], MISTRAL_TEMPLATE, "left",
                                   "<pad>", "<s>", "</s>", add_bos=True)
@@ -264,6 +275,20 @@ def build_pipeline(kind, root):
     folder = root / "pipeline"
     pipe.save_pretrained(str(folder))
     return kind, folder, cls.from_pretrained(str(folder))
+
+
+def flux2_reference(pipe, noise, **kwargs):
+    """diffusers' run of a FLUX.2 pipeline from the injected noise (B, C, h, w): (its final latents in that layout,
+    before the VAE's de-normalisation, as mlxdiff's Result.latents; its float image)."""
+    import torch
+    final = {}
+
+    def keep_latents(_, i, t, tensors):   # the last packed latents [B, h*w, C] (the noise tokens only)
+        final["latents"] = tensors["latents"].permute(0, 2, 1).reshape(noise.shape).numpy()
+        return {}
+    image = pipe(latents=torch.from_numpy(noise), output_type="np", callback_on_step_end=keep_latents,
+                 **kwargs).images[0]
+    return final["latents"], image
 
 
 # -- input images --------------------------------------------------------------------------------------------------

@@ -1,0 +1,53 @@
+"""One rule for every pipeline parity test (issue 47): compare the final latents (float32, max relative error
+<= LATENT_TOL) beside the image (<= IMAGE_LEVELS 8-bit levels), and prove that each input the test claims to cover
+reaches the reference: changing that input alone moves diffusers' own output by more than those tolerances, or the
+test is broken (a twin too weak to see the input would let a swapped CFG or a dropped prompt pass)."""
+
+import numpy as np
+
+LATENT_TOL = 1e-4          # float32 parity of latents (the guide's bar)
+IMAGE_LEVELS = 2           # images from the same injected noise
+
+
+def rel_diff(a, b) -> float:
+    """max |a - b| / max |b|, as helpers.max_rel_err, without its finiteness assertion on `a` (both are references)."""
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+
+
+def levels(ours_image, ref) -> int:
+    """The largest difference in 8-bit levels between a PIL image (or uint8 array) and a reference: a float image
+    in [0, 1] (rounded as diffusers' PIL output is) or another 8-bit image."""
+    ours = np.asarray(ours_image).astype(np.int32)
+    ref = np.asarray(ref)
+    ref = np.round(ref * 255).astype(np.int32) if ref.dtype.kind == "f" else ref.astype(np.int32)
+    assert ours.shape == ref.shape, f"shape {ours.shape} != {ref.shape}"
+    return int(np.abs(ours - ref).max())
+
+
+def assert_moves(name, base_latents, moved_latents, base_image=None, moved_image=None,
+                 latent_tol=LATENT_TOL, image_levels=IMAGE_LEVELS):
+    """The reference run with input `name` changed moved its latents by more than latent_tol (relative) and, where
+    images are given, its image by more than image_levels: else the parity test cannot see that input."""
+    moved = rel_diff(moved_latents, base_latents)
+    assert moved > latent_tol, (f"the reference's latents moved by {moved:.2e} when {name} changed: not more than "
+                                f"the {latent_tol:g} tolerance, so the test cannot see {name}")
+    if base_image is not None:
+        shift = levels(moved_image, base_image)
+        assert shift > image_levels, (f"the reference's image moved by {shift} levels when {name} changed: not "
+                                      f"more than the {image_levels}-level tolerance, so the test cannot see {name}")
+    return moved
+
+
+def assert_inputs_matter(run_reference, base: dict, changes: dict, images=True, **tols):
+    """run_reference(**kwargs) -> (latents, image or None). For each {name: {kwarg: value, ...}} in `changes`, run
+    the reference with `base` updated by those kwargs and check it moved (assert_moves). Returns the base run's
+    (latents, image), so the caller compares mlxdiff with it without running diffusers again."""
+    base_latents, base_image = run_reference(**base)
+    for name, update in changes.items():
+        latents, image = run_reference(**{**base, **update})
+        assert_moves(name, base_latents, latents, base_image if images else None, image if images else None,
+                     **tols)
+    return base_latents, base_image
