@@ -6,7 +6,7 @@ files, float32, tiny configs:
   (`lora_unet_<original name with underscores>.lora_down/lora_up/.alpha`, fused qkv as one layer) and BFL-named
   FLUX.2 (`diffusion_model.double_blocks.N.img_attn.qkv.lora_A.weight`, ...);
 - transformer outputs within 1e-4 and whole pipelines' images within 2/255 of diffusers with the same LoRA; two
-  LoRAs at once with their own scales; a GGUF Q4_K_M base against diffusers' GGUF transformer within 3/255, whose
+  LoRAs at once with their own scales; a GGUF Q4_K_M base against diffusers' GGUF transformer within 2/255, whose
   resident memory grows by the LoRA's own bytes only;
 - bad input in one line: unknown layer, wrong shape, another architecture's LoRA, text-encoder LoRAs, a missing
   file, a bad --lora FILE:SCALE (exit 2).
@@ -522,7 +522,8 @@ def gguf_klein(klein, tmp_path_factory):
 
 def test_gguf_base_with_lora_matches_diffusers_gguf(gguf_klein):
     """A BFL-named LoRA on a Q4_K_M GGUF transformer (kept as the file's blocks, float32 compute) against diffusers'
-    GGUF transformer (GGUFQuantizationConfig) with the same LoRA through load_lora_weights: images within 3/255."""
+    GGUF transformer (GGUFQuantizationConfig) with the same LoRA through load_lora_weights: images within 2/255 (the
+    file's blocks decode to the same float32 weights on both sides; 1/255 measured)."""
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel, GGUFQuantizationConfig
     folder, path, bfl = gguf_klein
     gguf_model = Flux2Transformer2DModel.from_single_file(
@@ -537,7 +538,7 @@ def test_gguf_base_with_lora_matches_diffusers_gguf(gguf_klein):
     ours = mlxdiff.load(str(folder), transformer=str(path), loras=[(bfl, 1.0)], keep="all")
     image = image_of(ours.generate("a red fox in the snow", **klein_run(noise)))
     print(f"GGUF + LoRA: max |diff| {np.abs(image - ref).max() * 255:.1f}/255")
-    assert np.abs(image - ref).max() <= 3 / 255
+    assert np.abs(image - ref).max() <= 2 / 255
     plain = image_of(ours.unload_loras().generate("a red fox in the snow", **klein_run(noise)))
     assert np.abs(image - plain).max() > 10 / 255
     ours.release()

@@ -2,7 +2,8 @@
 mlxdiff as a pipeline's --lora reads it, in a forked child under a memory cap and an alarm, and each refused in one
 MlxdiffError line naming the file, or loaded with the weight change diffusers' own loading gives the same file
 (Flux2KleinPipeline.load_lora_weights on the diffusers twin of the default model's transformer); never a load of a
-file diffusers refuses, of non-finite values, or with other numbers. The 10,000-mutant run is the bench's."""
+file diffusers refuses, of non-finite values, or with other numbers (and none hangs or is pathologically slow:
+test_reader_fuzz.fuzzed's load-proof time guards). The 10,000-mutant run is the bench's."""
 
 from test_reader_fuzz import fuzzed
 
@@ -16,4 +17,3 @@ def test_lora_mutants_are_refused_or_read_as_diffusers(tmp_path):
     assert counts.get("refused (reference refuses too)", 0) > N // 4, counts
     assert counts.get("refused (reference accepts)", 0) > N // 10, counts
     assert counts.get("loaded = reference", 0) > N // 20, counts
-    assert result["slowest_s"] < 3.0, result
