@@ -10,15 +10,6 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mlxdiff"
 
-# Files whose in-function imports still lack their reason: being edited by another engineer while the rest of
-# mlxdiff/ was brought to the rule. strict xfail: a file that gets its reasons fails here until it leaves the list.
-PENDING = {
-    "formats/coreml.py", "formats/coreml_weights.py", "formats/fp8.py", "formats/gguf_header.py",
-    "formats/gguf_layers.py", "formats/keymaps.py", "formats/palettized.py", "formats/table.py",
-    "loading/build.py", "loading/component.py", "loading/quantize.py", "loading/sources.py", "loading/spec.py",
-    "loading/streaming.py", "pipelines/base.py", "pipelines/flux2/folder.py", "pipelines/qwenimage/files.py",
-}
-
 
 def in_function_imports(path: Path) -> list:
     """(line number, source lines) of each Import / ImportFrom inside a function of the file."""
@@ -49,19 +40,9 @@ def test_the_walk_finds_in_function_imports():
     assert all(source[0].startswith((" ", "\t")) for _, source in in_function_imports(sample))
 
 
-@pytest.mark.parametrize("name", [f for f in FILES if f not in PENDING])
+@pytest.mark.parametrize("name", FILES)
 def test_in_function_imports_say_why(name):
     assert unexplained(PACKAGE / name) == []
-
-
-@pytest.mark.parametrize("name", sorted(PENDING))
-@pytest.mark.xfail(strict=True, reason="in-function imports without their reason yet (issue 38 item 5)")
-def test_pending_files_say_why(name):
-    assert unexplained(PACKAGE / name) == []
-
-
-def test_pending_files_exist():
-    assert PENDING <= set(FILES)
 
 
 def test_cli_front_door_imports_no_heavy_dependency():

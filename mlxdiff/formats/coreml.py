@@ -17,9 +17,13 @@ import math
 import re
 from pathlib import Path
 
+from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
 from ..errors import MlxdiffError
 from .coreml_mil import _guard, unpack_bits  # noqa: F401
 from .coreml_weights import LutWeight, _Program, decode_all, read  # noqa: F401
+from .palettized import row_bytes
 
 # -- names: a model traced from diffusers' modules ------------------------------------------------------------------
 
@@ -179,7 +183,6 @@ def open_diffusers(path, targets: dict, linear=frozenset(), convs=frozenset(), p
     Linear layer's weight) or `convs` (a Conv2d's) stays palettized where its tables fit formats/palettized's form
     (LutWeight.palettized); every other weight (norms, biases, tables that do not fit) is decoded exactly, in the
     package's dtype (float16 as ct.convert stores it)."""
-    import mlx.core as mx
     found = read_diffusers(path, targets, prefix)
     out = {}
     for name, value in found.items():
@@ -210,7 +213,6 @@ def nbytes(path) -> dict:
 def loaded_nbytes(path, targets: dict, linear=frozenset(), convs=frozenset(), prefix=None) -> int:
     """Bytes open_diffusers' weights take (nothing decoded): a palettized Linear or Conv2d weight whose tables fit
     formats/palettized's form its rows of packed indices and its tables, any other weight decoded in its dtype."""
-    from .palettized import row_bytes
     total = 0
     for name, v in read_diffusers(path, targets, prefix).items():
         if not isinstance(v, LutWeight):

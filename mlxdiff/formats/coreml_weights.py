@@ -26,6 +26,7 @@ from ..errors import MlxdiffError
 from .coreml_mil import (DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, PROGRAM, SIGNED_SUB_BYTE, _Bad, _Blobs,
                          _fields, _guard, _map, _model_file, _one, _operations, _text, _Value, _varint,
                          unpack_bits)
+from .palettized import palettized
 
 
 # -- weights -------------------------------------------------------------------------------------------------------
@@ -73,7 +74,6 @@ class LutWeight:
         fit = self.row_tables()
         if fit is None:
             return None
-        from .palettized import palettized
         indices, lut = fit
         if conv_nhwc and indices.ndim == 4:
             indices = indices.transpose(0, 2, 3, 1)

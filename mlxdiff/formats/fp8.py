@@ -27,6 +27,7 @@ import numpy as np
 from .. import backend
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from ..errors import MlxdiffError
 from . import safetensors as st
@@ -265,7 +266,6 @@ def use_fp8_layers(model, layers: dict, weights: dict, compute_dtype=None) -> No
     """Before loading: the Linear layers named in `layers` with {"fp8": ...} become Fp8Linear and the Embedding
     layers Fp8Embedding; a float8 weight of any other module is decoded in `weights` to the compute dtype instead
     (in place)."""
-    from mlx.utils import tree_map_with_path
     fp8 = {path for path, setting in layers.items() if "fp8" in setting}
     if not fp8:
         return

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from ..errors import MlxdiffError
 
@@ -42,7 +43,6 @@ NUMPY_TYPES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<
 
 def _ggml_types():
     """{type id: (name, block weights, block bytes)} for every type gguf-py knows the size of."""
-    from gguf import GGML_QUANT_SIZES
     return {int(t): (t.name, block, nbytes) for t, (block, nbytes) in GGML_QUANT_SIZES.items()}
 
 

@@ -4,6 +4,7 @@ RawLinear (a chunk of rows at a time before its matmul) and RawEmbedding (only t
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from .gguf_blocks import decode_rows
 from .gguf_header import BLOCKS
@@ -66,5 +67,4 @@ def use_raw_layers(model, layers: dict, compute_dtype=None) -> None:
         out_dims, in_dims = module.weight.shape
         return RawLinear(in_dims, out_dims, setting["raw"], "bias" in module, compute_dtype)
 
-    from mlx.utils import tree_map_with_path
     model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))

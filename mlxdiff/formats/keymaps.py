@@ -10,6 +10,7 @@ A key no rule matches passes through unchanged, so that strict loading can name 
 
 import re
 
+from ..errors import MlxdiffError
 from .quantized import concat_rows, split_rows
 
 
@@ -71,7 +72,6 @@ def required_shape(weights: dict, key: str, what: str, ndim: int | None = None) 
     """The shape of `weights[key]` for reading a config off an original checkpoint: present (else the file is
     incomplete), with `ndim` dimensions when given and no empty one, so that no config is read off an impossible
     tensor (a 1-D embedder, a zero-length norm)."""
-    from ..errors import MlxdiffError
     if key not in weights:
         raise MlxdiffError(f"not a complete {what} original checkpoint: {key!r} is missing; re-download the file")
     shape = tuple(weights[key].shape)

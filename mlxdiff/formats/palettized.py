@@ -31,12 +31,14 @@ the weight's dtype and every value assigned to its exactly nearest rounded one. 
 float32 copies (a few) in flight.
 """
 
+import copy
 import math
 
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map_with_path
 
 from ..errors import MlxdiffError
 from .quantized import UNITS, DecodingLinear, PalettizedWeight, decode, unpack  # noqa: F401 (decode, unpack: here too)
@@ -244,7 +246,6 @@ class PalettizedLinear(DecodingLinear):
 
     def rows(self, start, stop):
         """This layer restricted to output rows start:stop (linear_rows): the arrays of the rows, the whole tables."""
-        import copy
         view = copy.copy(self)
         for name in ("weight", "scale", "bias"):
             if name in self:
@@ -257,7 +258,6 @@ def use_palettized_layers(model, layers: dict, compute_dtype=None) -> None:
     """Before loading: the Linear layers named in `layers` with {"palettize": nbits, "groups": tables, "scale":
     bool} (flatten_quantized's, or palettized_layers') become PalettizedLinear of those shapes, for load_weights
     to fill."""
-    from mlx.utils import tree_map_with_path
 
     def swap(path, module):
         setting = layers.get(path)

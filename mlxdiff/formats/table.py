@@ -8,8 +8,7 @@ package asks of a file's format instead of testing its type: whether a Core ML p
 (`converts`), whether its quantized tensors load as stored (`kept_quantized`), whether a text encoder of it shards,
 its metadata, how its streamed blocks reuse its parsed headers. Adding a format: its reader file and one row here.
 
-A row's readers never see a format's own code at import: gguf and coreml are imported when a row calls them (gguf-py
-is imported with the GGUF reader).
+formats.gguf is imported only when a GGUF row calls it: it imports gguf-py, heavy at import.
 """
 
 from contextlib import ExitStack, contextmanager
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import MlxdiffError
-from . import fp8, safetensors
+from . import coreml, fp8, safetensors
 
 
 @dataclass(frozen=True)
@@ -123,24 +122,24 @@ SAFETENSORS = WeightFormat("safetensors", **SAFETENSORS_FILE, open=_st_open, loa
 # -- GGUF (gguf.py) ------------------------------------------------------------------------------------------------
 
 def _gguf_tensors(path):
-    from .gguf import check_gguf
+    from .gguf import check_gguf  # heavy: formats.gguf imports the gguf package (~0.7 s)
     return check_gguf(path).tensors
 
 
 def _gguf_reader(name):
     def read(path, header, request):
-        from . import gguf
+        from . import gguf  # heavy: formats.gguf imports the gguf package (~0.7 s)
         return getattr(gguf, name)(path, request.compute_dtype, request.gguf_layout, names=request.names)
     return read
 
 
 def _gguf_metadata(path) -> dict:
-    from .gguf import check_gguf
+    from .gguf import check_gguf  # heavy: formats.gguf imports the gguf package (~0.7 s)
     return check_gguf(path).metadata
 
 
 def _gguf_reuse_headers(cache):
-    from .gguf import reuse_headers
+    from .gguf import reuse_headers  # heavy: formats.gguf imports the gguf package (~0.7 s)
     return reuse_headers(cache)
 
 
@@ -158,12 +157,10 @@ GGUF = WeightFormat(
 # -- Core ML packages (coreml.py) ----------------------------------------------------------------------------------
 
 def _coreml_open(path, header, request):
-    from . import coreml
     return coreml.open_diffusers(path, request.wanted_targets(path), request.linear, request.convs)
 
 
 def _coreml_loaded_nbytes(path, header, request):
-    from . import coreml
     return coreml.loaded_nbytes(path, request.wanted_targets(path), request.linear, request.convs)
 
 
@@ -179,8 +176,7 @@ def _coreml_ranges(path):
 
 def _coreml(name):
     def read(path):
-        from . import coreml
-        return getattr(coreml, name)(path)
+            return getattr(coreml, name)(path)
     return read
 
 

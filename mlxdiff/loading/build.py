@@ -2,9 +2,19 @@
 
 import math
 
-from mlx.utils import tree_flatten
+from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
 
 from ..errors import MlxdiffError
+from ..formats import format_of
+from ..formats.fp8 import Fp8Embedding, Fp8Linear, saved_fp8, use_fp8_layers
+from ..formats.palettized import use_palettized_layers
+from ..formats.quantized import flatten_quantized, quantized_predicate
+from ..formats.safetensors import (CHECK_WHOLE_ELEMENTS, check_safetensors, finite_flags, first_false,
+                                   load_safetensors)
+from .quantize import prepare_quantized, quantize_model, quantized_paths, use_palettized_convs
 
 
 def _listing(names, limit=6):
@@ -39,7 +49,6 @@ def in_model_names(model, weights: dict, native=False) -> dict:
     streamed block's weights go through at every use (loading/streaming.py)."""
     if not native:
         return model.sanitize(weights)
-    from ..formats.fp8 import saved_fp8
     return saved_fp8(weights)
 
 
@@ -53,9 +62,6 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     except the small ones check_finite reads (`check` False: not even those; loading/streaming.py, whose
     stand-ins must stay unread, checks what it reads itself).
     """
-    import mlx.core as mx
-    from ..formats.quantized import flatten_quantized, quantized_predicate
-    from .quantize import prepare_quantized, quantize_model, quantized_paths, use_palettized_convs
     model = arch.Model(arch.ModelArgs.from_dict(config))
     model.compute_dtype = compute_dtype or mx.float32
     given = {id(v): k for k, v in weights.items()}   # a refusal names a tensor as given, where sanitize only renamed it
@@ -65,10 +71,8 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
         prepare_quantized(model, weights, config["quantization"], rename)
     weights, gguf_layers = flatten_quantized(weights)
     if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear (per their own
-        import mlx.nn as nn  # bits) or RawLinear (the file's blocks); float8 ones Fp8Linear (formats/fp8.py)
-        from ..formats.fp8 import use_fp8_layers
-        from ..formats.gguf import use_raw_layers
-        from ..formats.palettized import use_palettized_layers
+        # bits) or RawLinear (the file's blocks); float8 ones Fp8Linear (formats/fp8.py)
+        from ..formats.gguf import use_raw_layers  # heavy: formats.gguf imports the gguf package (~0.7 s)
         nn.quantize(model, class_predicate=quantized_predicate(gguf_layers))
         use_raw_layers(model, gguf_layers, model.compute_dtype)
         use_palettized_layers(model, gguf_layers, model.compute_dtype)
@@ -91,8 +95,6 @@ def keep_activations_in(model, compute_dtype) -> dict:
     (float32 norm scales, which GGUF and ComfyUI files keep, under bfloat16 compute; bfloat16 under float16) is cast
     to the compute dtype, lazily. Weights that the compute dtype absorbs (bfloat16 under float32) stay as stored.
     Returns {parameter path: the array as stored} of those cast."""
-    import mlx.core as mx
-    from mlx.utils import tree_map_with_path
     stored = {}
 
     def cast(path, w):
@@ -119,10 +121,6 @@ def check_finite(model, source, stored=None, skip=(), given=None, compute_dtype=
     `stored`: keep_activations_in's {path: array as stored}, to tell a value the file holds from a cast's overflow;
     `skip`: parameter paths left unread (the weights quantize-while-loading streams); `given`: {id(array): the name
     it was given to build under}, so that the line names a tensor as the file does where sanitize only renamed it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from ..formats.fp8 import Fp8Embedding, Fp8Linear
-    from ..formats.safetensors import CHECK_WHOLE_ELEMENTS, finite_flags, first_false
 
     params = [(k, v) for k, v in tree_flatten(model.parameters()) if k not in skip]
     flags = list(finite_flags(params))
@@ -149,9 +147,6 @@ def check_stored_values(files, prefix="") -> None:
     float8 ones decoded, hold a NaN or an infinity: one line naming the file and the tensor as stored. Only tensors
     under `prefix` (a single file's component). A few MB of a real model are read; check_finite does the same at
     build time for every format, after the casts."""
-    from ..formats import format_of
-    from ..formats.safetensors import CHECK_WHOLE_ELEMENTS, check_safetensors, finite_flags, first_false, \
-        load_safetensors
     for path in files:
         if format_of(path, header=False).converts:   # checked as read (GGUF) or once built (a Core ML package)
             continue

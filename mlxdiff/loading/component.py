@@ -13,6 +13,7 @@ from ..memory import check_fits, fmt_gb, release_host_memory
 from ..policy import RunPolicy
 from .matmul import use_strategy
 from .quantize import materialize
+from .streaming import load_streamed
 
 
 @dataclass
@@ -36,7 +37,6 @@ def load_component(spec, compute_dtype, policy: RunPolicy) -> Loaded:
     start, before = time.perf_counter(), mx.get_active_memory()
     strategy = fitted.matmul or policy.matmul or backend.default_matmul_strategy()
     if fitted.stream_budget:
-        from .streaming import load_streamed
         model, plan = load_streamed(fitted, compute_dtype, fitted.stream_budget, strategy)
         notes.append(plan.note(spec.name))
     else:

@@ -33,6 +33,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from ..arguments import DEFAULT_GROUP_SIZE, quantize_setting
 from ..errors import MlxdiffError
+from ..formats.palettized import (PalettizedLinear, decode, palettize, palettized_layers, row_bytes,
+                                 use_palettized_layers)
 from ..models.vae import Conv2d
 
 MIN_CONV_CHANNELS = 16   # a convolution with fewer input or output channels stays in full precision (above)
@@ -147,7 +149,6 @@ class PalettizedConv2d(_DecodingConv2d):
 
     def __init__(self, conv, weight=None, nbits=None, groups=1, scale=False, kernel_shape=None):
         super().__init__(conv, kernel_shape)
-        from ..formats.palettized import row_bytes
         if weight is not None:      # a PalettizedWeight of the flattened kernel
             self.weight, self.lut = weight.packed, weight.lut
             if weight.scale is not None:
@@ -167,7 +168,6 @@ class PalettizedConv2d(_DecodingConv2d):
         return self["lut"].shape[1].bit_length() - 1
 
     def decode_rows(self, weight):
-        from ..formats.palettized import decode
         return decode(weight, self["lut"], self.get("scale"), self.in_cols, self.kernel_shape[0] // self["lut"].shape[0])
 
     def _extra_repr(self):
@@ -195,7 +195,6 @@ def quantize_model(model, bits: int, group_size: int | None = DEFAULT_GROUP_SIZE
     in one line naming the layer."""
     checked = quantize_setting({"bits": bits, "group_size": group_size} | ({"mode": mode} if mode != "affine" else {}))
     if checked.mode == "palettize":
-        from ..formats.palettized import PalettizedLinear, palettize
         dtype = getattr(model, "compute_dtype", None)
 
         def swap(path, m):
@@ -225,12 +224,11 @@ def prepare_quantized(model, weights: dict, quantization: dict, rename=None) -> 
     entries are keyed by the file's module paths). A palettized checkpoint (quantization {"mode": "palettize"}):
     the layers with `<layer>.lut` in the file become PalettizedLinear of the tables' shapes."""
     if quantization.get("mode") == "palettize":
-        from ..formats.palettized import palettized_layers, use_palettized_layers
         layers = palettized_layers(weights)
         use_palettized_layers(model, layers, getattr(model, "compute_dtype", None))
         use_palettized_convs(model, layers)
         return
-    from mlx_lm.utils import infer_quant_config
+    from mlx_lm.utils import infer_quant_config  # heavy: mlx_lm.utils imports transformers and torch
     overrides = {}
     for path, value in quantization.items():
         if isinstance(value, (dict, bool)):

@@ -13,13 +13,17 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError
+
 from ..config_checks import (MAX_IMAGE_SIZE, MAX_POSITIONS, CheckedArgs, Limit, Rule, between, json_type, one_of,
                              positive, show)
 from ..errors import MlxdiffError
+from ..files import read_capped
 from ..formats import check_weight_file, format_of, open_weights, safetensors as st, tensor_shapes
 from ..formats.keymaps import strip_prefix
 from ..models import text_llm
-from .spec import ARCHITECTURES, ComponentSpec   # also reached as sources.ComponentSpec
+from .spec import ARCHITECTURES, ComponentSpec, coreml_component   # also reached as sources.ComponentSpec
 
 MAX_CONFIG_BYTES = 16 << 20   # config.json, model_index.json, scheduler_config.json: real ones are a few KB
 
@@ -54,7 +58,6 @@ def transformer_from_file(path, arch, base_config=None, base_where=None) -> Comp
     (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
     folder's transformer config (`base_where` names it); diffusers-named files need that folder config."""
     if format_of(path, header=False).targets:   # a Core ML package (formats/coreml.py): an SD UNet from coremltools
-        from .spec import coreml_component
         return coreml_component(check_weight_file(path, "transformer file"), arch, base_config, base_where)
     path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
     shapes = tensor_shapes(path)
@@ -123,7 +126,6 @@ def not_a_folder(path, what) -> Path:
 def read_json(path, what, root=None) -> dict:
     """A JSON object from `path` (inside the model folder `root`, when given): a regular file (a FIFO or a device is
     refused before it is opened: files.read_capped) of at most MAX_CONFIG_BYTES."""
-    from ..files import read_capped
     if root is not None:
         inside(root, path, what)
     try:
@@ -211,8 +213,6 @@ def tokenizer_folder(root, name) -> Path:
 
 
 def find_in_hf_cache(repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
     except (LocalEntryNotFoundError, OSError, ValueError):

