@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Issue 40's transformer steps at 1024x1024, bf16, random weights at the real configs (bench/forward_gpu.py):
-# Z-Image-Turbo (one forward a step, guidance 0, 128 caption tokens) and Qwen-Image (true CFG: the prompt's forward
-# at 128 tokens + the negative's at 8, one timed call = one step), mlxdiff beside diffusers in one job, the sides
-# alternating (A B A B; REPEAT pairs, default 2) per model (MODELS, default "zimage-turbo qwen-image"). The ruler of
-# bench/flux1_dev_gpu.sh for both: nvidia-smi's memory.used every 0.1 s from outside, less the idle reading before
-# each process, its peak while the timed forwards run. Nothing is written to disk (the weights are built in memory).
+# Transformer steps beside diffusers at 1024x1024, bf16, random weights at the real configs (bench/forward_gpu.py),
+# for each --model in MODELS (default "zimage-turbo qwen-image"; bench/flux1_dev_gpu.sh runs flux1-dev through it):
+# Z-Image-Turbo (one forward a step, guidance 0, 128 caption tokens), Qwen-Image (true CFG: the prompt's forward at
+# 128 tokens + the negative's at 8, one timed call = one step), FLUX.1-dev (4096 image + 512 text tokens). mlxdiff
+# beside diffusers in one job, the sides alternating (A B A B; REPEAT pairs, default 2) per model. One ruler for
+# both: nvidia-smi's memory.used every 0.1 s from outside, less the idle reading before each process, its peak while
+# that side's timed forwards run (forward_gpu.py --phase-file). Nothing is written to disk (weights built in memory).
 # Run on the GPU machine after the device recipe's activate step; logs in $LOGS:
 #     LOGS=$OUT/fwd bash bench/qwen_zimage_gpu.sh                    # both models, ~6 min on one H100 (estimate)
 #     MODELS=qwen-image REPEAT=1 LOGS=$OUT/fwd bash bench/qwen_zimage_gpu.sh

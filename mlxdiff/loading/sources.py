@@ -33,6 +33,17 @@ def lazy_under(path, prefix) -> dict:
     return strip_prefix(open_weights(path), prefix)
 
 
+# where ComfyUI keeps a model's other files, relative to its transformer file (models/diffusion_models/)
+COMFYUI_FOLDERS = {"encoders": ("", "text_encoders", "../text_encoders", "../clip"), "vae": ("", "vae", "../vae")}
+
+
+def files_beside(transformer, where: str, patterns) -> list:
+    """The files matching `patterns` beside a transformer file and in ComfyUI's folders for `where` ("encoders" or
+    "vae"), in that order."""
+    folders = [(Path(transformer).parent / d).resolve() for d in COMFYUI_FOLDERS[where]]
+    return [f for d in folders if d.is_dir() for p in patterns for f in sorted(d.glob(p))]
+
+
 def config_from_shapes(arch, infer, weights, path) -> dict:
     """A config read off a file's tensor shapes (`infer(weights)`), then checked like a config.json (the file named
     either way)."""

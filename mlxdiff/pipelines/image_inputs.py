@@ -192,3 +192,15 @@ def inpaint_blend(run, i, latents):
 def inpaint_note(run, note) -> str:
     """images_note's line with a mask."""
     return note if "mask" not in run.state else f"inpainting where {run.state['mask_name']} is white; {note}"
+
+
+class LatentInpainting:
+    """The step and note hooks of a family that inpaints by blending latents (ZImageInpaintPipeline,
+    QwenImageInpaintPipeline): after each step the kept area is the init latents at the next sigma (0: clean).
+    Mixed in before Pipeline; the family's encode_images puts the mask's state on the run (inpaint_blend)."""
+
+    def step(self, run, i, x, prediction):
+        return inpaint_blend(run, i, super().step(run, i, x, prediction))
+
+    def images_note(self, run, seconds):
+        return inpaint_note(run, super().images_note(run, seconds))

@@ -10,11 +10,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ...errors import MlxdiffError
-from ...loading.sources import transformer_from_file
+from ...loading.sources import files_beside, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import chroma
 from ...tokenizers import bundled_t5_tokenizer
-from ..flux1.files import SCHEDULERS, VAE_DEFAULTS, VAE_PATTERNS, _near
+from ..flux1.files import SCHEDULERS, VAE_DEFAULTS, VAE_PATTERNS
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ..sd3.single_file import TEXT_ENCODER_FILES, text_encoder_file
 from .folder import check_components
@@ -32,7 +32,7 @@ def chroma_files(transformer, text_encoders=None, vae_file=None) -> PipelineSour
         t5_file = Path(given["t5xxl"])
     else:
         pattern = TEXT_ENCODER_FILES["t5xxl"][2]
-        found = _near(transformer, "encoders", (pattern, pattern.replace(".safetensors", ".gguf")))
+        found = files_beside(transformer, "encoders", (pattern, pattern.replace(".safetensors", ".gguf")))
         if not found:
             raise MlxdiffError(f"{transformer}: no t5xxl text encoder found (looked beside it and in text_encoders/, "
                                "../text_encoders/, ../clip/); pass it with text_encoders={'t5xxl': FILE} "
@@ -40,7 +40,7 @@ def chroma_files(transformer, text_encoders=None, vae_file=None) -> PipelineSour
         t5_file = found[0]
     specs["text_encoder"] = replace(text_encoder_file("t5xxl", t5_file), name="text_encoder")
     if vae_file is None:
-        found = _near(transformer, "vae", VAE_PATTERNS)
+        found = files_beside(transformer, "vae", VAE_PATTERNS)
         if not found:
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in vae/, "
                                "../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")

@@ -13,7 +13,7 @@ from pathlib import Path
 from ...errors import MlxdiffError
 from ...formats import tensor_shapes
 from ...formats.keymaps import remap
-from ...loading.sources import config_from_shapes, lazy_under, transformer_from_file
+from ...loading.sources import config_from_shapes, files_beside, lazy_under, transformer_from_file
 from ...loading.spec import ComponentSpec, PipelineSources
 from ...models import flux1, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
@@ -30,13 +30,7 @@ SCHEDULERS = {   # black-forest-labs/FLUX.1-dev and FLUX.1-schnell scheduler/sch
     False: {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
 }
 ENCODER_FILES = {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}   # FLUX.1's names for SD3.5's two files
-SEARCH = {"encoders": ("", "text_encoders", "../text_encoders", "../clip"), "vae": ("", "vae", "../vae")}
 VAE_PATTERNS = ("ae.safetensors", "flux1*vae*.safetensors", "flux_ae*.safetensors")
-
-
-def _near(transformer: Path, where: str, patterns) -> list:
-    folders = [(transformer.parent / d).resolve() for d in SEARCH[where]]
-    return [f for d in folders if d.is_dir() for p in patterns for f in sorted(d.glob(p))]
 
 
 def _without_projection(weights):
@@ -69,7 +63,7 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
         elif any(n.startswith(prefix) for n in names):
             file, pre = Path(bundle), prefix
         else:
-            found = _near(transformer, "encoders", (pattern, pattern.replace(".safetensors", ".gguf")))
+            found = files_beside(transformer, "encoders", (pattern, pattern.replace(".safetensors", ".gguf")))
             if not found:
                 raise MlxdiffError(f"{transformer}: no {short} text encoder found (looked beside it and in "
                                    f"text_encoders/, ../text_encoders/, ../clip/); pass it with "
@@ -85,7 +79,7 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
         config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, VAE_DEFAULTS), weights, bundle)
         specs["vae"] = ComponentSpec("vae", vae, config, [Path(bundle)], VAE_PREFIX, lambda w: remap(w, rules))
     else:
-        found = _near(transformer, "vae", VAE_PATTERNS)
+        found = files_beside(transformer, "vae", VAE_PATTERNS)
         if not found:
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in "
                                "vae/, ../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")

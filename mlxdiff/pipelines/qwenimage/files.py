@@ -13,12 +13,11 @@ from ... import tokenizers
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
 from ...formats.keymaps import remap
-from ...loading.sources import ComponentSpec, not_a_folder, transformer_from_file
+from ...loading.sources import ComponentSpec, files_beside, not_a_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...loading.vae_files import QWENIMAGE as QWENIMAGE_VAE, read_vae_file
 from ...models import qwenimage, text_llm
 from ..family import identify
-from ..flux1.files import _near
 from .folder import check_tokenizer
 
 # Qwen/Qwen-Image scheduler/scheduler_config.json
@@ -88,9 +87,9 @@ def qwenimage_files(transformer, text_encoder=None, vae=None, tokenizer=None) ->
         raise MlxdiffError(f"{path}: " + (identify(names, but="qwenimage") or "not a Qwen-Image transformer "
                                           "(txt_norm.weight, transformer_blocks.N.img_mod.*)"))
     specs = {"transformer": transformer_from_file(path, qwenimage)}
-    if text_encoder is None and (found := _near(path, "encoders", ENCODER_PATTERNS)):
+    if text_encoder is None and (found := files_beside(path, "encoders", ENCODER_PATTERNS)):
         text_encoder = found[0]
-    if vae is None and (found := _near(path, "vae", VAE_PATTERNS)):
+    if vae is None and (found := files_beside(path, "vae", VAE_PATTERNS)):
         vae = found[0]
     missing = [what for what, given in (
         ("no Qwen2.5-VL text encoder (qwen_2.5_vl_7b.safetensors, looked for beside it and in text_encoders/, "

@@ -88,7 +88,7 @@ def valid_rows(hidden, mask, max_sequence_length):
     return embeds[:, :max_sequence_length], mx.array(out_mask[:, :max_sequence_length]), kept
 
 
-class QwenImagePipeline(Pipeline):
+class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     """`generate(..., negative_prompt=, true_cfg_scale=)`: true classifier-free guidance, two forwards a step, only
     with a negative prompt ("" counts) and true_cfg_scale > 1 (default 4.0), as diffusers; otherwise one forward a
     step. `guidance` is ignored (Qwen-Image is not guidance-distilled). `max_sequence_length`: the prompt's tokens
@@ -244,13 +244,6 @@ class QwenImagePipeline(Pipeline):
         x = run.sampler.add_noise(init, x, run.start)
         mx.eval(x)
         return x
-
-    def step(self, run, i, x, prediction):
-        # QwenImageInpaintPipeline: after each step the kept area is the init latents at the next sigma (0: clean)
-        return image_inputs.inpaint_blend(run, i, super().step(run, i, x, prediction))
-
-    def images_note(self, run, seconds):
-        return image_inputs.inpaint_note(run, super().images_note(run, seconds))
 
     def velocity(self, run, transformer, i, x):
         # diffusers: t in the latents' dtype, then / 1000

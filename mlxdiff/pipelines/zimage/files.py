@@ -12,11 +12,11 @@ from pathlib import Path
 
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
-from ...loading.sources import not_a_folder, text_encoder_from_file, transformer_from_file
+from ...loading.sources import files_beside, not_a_folder, text_encoder_from_file, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import text_llm, zimage
 from ..family import identify
-from ..flux1.files import VAE_DEFAULTS, VAE_PATTERNS, _near
+from ..flux1.files import VAE_DEFAULTS, VAE_PATTERNS
 from ..flux2.files import FOLDER_CONFIG_HINT, file_tokenizer
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 
@@ -56,9 +56,9 @@ def zimage_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) 
                                           "(x_pad_token, cap_pad_token, layers.N.attention.qkv.*); a diffusers-named "
                                           "one needs its ZImagePipeline folder as the model"))
     specs = {"transformer": transformer_from_file(path, zimage)}
-    if text_encoder is None and (found := _near(path, "encoders", ENCODER_PATTERNS)):
+    if text_encoder is None and (found := files_beside(path, "encoders", ENCODER_PATTERNS)):
         text_encoder = found[0]
-    if vae_file is None and (found := _near(path, "vae", VAE_PATTERNS)):
+    if vae_file is None and (found := files_beside(path, "vae", VAE_PATTERNS)):
         vae_file = found[0]
     missing = [what for what, given in (
         ("no Qwen3 text encoder (qwen_3_4b.safetensors or a Qwen3-4B GGUF, looked for beside it and in "

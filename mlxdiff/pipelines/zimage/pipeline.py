@@ -51,7 +51,7 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class ZImagePipeline(Pipeline):
+class ZImagePipeline(image_inputs.LatentInpainting, Pipeline):
     """`generate(..., guidance=)`: the CFG scale (default 5.0; 0: one forward a step, no negative prompt).
     `max_sequence_length`: the prompt's tokens (default 512). `latents`: the noise in diffusers' layout (B, C, H/8,
     W/8); with image= the noise mixed into the init latents (diffusers' prepare_latents `noise`). `image=` with
@@ -164,13 +164,6 @@ class ZImagePipeline(Pipeline):
         x = run.sampler.add_noise(init, x, run.start)
         mx.eval(x)
         return x
-
-    def step(self, run, i, x, prediction):
-        # ZImageInpaintPipeline: after each step the kept area is the init latents at the next sigma (0: clean)
-        return image_inputs.inpaint_blend(run, i, super().step(run, i, x, prediction))
-
-    def images_note(self, run, seconds):
-        return image_inputs.inpaint_note(run, super().images_note(run, seconds))
 
     def velocity(self, run, transformer, i, x):
         t = np.float32(run.timesteps[i])
