@@ -53,6 +53,25 @@ def write_gguf(path, tensors, metadata=None, alignment=None):
     return path
 
 
+def write_q8_0_gguf(path, tensors, arch, quantizes) -> list:
+    """A city96 / ComfyUI-GGUF style transformer file: `tensors` (torch, the file's names) as written, Q8_0 for the
+    2-D ones whose input width is whole 32-wide blocks and `quantizes(name)` picks, the rest F32; under `arch`.
+    Returns the quantized names."""
+    writer, quantized = GGUFWriter(str(path), arch), []
+    for name, value in tensors.items():
+        value = value.float().numpy()
+        if value.ndim == 2 and value.shape[1] % 32 == 0 and quantizes(name):
+            writer.add_tensor(name, encode(value, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+            quantized.append(name)
+        else:
+            writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return quantized
+
+
 def header_fields(data: bytes) -> dict:
     """Byte positions of the header fields of a VALID little-endian GGUF (for writing corrupt variants).
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 import mlxdiff
 from conftest import ASSETS, FIXTURES
 import parity
+from gguf_helpers import write_q8_0_gguf
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from test_chroma_pipeline import check_parity, reference_run
@@ -66,22 +67,8 @@ def components(seed=3):
 def write_q8_gguf(path, tensors):
     """Q8_0 for every 2-D tensor whose input width is a multiple of its 32-wide blocks, outside the embedders and
     the final layer (as city96's files keep them); the rest F32."""
-    from gguf import GGMLQuantizationType as T, GGUFWriter
-    from gguf_helpers import encode
-    writer, quantized = GGUFWriter(str(path), "chroma"), []
-    for name, value in tensors.items():
-        value = value.float().numpy()
-        if value.ndim == 2 and value.shape[1] % 32 == 0 and not name.startswith(("img_in.", "txt_in.",
-                                                                                  "final_layer.")):
-            writer.add_tensor(name, encode(value, T.Q8_0), raw_dtype=T.Q8_0)
-            quantized.append(name)
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return quantized
+    return write_q8_0_gguf(path, tensors, "chroma",
+                           lambda name: not name.startswith(("img_in.", "txt_in.", "final_layer.")))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 import mlxdiff
 import parity
+from gguf_helpers import write_q8_0_gguf
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from test_gguf_models import dequantized
@@ -57,21 +58,7 @@ def one_line(error, *parts):
 def write_q8_gguf(path, tensors):
     """A city96-style GGUF of the transformer: diffusers' names, Q8_0 for the blocks' 2-D weights (their input widths
     whole 32-wide blocks), the rest F32."""
-    from gguf import GGMLQuantizationType as T, GGUFWriter
-    from gguf_helpers import encode
-    writer, quantized = GGUFWriter(str(path), "qwen_image"), []
-    for name, value in tensors.items():
-        value = value.float().numpy()
-        if value.ndim == 2 and value.shape[1] % 32 == 0 and name.startswith("transformer_blocks."):
-            writer.add_tensor(name, encode(value, T.Q8_0), raw_dtype=T.Q8_0)
-            quantized.append(name)
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return quantized
+    return write_q8_0_gguf(path, tensors, "qwen_image", lambda name: name.startswith("transformer_blocks."))
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
-from gguf_helpers import write_llama_cpp_gguf
+from gguf_helpers import write_llama_cpp_gguf, write_q8_0_gguf
 import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
@@ -61,22 +61,9 @@ def one_line(error, *parts):
 def write_q8_gguf(path, tensors):
     """A city96 / ComfyUI-GGUF style file: the original names, Q8_0 for the blocks' 2-D weights whose input width
     is whole 32-wide blocks, the embedders, final layer and pad tokens F32."""
-    from gguf import GGMLQuantizationType as T, GGUFWriter
-    from gguf_helpers import encode
-    writer, quantized = GGUFWriter(str(path), "lumina2"), []   # ComfyUI-GGUF's architecture for Z-Image
-    for name, value in tensors.items():
-        value = value.float().numpy()
-        if value.ndim == 2 and value.shape[1] % 32 == 0 and name.startswith(("layers.", "noise_refiner.",
-                                                                             "context_refiner.")):
-            writer.add_tensor(name, encode(value, T.Q8_0), raw_dtype=T.Q8_0)
-            quantized.append(name)
-        else:
-            writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return quantized
+    # "lumina2": ComfyUI-GGUF's architecture for Z-Image
+    return write_q8_0_gguf(path, tensors, "lumina2",
+                           lambda name: name.startswith(("layers.", "noise_refiner.", "context_refiner.")))
 
 
 @pytest.fixture(scope="module")
