@@ -3,8 +3,10 @@
 What the process holds (process_memory, sampled through a phase by PeakSampler) is the headline of every report;
 MLX's own counters are its breakdown:
 - macOS: phys_footprint through proc_pid_rusage, what Activity Monitor shows (GPU buffers included);
-- CUDA: the process's GPU memory by NVML (nvidia-ml-py), what nvidia-smi lists: MLX's arrays, its buffer cache and
-  the CUDA context;
+- CUDA: what the device holds for the process: while it is the only process on the device, the device's memory in use
+  less the idle reading (NVML, nvidia-ml-py), which counts MLX's managed buffers too; NVML's per-process figure
+  (what nvidia-smi lists per process: MLX's device arrays, its buffer cache and the CUDA context) misses those, and
+  is the reading, named as such, only where other processes share the device;
 - the CPU (Linux): VmRSS, anonymous plus file-backed pages (the mapped weights), with VmHWM for the peak;
 - MLX: active (live arrays), peak (since the last reset) and cache (freed buffers kept for reuse).
 """
@@ -72,21 +74,30 @@ def _nvml():
 
 def gpu_bytes(pid) -> int | None:
     """The GPU memory NVML counts for a process, over every GPU (what nvidia-smi lists per process: its allocations,
-    caches and CUDA context). None where NVML is missing or does not list the process (e.g. a container whose PID
-    namespace NVML does not see: then `gpu_used_bytes` less a baseline is the fallback)."""
+    caches and CUDA context, not CUDA managed memory). None where NVML is missing or does not list the process (e.g.
+    a container whose PID namespace NVML does not see: then `gpu_used_bytes` less a baseline is the fallback)."""
+    listed = gpu_processes()
+    if listed is None or pid not in listed:
+        return None
+    return listed[pid]
+
+
+def gpu_processes() -> dict | None:
+    """pid -> the GPU bytes NVML counts for it, summed over GPUs, for every process NVML lists as computing; None
+    where NVML is missing or does not answer per process."""
     nvml = _nvml()
     if nvml is None:
         return None
-    total, seen = 0, False
+    listed = {}
     try:
         for index in range(nvml.nvmlDeviceGetCount()):
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid == pid and proc.usedGpuMemory is not None:
-                    total, seen = total + proc.usedGpuMemory, True
+                if proc.usedGpuMemory is not None:
+                    listed[proc.pid] = listed.get(proc.pid, 0) + proc.usedGpuMemory
     except Exception:  # NVMLError: a driver that does not answer per process
         return None
-    return total if seen else None
+    return listed
 
 
 @functools.cache
@@ -112,10 +123,13 @@ def process_memory(pid=None, device=None, gpu_baseline=None) -> dict:
     """What a process (this one by default) holds, as the platform shows it:
     {"footprint": the headline bytes, "kind": what it measured, "host": host RSS, "host_peak": VmHWM, "gpu": GPU
     bytes}. The headline is phys_footprint on macOS (unified memory: GPU buffers included); for a process on an
-    NVIDIA GPU (`device` "gpu"; None: this process's MLX device) its GPU memory by NVML, or, where NVML does not list
-    the process, the GPU memory in use less `gpu_baseline` (what was in use before it started); otherwise (the CPU)
-    VmRSS, anonymous plus file-backed pages: mlxdiff maps safetensors weights into memory, and those mapped pages are
-    file-backed, so anonymous memory alone would miss the weights."""
+    NVIDIA GPU (`device` "gpu"; None: this process's MLX device) what the device holds for it: with `gpu_baseline`
+    (the device's idle reading) and no other process on the device, the memory in use less that baseline (managed
+    buffers included), or NVML's per-process figure where that is larger; with others on the device, NVML's
+    per-process figure (its kind says managed buffers are not counted); where NVML does not list the process, the
+    memory in use less the baseline; otherwise (the CPU) VmRSS, anonymous plus file-backed pages: mlxdiff maps
+    safetensors weights into memory, and those mapped pages are file-backed, so anonymous memory alone would miss
+    the weights."""
     pid = pid or os.getpid()
     if sys.platform == "darwin":
         footprint = phys_footprint(pid)
@@ -124,16 +138,27 @@ def process_memory(pid=None, device=None, gpu_baseline=None) -> dict:
     out = {"footprint": status.get("VmRSS"), "kind": "RSS", "host": status.get("VmRSS"),
            "host_peak": status.get("VmHWM"), "gpu": None}
     if (device or ("cpu" if backend.on_cpu() else "gpu")) == "gpu":
-        gpu, kind = gpu_bytes(pid), "GPU (NVML, this process)"
-        if gpu is None and _listed_per_process():
-            gpu = 0        # NVML lists processes here, and not this one (yet): it holds nothing on the GPU
-        elif gpu is None and gpu_baseline is not None:
-            used = gpu_used_bytes()
-            gpu, kind = (None, kind) if used is None else (max(0, used - gpu_baseline), "GPU (NVML, in use less the "
-                                                                                        "baseline)")
+        gpu, kind = device_bytes(pid, gpu_baseline)
         if gpu is not None:
             out.update(footprint=gpu, kind=kind, gpu=gpu)
     return out
+
+
+def device_bytes(pid, gpu_baseline=None) -> tuple:
+    """(bytes, kind): what the GPUs hold for `pid`, as process_memory says, or (None, "") where nothing is read."""
+    listed = gpu_processes()
+    own = None if listed is None else listed.get(pid)
+    used = gpu_used_bytes() if gpu_baseline is not None else None
+    whole = None if used is None else max(0, used - gpu_baseline)
+    if own is None:
+        if listed is not None and _listed_per_process():
+            return 0, "GPU (NVML, this process)"    # NVML lists processes here, and not this one: it holds nothing
+        return (whole, "GPU (in use less the idle baseline)") if whole is not None else (None, "")
+    others = len(set(listed) - {pid, os.getpid()})   # the measuring process's own memory is in its baseline
+    if whole is not None and not others:
+        return max(own, whole), "GPU (device in use less idle: managed buffers included)"
+    return own, (f"GPU (NVML, this process; managed buffers not counted: {others} other process(es) on the device)"
+                 if others else "GPU (NVML, this process; no idle baseline: managed buffers not counted)")
 
 
 @functools.cache
@@ -366,6 +391,8 @@ def fit_hint(spec, budget) -> str:
 
 @functools.cache
 def gpu_baseline() -> int | None:
-    """GPU memory in use (every process) when this process first measured, for process_memory's fallback where NVML
-    does not list the process; None without NVML."""
-    return gpu_used_bytes()
+    """The device's idle reading for this process's own measurements: the GPU memory in use when it first measured,
+    less what NVML then counted for this process (its CUDA context; nothing is allocated yet when the first phase
+    starts), so that in use less it is what the device holds for this process. None without NVML."""
+    used = gpu_used_bytes()
+    return None if used is None else used - (gpu_bytes(os.getpid()) or 0)

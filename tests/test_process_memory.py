@@ -217,3 +217,39 @@ def test_gpu_reader_with_a_fake_nvml(monkeypatch):
     fallback = memory.process_memory(device="gpu", gpu_baseline=60 * MiB)
     assert fallback["footprint"] == 40 * MiB and "baseline" in fallback["kind"]
     memory._listed_per_process.cache_clear()
+
+
+def test_gpu_reading_counts_what_the_device_holds(monkeypatch):
+    """Issue 44's ruler: NVML's per-process figure misses CUDA managed memory (MLX's managed buffers), so while the
+    process is the only one on the device the headline is the device's memory in use less its idle reading; with
+    another process there, the per-process figure, and its kind says what it misses."""
+    listed = {1234: 3 * MiB}
+
+    class Proc:
+        def __init__(self, pid, used):
+            self.pid, self.usedGpuMemory = pid, used
+
+    class Info:
+        used = 70 * MiB      # on the one GPU: 3 MiB NVML counts for the process, 40 managed, 27 idle
+
+    class FakeNvml:
+        nvmlDeviceGetCount = staticmethod(lambda: 1)
+        nvmlDeviceGetHandleByIndex = staticmethod(lambda i: i)
+        nvmlDeviceGetComputeRunningProcesses = staticmethod(lambda h: [Proc(p, b) for p, b in listed.items()])
+        nvmlDeviceGetMemoryInfo = staticmethod(lambda h: Info())
+
+    monkeypatch.setattr(memory, "_nvml", lambda: FakeNvml)
+    monkeypatch.setattr(memory.os, "getpid", lambda: 1234)
+    memory._listed_per_process.cache_clear()
+    alone = memory.process_memory(device="gpu", gpu_baseline=27 * MiB)
+    assert alone["footprint"] == 43 * MiB and "managed buffers included" in alone["kind"], alone
+    assert memory.process_memory(device="gpu")["footprint"] == 3 * MiB     # no idle reading: NVML's figure
+    memory.gpu_baseline.cache_clear()
+    Info.used = 30 * MiB                          # at the first measurement: idle 27 + the context NVML counts
+    assert memory.gpu_baseline() == 27 * MiB
+    Info.used = 70 * MiB
+    listed[99] = 20 * MiB                         # another process on the device: the per-process figure, named
+    shared = memory.process_memory(device="gpu", gpu_baseline=27 * MiB)
+    assert shared["footprint"] == 3 * MiB and "not counted: 1 other" in shared["kind"], shared
+    memory.gpu_baseline.cache_clear()
+    memory._listed_per_process.cache_clear()
