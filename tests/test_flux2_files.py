@@ -20,6 +20,7 @@ from mlxdiff import backend  # noqa: F401  (before mlx)
 
 import mlxdiff
 from mlxdiff.errors import MlxdiffError
+from mlxdiff.loading import component_files
 from mlxdiff.pipelines.flux2 import files as flux2_files
 from gguf_helpers import write_llama_cpp_gguf
 from twins import (DEV_SEQ, MISTRAL_TEMPLATE, QWEN3_TEMPLATE, _scheduler, _transformer, build_tokenizer,
@@ -256,15 +257,15 @@ def test_dev_tokenizer_from_the_tekken_tensor(klein_files, tmp_path):
     from mlxdiff.loading.sources import text_encoder_from_file
     spec = text_encoder_from_file(with_tekken, (10, 20, 30), base_config=config)
     with pytest.raises(MlxdiffError) as e:
-        flux2_files.file_tokenizer(None, with_tekken, True, spec.args)
+        component_files.file_tokenizer(None, with_tekken, spec.args)
     message = one_line_naming(e, with_tekken, "333 rows", "tekken_model", "--tokenizer DIR")
     assert "131072 tokens" in message
     bare = tmp_path / "no_tekken.safetensors"
     save_file(sd, str(bare))
     with pytest.raises(MlxdiffError) as e:
-        flux2_files.tekken_bytes(bare)
+        component_files.tekken_bytes(bare)
     one_line_naming(e, bare, "tekken_model", "--tokenizer DIR")
-    assert flux2_files.tekken_bytes(with_tekken) == tekken
+    assert component_files.tekken_bytes(with_tekken) == tekken
 
 
 def test_files_that_do_not_belong(klein_files, tmp_path, sd3_tiny):

@@ -292,7 +292,7 @@ def test_t5xxl_scaled_fp8_text_encoder(tmp_path):
     import torch
     from safetensors.torch import save_file
     from transformers import T5Config, T5EncoderModel
-    from mlxdiff.pipelines.sd3.single_file import text_encoder_file
+    from mlxdiff.loading.component_files import text_encoder_file
     config = dict(vocab_size=89, d_model=36, d_kv=11, d_ff=44, num_layers=2, num_heads=3,
                   relative_attention_num_buckets=32, relative_attention_max_distance=128,
                   feed_forward_proj="gated-gelu")

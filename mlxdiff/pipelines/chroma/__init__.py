@@ -6,7 +6,7 @@ true CFG."""
 from ...errors import MlxdiffError
 from ...models import chroma
 from ..family import Family
-from ..flux1.files import VAE_DEFAULTS
+from ...loading.component_files import FLUX1_VAE_CONFIG
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .files import chroma_files
 from .folder import check_components, chroma_folder
@@ -24,7 +24,7 @@ def read_folder(path, index, pipeline_class, components, request):
                            "the transformer file as the model instead")
     if request.vae is not None:
         found.components["vae"] = read_vae_file(
-            request.vae, AUTOENCODER_KL, found.components["vae"].config or VAE_DEFAULTS,
+            request.vae, AUTOENCODER_KL, found.components["vae"].config or FLUX1_VAE_CONFIG,
             path / "vae" / "config.json", title="a Chroma")
         check_components(request.vae, found.components)
     return found

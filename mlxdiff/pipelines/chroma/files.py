@@ -14,9 +14,9 @@ from ...loading.sources import files_beside, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import chroma
 from ...tokenizers import bundled_t5_tokenizer
-from ..flux1.files import SCHEDULERS, VAE_DEFAULTS, VAE_PATTERNS
+from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, TEXT_ENCODER_FILES, text_encoder_file
+from ..flux1.files import SCHEDULERS
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
-from ..sd3.single_file import TEXT_ENCODER_FILES, text_encoder_file
 from .folder import check_components
 
 
@@ -40,12 +40,12 @@ def chroma_files(transformer, text_encoders=None, vae_file=None) -> PipelineSour
         t5_file = found[0]
     specs["text_encoder"] = replace(text_encoder_file("t5xxl", t5_file), name="text_encoder")
     if vae_file is None:
-        found = files_beside(transformer, "vae", VAE_PATTERNS)
+        found = files_beside(transformer, "vae", FLUX1_VAE_PATTERNS)
         if not found:
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in vae/, "
                                "../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")
         vae_file = found[0]
-    specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, VAE_DEFAULTS, title="a Chroma")
+    specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, FLUX1_VAE_CONFIG, title="a Chroma")
     check_components(transformer, specs)
     return PipelineSources("chroma", "ChromaPipeline", specs, {"tokenizer": bundled_t5_tokenizer()},
                            dict(SCHEDULERS[True]))

@@ -6,7 +6,8 @@ from ...errors import MlxdiffError
 from ...models import flux1
 from ..family import Family
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
-from .files import VAE_DEFAULTS, flux1_files
+from ...loading.component_files import FLUX1_VAE_CONFIG
+from .files import flux1_files
 from .folder import check_latents, flux1_folder
 from .pipeline import Conditioning, Flux1Pipeline  # noqa: F401  (mlxdiff.pipelines.flux1.Flux1Pipeline)
 
@@ -23,7 +24,7 @@ def read_folder(path, index, pipeline_class, components, request):
                            "files with the transformer file as the model instead")
     if request.vae is not None:
         found.components["vae"] = read_vae_file(
-            request.vae, AUTOENCODER_KL, found.components["vae"].config or VAE_DEFAULTS,
+            request.vae, AUTOENCODER_KL, found.components["vae"].config or FLUX1_VAE_CONFIG,
             path / "vae" / "config.json", title="a FLUX.1")
         check_latents(request.vae, found.components, pipeline_class)
     return found

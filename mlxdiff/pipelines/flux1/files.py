@@ -17,12 +17,10 @@ from ...loading.sources import config_from_shapes, files_beside, lazy_under, tra
 from ...loading.spec import ComponentSpec, PipelineSources
 from ...models import flux1, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
+from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, TEXT_ENCODER_FILES, text_encoder_file
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
-from ..sd3.single_file import TEXT_ENCODER_FILES, text_encoder_file
 from .folder import check_encoders, check_latents, kind_of
 
-# BFL's ae.safetensors: SD3's VAE layout with FLUX.1's latent scaling (FLUX.1-dev vae/config.json)
-VAE_DEFAULTS = {**vae.SD3_CONFIG, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 VAE_PREFIX = "vae."                      # ComfyUI's all-in-one checkpoints (supported_models.Flux.vae_key_prefix)
 SCHEDULERS = {   # black-forest-labs/FLUX.1-dev and FLUX.1-schnell scheduler/scheduler_config.json
     True: {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": True, "base_shift": 0.5,
@@ -30,7 +28,6 @@ SCHEDULERS = {   # black-forest-labs/FLUX.1-dev and FLUX.1-schnell scheduler/sch
     False: {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": False},
 }
 ENCODER_FILES = {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}   # FLUX.1's names for SD3.5's two files
-VAE_PATTERNS = ("ae.safetensors", "flux1*vae*.safetensors", "flux_ae*.safetensors")
 
 
 def _without_projection(weights):
@@ -72,18 +69,18 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
         spec = clip_l_spec(file, pre) if short == "clip_l" else text_encoder_file(short, file, pre)
         specs[component] = replace(spec, name=component)
     if vae_file is not None:
-        specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, VAE_DEFAULTS, title="a FLUX.1")
+        specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, FLUX1_VAE_CONFIG, title="a FLUX.1")
     elif any(n.startswith(VAE_PREFIX + "decoder.") for n in names):
         weights = lazy_under(bundle, VAE_PREFIX)
         rules = vae.ldm_keymap(vae.ldm_num_blocks(weights))
-        config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, VAE_DEFAULTS), weights, bundle)
+        config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, FLUX1_VAE_CONFIG), weights, bundle)
         specs["vae"] = ComponentSpec("vae", vae, config, [Path(bundle)], VAE_PREFIX, lambda w: remap(w, rules))
     else:
-        found = files_beside(transformer, "vae", VAE_PATTERNS)
+        found = files_beside(transformer, "vae", FLUX1_VAE_PATTERNS)
         if not found:
             raise MlxdiffError(f"{transformer}: no FLUX.1 VAE found (looked for ae.safetensors beside it and in "
                                "vae/, ../vae/); pass BFL's ae.safetensors with vae=FILE (--vae FILE)")
-        specs["vae"] = read_vae_file(found[0], AUTOENCODER_KL, VAE_DEFAULTS, title="a FLUX.1")
+        specs["vae"] = read_vae_file(found[0], AUTOENCODER_KL, FLUX1_VAE_CONFIG, title="a FLUX.1")
     # Fill's transformer takes the masked image and the mask too (384 channels), Depth / Canny's the control image
     # (128); Kontext's weights have dev's shapes, its files say so in their names (flux1-kontext-dev.safetensors)
     pipeline_class = kind_of(specs["transformer"].args.in_channels, specs["vae"].args) or (

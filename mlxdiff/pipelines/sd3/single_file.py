@@ -7,67 +7,17 @@ bundled real CLIP and T5 vocabularies, and the scheduler is SD3.5's.
 from pathlib import Path
 
 from ...errors import MlxdiffError
-from ...formats import check_weight_file, is_gguf, tensor_shapes
+from ...formats import tensor_shapes
 from ...formats.keymaps import remap
-from ...models import clip, mmdit, t5, vae
+from ...models import mmdit, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
-from ...loading.sources import config_from_shapes, lazy_under, not_a_folder, transformer_from_file
+from ...loading.sources import config_from_shapes, lazy_under, transformer_from_file
+from ...loading.component_files import TEXT_ENCODER_FILES, text_encoder_file
 from ...loading.spec import ComponentSpec, PipelineSources
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ..family import identify
 
 SD3_SCHEDULER_DEFAULT = {"num_train_timesteps": 1000, "shift": 3.0, "use_dynamic_shifting": False}
-
-TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "incl_clips" file, glob beside it)
-    "clip_l": ("text_encoder", "text_encoders.clip_l.transformer.", "clip_l*.safetensors"),
-    "clip_g": ("text_encoder_2", "text_encoders.clip_g.transformer.", "clip_g*.safetensors"),
-    "t5xxl": ("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5xxl*.safetensors"),
-}
-
-
-# the config keys a file's shapes give (config_from_weights); the others are the single-file defaults, or, when the
-# file has the shapes of a pipeline folder's encoder, that folder's values (activation, eps, heads, max distance)
-SHAPED_KEYS = {"t5xxl": ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",
-                         "relative_attention_num_buckets"),
-               "clip": ("vocab_size", "hidden_size", "max_position_embeddings", "num_hidden_layers",
-                        "intermediate_size", "projection_dim")}
-
-
-def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec:
-    """An SD3.5 text encoder ("clip_l", "clip_g" or "t5xxl") from one file (its keys under `prefix`), the config read
-    off its shapes; for a single file's encoders and for text_encoders= with a pipeline folder alike. `base_config`:
-    the folder's config of the encoder it replaces, whose other values apply when the file has its shapes."""
-    component, arch = TEXT_ENCODER_FILES[short][0], t5 if short == "t5xxl" else clip
-    file = Path(file)
-    if not not_a_folder(file, f"{short} text encoder file").is_file():
-        raise MlxdiffError(f"{file}: {short} text encoder file not found")
-    gguf = is_gguf(file) and short == "t5xxl"   # city96's T5 encoder GGUFs
-    if file.suffix != ".safetensors" and not gguf:
-        raise MlxdiffError(f"{file}: expected a .safetensors {short} text encoder file"
-                           + (" (or a T5 .gguf)" if short == "t5xxl" else ""))
-    if gguf:
-        check_weight_file(file, f"{short} text encoder file")
-        shapes = tensor_shapes(file)
-        if not t5.is_gguf_naming(shapes):
-            raise MlxdiffError(f"{file}: not a T5 encoder GGUF in llama.cpp's names (enc.blk.N.attn_q.weight, ...)")
-        weights = remap(shapes, t5.GGUF_KEYMAP)
-    else:
-        weights = lazy_under(file, prefix)
-    try:
-        config = config_from_shapes(arch, arch.config_from_weights, weights, file)
-    except MlxdiffError:
-        if not base_config:
-            raise
-        config = dict(base_config)   # shapes that the single-file defaults do not cover (a small model): the
-                                     # folder's config, which the strict load checks the file against
-    shaped = SHAPED_KEYS["t5xxl" if short == "t5xxl" else "clip"]
-    if base_config and all(base_config.get(k, config.get(k)) == config.get(k) for k in shaped):
-        config = {**config, **{k: v for k, v in base_config.items() if k not in shaped}}
-    spec = ComponentSpec(component, arch, config, [file], prefix, t5.from_gguf if gguf else None)
-    if short == "clip_l":
-        spec.extra = clip.sd3_clip_l_extras(config)
-    return spec
-
 
 def sd3_single_file(path: Path, transformer=None, text_encoders=None, vae_file=None) -> PipelineSources:
     names = list(tensor_shapes(path))

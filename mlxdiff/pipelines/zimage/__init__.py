@@ -6,7 +6,7 @@ the VAE FLUX.1's AutoencoderKL, the text encoder Qwen3 through models/text_llm.p
 from ...errors import MlxdiffError
 from ...models import zimage
 from ..family import Family
-from ..flux1.files import VAE_DEFAULTS
+from ...loading.component_files import FLUX1_VAE_CONFIG
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .files import zimage_files
 from .folder import TEXT_ENCODER_CLASSES, zimage_folder
@@ -25,7 +25,7 @@ def read_folder(path, index, pipeline_class, components, request):
     found = zimage_folder(path, index, pipeline_class, components, request.transformer)
     if request.vae is not None:
         vae = found.components["vae"] = read_vae_file(
-            request.vae, AUTOENCODER_KL, found.components["vae"].config or VAE_DEFAULTS,
+            request.vae, AUTOENCODER_KL, found.components["vae"].config or FLUX1_VAE_CONFIG,
             path / "vae" / "config.json", title="a Z-Image")
         channels = found.components["transformer"].args.in_channels
         if vae.args.latent_channels != channels:

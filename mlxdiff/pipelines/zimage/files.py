@@ -16,8 +16,7 @@ from ...loading.sources import files_beside, not_a_folder, text_encoder_from_fil
 from ...loading.spec import PipelineSources
 from ...models import text_llm, zimage
 from ..family import identify
-from ..flux1.files import VAE_DEFAULTS, VAE_PATTERNS
-from ..flux2.files import FOLDER_CONFIG_HINT, file_tokenizer
+from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, FOLDER_CONFIG_HINT, file_tokenizer
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 
 # Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json
@@ -58,7 +57,7 @@ def zimage_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) 
     specs = {"transformer": transformer_from_file(path, zimage)}
     if text_encoder is None and (found := files_beside(path, "encoders", ENCODER_PATTERNS)):
         text_encoder = found[0]
-    if vae_file is None and (found := files_beside(path, "vae", VAE_PATTERNS)):
+    if vae_file is None and (found := files_beside(path, "vae", FLUX1_VAE_PATTERNS)):
         vae_file = found[0]
     missing = [what for what, given in (
         ("no Qwen3 text encoder (qwen_3_4b.safetensors or a Qwen3-4B GGUF, looked for beside it and in "
@@ -68,7 +67,7 @@ def zimage_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) 
     if missing:
         raise MlxdiffError(f"{path}: a Z-Image transformer; " + "; and ".join(missing))
     specs["text_encoder"] = qwen3_file(text_encoder)
-    specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, VAE_DEFAULTS, title="a Z-Image")
+    specs["vae"] = read_vae_file(vae_file, AUTOENCODER_KL, FLUX1_VAE_CONFIG, title="a Z-Image")
     args, encoder, autoencoder = specs["transformer"].args, specs["text_encoder"].args, specs["vae"].args
     hidden = encoder.text_config["hidden_size"]
     if hidden != args.cap_feat_dim:
@@ -77,5 +76,5 @@ def zimage_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) 
     if autoencoder.latent_channels != args.in_channels:
         raise MlxdiffError(f"{vae_file}: its {autoencoder.latent_channels} latent channels are not {path}'s "
                            f"in_channels {args.in_channels}; the files do not belong together")
-    tokenizers = {"tokenizer": file_tokenizer(tokenizer, text_encoder, False, encoder)}
+    tokenizers = {"tokenizer": file_tokenizer(tokenizer, text_encoder, encoder)}
     return PipelineSources("zimage", "ZImagePipeline", specs, tokenizers, dict(SCHEDULER))
