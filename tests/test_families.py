@@ -147,6 +147,26 @@ def test_no_code_outside_the_family_folders_names_a_family():
     assert not found, found
 
 
+# a family derived from another, as its diffusers pipeline is: Chroma's pipeline is FLUX.1's with T5 alone and no
+# guidance embedder (diffusers' ChromaPipeline is "Copied from" FluxPipeline throughout)
+DERIVED_FROM = {"chroma": {"flux1"}}
+
+
+def test_family_folders_import_no_other_family():
+    """What several families share lives outside their folders (loading/, pipelines/ shared modules), so a family is
+    its folder: none imports another's, except a family derived from it (DERIVED_FROM)."""
+    folders = {Path(inspect.getfile(f.pipeline)).parent.name for f in FAMILIES}
+    found = []
+    for name in sorted(folders):
+        for path in sorted((PACKAGE / "pipelines" / name).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                    other = node.module.split(".")[0]
+                    if other in folders and other != name and other not in DERIVED_FROM.get(name, ()):
+                        found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: from ..{node.module}")
+    assert not found, found
+
+
 def test_readme_family_table_is_the_registry():
     """README's Families table is FAMILIES: one row per family, its title, its pipeline classes, the files it reads."""
     from pathlib import Path
