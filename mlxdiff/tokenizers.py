@@ -91,16 +91,28 @@ def _read_json(path, what):
         raise MlxdiffError(f"{path}: cannot read {what} ({str(e).splitlines()[0][:200]})") from None
 
 
-def tokenizer_class(class_name):
-    """The transformers class model_index.json names when it is a tokenizer class; else AutoTokenizer (the folder's
-    tokenizer_config.json decides), as before for names transformers lacks: a model class named there is no
-    tokenizer."""
-    import transformers  # heavy: transformers (about 0.7 s, torch with it)
-    if not class_name or "Tokenizer" not in class_name:   # e.g. PixtralProcessor: looking it up would import torch
-        return transformers.AutoTokenizer
-    cls = getattr(transformers, class_name, None)
-    good = isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)
-    return cls if good else transformers.AutoTokenizer
+def tokenizer_class(class_name, folder=None):
+    """The transformers class model_index.json names when it is a tokenizer class, else the one the folder's
+    tokenizer_config.json names (AutoTokenizer's own first choice), else AutoTokenizer: a model class named there is
+    no tokenizer. Naming the class spares AutoTokenizer's import, which reads model configs and imports torch."""
+    import transformers  # heavy: transformers (about 1 s), only for tokenizers
+    for name in (class_name, _config_tokenizer_class(folder)):
+        if not name or "Tokenizer" not in name:   # e.g. PixtralProcessor: looking it up would import torch
+            continue
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+            return cls
+    return transformers.AutoTokenizer
+
+
+def _config_tokenizer_class(folder):
+    """tokenizer_config.json's "tokenizer_class" in `folder`, or None (no folder, file or string)."""
+    path = None if folder is None else Path(folder) / "tokenizer_config.json"
+    if path is None or not path.is_file():
+        return None
+    value = _read_json(path, "tokenizer_config.json")
+    name = value.get("tokenizer_class") if isinstance(value, dict) else None
+    return name if isinstance(name, str) and name.isidentifier() else None
 
 
 def load_tokenizer(folder, class_name=None):
@@ -110,7 +122,7 @@ def load_tokenizer(folder, class_name=None):
         raise MlxdiffError(f"{folder}: tokenizer folder is missing; the model folder is incomplete")
     check_tokenizer_files(folder)
     try:
-        return tokenizer_class(class_name).from_pretrained(str(folder))
+        return tokenizer_class(class_name, folder).from_pretrained(str(folder))
     except Exception as e:  # the user's files: transformers raises whatever it meets (KeyError, TypeError, ...)
         detail = (str(e).splitlines() or [""])[0][:200]
         raise MlxdiffError(f"{folder}: cannot load the tokenizer ({type(e).__name__}: {detail})") from None

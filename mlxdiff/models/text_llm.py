@@ -36,7 +36,7 @@ import numpy as np
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen2, qwen3
+from .mlx_lm_models import llama, qwen2, qwen3   # mlx-lm's model files without its package's torch import
 
 from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, CheckedArgs,
                              Rule, between, check_rules, check_values, field_types, one_of, positive, require_object)
