@@ -32,7 +32,7 @@ from . import backend, cli, default_model
 from .arguments import check_number, read_json_capped
 from .cli import ArgumentParser, check_writable, write_error
 from .errors import MlxdiffError
-from .memory import GB, gpu_used_bytes, process_memory
+from .memory import GB, gpu_snapshot, process_memory
 
 
 def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
@@ -41,7 +41,7 @@ def sample(cmd, interval=0.2, env=None, echo=True) -> dict:
     phase shorter than the interval needs; `MLXDIFF_GPU <phase> <allocated> <reserved>`: torch's CUDA allocator),
     its stdout and the tail of its other stderr."""
     device = "cpu" if backend.on_cpu() else "gpu"    # the children run where this process's MLX does
-    baseline = gpu_used_bytes() if device == "gpu" else None
+    baseline = gpu_snapshot() if device == "gpu" else None   # this process's context and the others there
     start = time.time()
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

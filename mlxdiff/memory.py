@@ -16,7 +16,7 @@ import functools
 import os
 import sys
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from . import backend  # noqa: F401
 import mlx.core as mx
@@ -144,21 +144,47 @@ def process_memory(pid=None, device=None, gpu_baseline=None) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class GpuBaseline:
+    """The device before a measured process held anything: memory in use (`used`) and what NVML then counted for
+    each process already there (`others`, pid -> bytes), whose later growth is theirs, not the measured one's."""
+    used: int
+    others: dict = field(default_factory=dict)
+
+
+def gpu_snapshot(without=None) -> GpuBaseline | None:
+    """The device now, as a baseline: in use (less what NVML counts for `without`, a process measuring itself, whose
+    CUDA context is its own), and every other listed process's bytes. None without NVML."""
+    used = gpu_used_bytes()
+    if used is None:
+        return None
+    listed = gpu_processes() or {}
+    own = listed.pop(without, 0) if without is not None else 0
+    return GpuBaseline(used - own, listed)
+
+
 def device_bytes(pid, gpu_baseline=None) -> tuple:
-    """(bytes, kind): what the GPUs hold for `pid`, as process_memory says, or (None, "") where nothing is read."""
+    """(bytes, kind): what the GPUs hold for `pid`, as process_memory says, or (None, "") where nothing is read.
+    With a baseline: the memory in use less it, less what the other processes' NVML figures grew by since (their
+    managed buffers, which NVML does not show, would count here: the kind says so where others are there)."""
     listed = gpu_processes()
     own = None if listed is None else listed.get(pid)
-    used = gpu_used_bytes() if gpu_baseline is not None else None
-    whole = None if used is None else max(0, used - gpu_baseline)
+    base = GpuBaseline(gpu_baseline) if isinstance(gpu_baseline, int) else gpu_baseline
+    used = gpu_used_bytes() if base is not None else None
     if own is None:
         if listed is not None and _listed_per_process():
             return 0, "GPU (NVML, this process)"    # NVML lists processes here, and not this one: it holds nothing
-        return (whole, "GPU (in use less the idle baseline)") if whole is not None else (None, "")
-    others = len(set(listed) - {pid, os.getpid()})   # the measuring process's own memory is in its baseline
-    if whole is not None and not others:
-        return max(own, whole), "GPU (device in use less idle: managed buffers included)"
-    return own, (f"GPU (NVML, this process; managed buffers not counted: {others} other process(es) on the device)"
-                 if others else "GPU (NVML, this process; no idle baseline: managed buffers not counted)")
+        return ((max(0, used - base.used), "GPU (in use less the idle baseline)") if used is not None
+                else (None, ""))
+    if used is None:
+        return own, "GPU (NVML, this process; no idle baseline: managed buffers not counted)"
+    others = {p: b for p, b in listed.items() if p != pid}
+    grown = sum(max(0, b - base.others.get(p, 0)) for p, b in others.items())
+    whole = max(own, used - base.used - grown)
+    changed = sum(1 for p, b in others.items() if b != base.others.get(p, 0))
+    return whole, ("GPU (device in use less idle: managed buffers included)" if not changed else
+                   f"GPU (device in use less idle and the NVML growth of {changed} other process(es): managed "
+                   "buffers included, theirs too)")
 
 
 @functools.cache
@@ -390,9 +416,8 @@ def fit_hint(spec, budget) -> str:
 
 
 @functools.cache
-def gpu_baseline() -> int | None:
-    """The device's idle reading for this process's own measurements: the GPU memory in use when it first measured,
-    less what NVML then counted for this process (its CUDA context; nothing is allocated yet when the first phase
-    starts), so that in use less it is what the device holds for this process. None without NVML."""
-    used = gpu_used_bytes()
-    return None if used is None else used - (gpu_bytes(os.getpid()) or 0)
+def gpu_baseline() -> GpuBaseline | None:
+    """The device's idle reading for this process's own measurements, taken when it first measured (nothing is
+    allocated yet when the first phase starts): in use less this process's CUDA context, and the processes already
+    there. None without NVML."""
+    return gpu_snapshot(without=os.getpid())

@@ -11,34 +11,15 @@ on the CPU (MLXDIFF_DEVICE=cpu, so also on a machine with a GPU, where the headl
   under the limit, the MLX peak is within the limit.
 """
 
-import json
 import mmap
-import os
-import shutil
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from mlxdiff import default_model, memory
-from mlxdiff.footprint import report_peaks
-
-MiB = 2 ** 20
-# glibc keeps a freed block in its heap (in RSS) when it was below its mmap threshold, which grows with the blocks
-# freed up to DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit; memory.release_host_memory trims it at a load's end
-HEAP_RETAINED = 32 * MiB
-
-
-def load_buffers(config) -> int:
-    """What a load holds on the host beyond MLX's count, from what the loaders do: one tensor at a time is read and
-    converted through numpy (a GGUF tensor's blocks decoded, a dtype cast), so at most the largest tensor of the
-    model in float32, plus the heap glibc retains after those buffers are freed (HEAP_RETAINED)."""
-    import torch
-    from diffusers import Flux2Transformer2DModel
-    with torch.device("meta"):
-        largest = max(p.numel() for p in Flux2Transformer2DModel(**config).state_dict().values())
-    return 4 * largest + HEAP_RETAINED
+from mlxdiff import memory
+from gguf_helpers import write_city96_gguf
+from memory_helpers import MiB, default_with_transformer, load_buffers, sampled_generate
 
 
 # a mid-size FLUX.2 transformer that fits the embedded default's encoder and VAE: D = 1024 (8 x 128), 4 double + 8
@@ -54,29 +35,11 @@ MID = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=4, num_si
 LIMIT_SHARE = {"gguf bf16": 0.9, "safetensors": 0.7}
 
 
-def default_with_transformer(folder, config, scale=None):
-    """The embedded default copied to `folder` with a random bf16 FLUX.2 transformer of `config` (seed 0; its
-    weights times `scale` if given) in place of its own. Returns the torch transformer."""
-    import torch
-    from diffusers import Flux2Transformer2DModel
-    shutil.copytree(default_model.folder(), folder)
-    shutil.rmtree(folder / "transformer")
-    torch.manual_seed(0)
-    model = Flux2Transformer2DModel(**config).to(torch.bfloat16)
-    if scale is not None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.mul_(scale)
-    model.save_pretrained(str(folder / "transformer"))
-    return model
-
-
 @pytest.fixture(scope="module")
 def mid_models(tmp_path_factory):
     """(a pipeline folder with a mid-size bf16 safetensors transformer, a mid-size Q4_K_M GGUF transformer file)."""
     import torch
     from diffusers import Flux2Transformer2DModel
-    from test_gguf_models import write_city96_gguf
     from twins import flux2_to_bfl
     root = tmp_path_factory.mktemp("process_memory")
     folder = root / "mid"
@@ -86,22 +49,6 @@ def mid_models(tmp_path_factory):
     gguf = root / "mid-Q4_K_M.gguf"
     write_city96_gguf(gguf, shapes, "flux2", "flux", random=True)
     return folder, gguf
-
-
-def sampled_generate(tmp_path, name, *args, steps=2):
-    """(what it printed, the --report-memory peaks, the outside sampler's peak) for one `mlxdiff.generate` call
-    (`steps` steps of the embedded default's prompt, image at tmp_path / NAME.png) sampled from outside every 10 ms."""
-    out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "mlxdiff.footprint", "run", "--interval", "0.01", "--json", str(out), "--",
-           sys.executable, "-m", "mlxdiff.generate", "--prompt", default_model.PROMPT, "--steps", str(steps),
-           "--no-progress", "--report-memory", "--output", str(tmp_path / f"{name}.png"), *args]
-    # on the CPU wherever it runs: the outside sampler and the CLI then measure the same RSS (on a GPU the CLI's
-    # headline is NVML's GPU bytes, which an RSS sampler cannot see)
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "MLXDIFF_DEVICE": "cpu"})
-    assert p.returncode == 0, p.stderr[-2000:]
-    saved = json.loads(out.read_text())
-    assert saved["run"]["measured"] == ["RSS"]
-    return saved["run"]["stdout"], report_peaks(saved["run"]["stdout"]), saved["summary"]["peak"]
 
 
 def _run(tmp_path, name, *args, steps=2):
@@ -246,10 +193,14 @@ def test_gpu_reading_counts_what_the_device_holds(monkeypatch):
     assert memory.process_memory(device="gpu")["footprint"] == 3 * MiB     # no idle reading: NVML's figure
     memory.gpu_baseline.cache_clear()
     Info.used = 30 * MiB                          # at the first measurement: idle 27 + the context NVML counts
-    assert memory.gpu_baseline() == 27 * MiB
-    Info.used = 70 * MiB
-    listed[99] = 20 * MiB                         # another process on the device: the per-process figure, named
-    shared = memory.process_memory(device="gpu", gpu_baseline=27 * MiB)
-    assert shared["footprint"] == 3 * MiB and "not counted: 1 other" in shared["kind"], shared
+    assert memory.gpu_baseline() == memory.GpuBaseline(27 * MiB, {})
+    Info.used = 90 * MiB
+    listed[99] = 20 * MiB                         # another process came, holding 20 MiB: its growth is not ours
+    shared = memory.process_memory(device="gpu", gpu_baseline=memory.GpuBaseline(27 * MiB))
+    assert shared["footprint"] == 43 * MiB and "growth of 1 other" in shared["kind"], shared
+    # a process that was there at the baseline (a footprint run's sampler) and did not grow changes nothing
+    steady = memory.process_memory(device="gpu", gpu_baseline=memory.GpuBaseline(47 * MiB, {99: 20 * MiB}))
+    assert steady["footprint"] == 43 * MiB and "managed buffers included" in steady["kind"], steady
+    assert memory.gpu_snapshot(without=1234) == memory.GpuBaseline(87 * MiB, {99: 20 * MiB})
     memory.gpu_baseline.cache_clear()
     memory._listed_per_process.cache_clear()
