@@ -57,6 +57,10 @@ RULES = {
     "interval": (False, 0.0, 60.0, True, ""),          # footprint's sampling, seconds
     "lora_scale": (False, -100.0, 100.0, False, ""),   # times the LoRA file's alpha / rank; 0 turns it off
     "strength": (False, 0.0, 1.0, True, ""),           # img2img: the share of the schedule denoised
+    "controlnet_scale": (False, 0.0, 100.0, False, ""),    # a ControlNet's residuals times this; 0 turns it off
+    "control_step": (False, 0.0, 1.0, False, ""),      # control_start / control_end: shares of the schedule
+    "denoising_start": (False, 0.0, 1.0, True, ""),    # SDXL inpainting: the share of the schedule already denoised
+    "mask_blur": (True, 0, MAX_SIZE, False, ""),       # the mask's Gaussian blur radius (VaeImageProcessor.blur)
 }
 
 TEXT_ENCODER_NAMES = ("clip_l", "clip_g", "t5xxl")
@@ -158,6 +162,28 @@ def check_latents(latents):
         raise MlxdiffError(f"latents: {int((~np.isfinite(array)).sum())} of {array.size} values are NaN or "
                            "infinite; give finite noise")
     return array
+
+
+def check_outpaint(value) -> tuple | None:
+    """outpaint=: the pixels added to the left, top, right and bottom, as (l, t, r, b) integers from 0 to MAX_SIZE
+    (at least one above 0), or the command line's "L,T,R,B"."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    problem = (f"outpaint={shown(value)}: expected 4 integers from 0 to {MAX_SIZE}, the pixels added to the left, "
+               "top, right and bottom (e.g. 0,0,256,0), at least one above 0")
+    if not isinstance(items, (list, tuple)) or len(items) != 4:
+        raise MlxdiffError(problem)
+    out = []
+    for item in items:
+        if isinstance(item, str) and re.fullmatch(r"\s*\d+\s*", item):
+            item = int(item)
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or not 0 <= item <= MAX_SIZE:
+            raise MlxdiffError(problem)
+        out.append(int(item))
+    if not any(out):
+        raise MlxdiffError(problem)
+    return tuple(out)
 
 
 def check_layers(name, value, count):
@@ -394,15 +420,34 @@ def check_loras(loras):
     return out
 
 
+def check_controlnets(controlnets):
+    """ControlNets as [(path, scale)]: each item a folder or file (scale 1) or a (path, scale) pair, the scale by
+    RULES["controlnet_scale"] (whether one fits the model is its family's check, when the model is read)."""
+    if controlnets is None:
+        return None
+    if isinstance(controlnets, (str, os.PathLike)) or not isinstance(controlnets, (list, tuple)) or not controlnets:
+        raise MlxdiffError(f"controlnets={shown(controlnets)}: expected a list of ControlNet folders or files, or "
+                           "(path, scale) pairs, e.g. [('controlnet-canny', 0.8)]")
+    out = []
+    for item in controlnets:
+        path, scale = (item, 1.0) if _is_path(item) else (tuple(item) if isinstance(item, (list, tuple)) and
+                                                           len(item) == 2 else (None, None))
+        if not _is_path(path):
+            raise MlxdiffError(f"controlnets: {shown(item)} is not a folder, a file or a (path, scale) pair; e.g. "
+                               "('controlnet-canny', 0.8)")
+        out.append((str(path), 1.0 if scale is None else check_number("controlnet_scale", scale)))
+    return out
+
+
 def check_load(model, transformer=None, text_encoders=None, quantize=None, text_encoder=None, vae=None,
                tokenizer=None, loras=None):
     """mlxdiff.load's arguments, before anything is read (which family takes which encoder argument is checked once
     the model is read: pipelines.detect). `model` None: FLUX.2 from its transformer, text encoder and VAE files."""
     if model is None and transformer is None:
-        raise MlxdiffError("model=None: give a pipeline folder, a hub id in the local Hugging Face cache or a single "
+        raise MlxdiffError("model=None: give a pipeline folder, a hub id (ORG/NAME, downloaded where missing) or a single "
                            "file; or, for FLUX.2 from files alone, transformer=, text_encoder= and vae=")
     if model is not None and not _is_path(model):
-        raise MlxdiffError(f"model={shown(model)}: give a pipeline folder, a hub id in the local Hugging Face cache "
+        raise MlxdiffError(f"model={shown(model)}: give a pipeline folder, a hub id (ORG/NAME, downloaded where missing) "
                            "or a single file, as a str or path")
     if vae is not None and not _is_path(vae):
         raise MlxdiffError(f"vae={shown(vae)}: give the VAE file that replaces the model's (e.g. "

@@ -14,20 +14,23 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import mlxdiff
 from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .cli import ArgumentParser, main_exit, parse_quantize, run, write_error
 from .default_model import weights_dir
 from .errors import MlxdiffError
+from .formats import format_of
 
 
 def convert(source, dest, *, quantize=None, transformer=None, progress=print) -> Path:
-    from .loading.sources import read_json, resolve_path  # heavy: mlxdiff.loading imports mlx_lm -> torch
+    from .loading.sources import index_file, read_json, resolve_path  # heavy: mlxdiff.loading imports MLX and the models (about 0.6 s)
     from .loading.spec import NATIVE_KEY, class_name_of  # heavy: as above
     from .pipelines.family import family_named  # heavy: as above
     from .loading.quantize import materialize  # heavy: as above
@@ -54,7 +57,7 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
         src_root = resolve_path(source)
         index = {}
         if src_root.is_dir():
-            index = read_json(src_root / "model_index.json", "model_index.json", src_root)
+            index = read_json(index_file(src_root), "model_index.json", src_root)   # or a modular one
             for name, entry in index.items():
                 if name.startswith("_") or not isinstance(entry, list) or name in pipe.components:
                     continue
@@ -78,6 +81,11 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
             stored_prefix = getattr(spec.arch, "STORED_PREFIX", None)
             if hasattr(spec.arch, "whole_model_config"):
                 spec = spec.with_config(**spec.arch.whole_model_config(spec.config))
+            # a GGUF's quantized layers in MLX's affine form, which a saved folder describes (its quantization key
+            # below); the file's own raw blocks ("raw" layout) have no saved form
+            from_gguf = any(format_of(f, header=False).kept_quantized for f in spec.files)
+            if from_gguf:
+                spec = replace(spec, gguf_layout="affine")
             model = spec.build(mx.float32)
             materialize(model)
             (tmp / name).mkdir()
@@ -94,8 +102,12 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
                 config["quantization"] = dict(spec.quantize)
             elif spec.config.get("quantization"):
                 config["quantization"] = spec.config["quantization"]
+            elif from_gguf and gguf_setting(model):
+                config["quantization"] = gguf_setting(model)   # each layer's own bits are read off its arrays
             (tmp / name / "config.json").write_text(json.dumps(config, indent=1))
-            index[name] = [(index.get(name) or ["diffusers"])[0], class_name_of(spec)]
+            # a single file's components: text encoders are transformers' classes, the rest diffusers'
+            library = "transformers" if name.startswith("text_encoder") else "diffusers"
+            index[name] = [(index.get(name) or [library])[0], class_name_of(spec)]
             model.clear()
             del model, weights
             mx.clear_cache()
@@ -108,6 +120,15 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
             raise write_error(dest, e) from None
         raise
     return dest
+
+
+def gguf_setting(model):
+    """{"bits", "group_size"} of a model's first affine-quantized layer (a GGUF's, in the affine layout), or None:
+    the mark a loader needs to make the saved layers quantized (mlx-lm's infer_quant_config reads each one's own)."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            return {"bits": module.bits, "group_size": module.group_size}
+    return None
 
 
 def destination(dest) -> Path:

@@ -104,7 +104,7 @@ def report_peaks(stdout: str) -> dict:
     """From mlxdiff.generate's phase table (--report-memory; its size columns are phases.MEMORY_COLUMNS):
     {"mlx": {phase: MLX peak bytes}, "process": {phase: process peak bytes}} (sizes as printed, to 0.01 GB or
     0.1 MB; a "-" is left out)."""
-    from .pipelines.report import MEMORY_COLUMNS  # heavy: mlxdiff.pipelines imports mlx_lm -> torch
+    from .pipelines.report import MEMORY_COLUMNS  # heavy: mlxdiff.pipelines imports MLX and every family (about 0.6 s)
     columns = {"mlx": MEMORY_COLUMNS.index("MLX peak"), "process": MEMORY_COLUMNS.index("process peak")}
     out = {"mlx": {}, "process": {}}
     for line in stdout.splitlines():
@@ -182,7 +182,7 @@ def timeline(runs: dict, path: Path):
 def reference_family(model) -> tuple:
     """(the family, the local path) of what the user named: a pipeline folder by model_index.json's _class_name (a
     cached hub id too), a single file by the family that claims its tensors (pipelines.family_of_file)."""
-    from .loading.sources import read_json, resolve_path  # heavy: mlxdiff.loading imports mlx_lm -> torch
+    from .loading.sources import read_json, resolve_path  # heavy: mlxdiff.loading imports MLX and the models (about 0.6 s)
     from .pipelines import by_pipeline_class, family_of_file  # heavy: as above
     path = resolve_path(model)
     if path.is_dir():

@@ -11,7 +11,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .arguments import MAX_IMAGES, check_generate, check_images, check_number, check_text
+from .arguments import (MAX_IMAGES, check_controlnets, check_generate, check_images, check_number, check_outpaint,
+                        check_text)
 from .files import read_capped
 from .cli import (ArgumentParser, check_png_name, check_writable, parse_layers, parse_loras, parse_quantize,
                   parse_text_encoders, main_exit, run, save_png)
@@ -22,8 +23,13 @@ PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encode
 
 def parse_args(argv=None):
     p = ArgumentParser(prog="python -m mlxdiff.generate", description=__doc__)
-    p.add_argument("--model", help="pipeline folder, hub id in the local HF cache, or single file "
-                                    "(default: the embedded default model under weights/)")
+    p.add_argument("--model", help="pipeline folder, hub id (ORG/NAME: what the run reads is downloaded into the "
+                                    "Hugging Face cache), or single file (default: the embedded default model under "
+                                    "weights/)")
+    p.add_argument("--revision", default=None, metavar="REV",
+                   help="a hub id's branch, tag or commit hash (default: main)")
+    p.add_argument("--no-download", action="store_true",
+                   help="read a hub id from the local Hugging Face cache only (as HF_HUB_OFFLINE=1 does)")
     p.add_argument("--prompt", default=None)
     p.add_argument("--prompts-file", default=None, metavar="FILE",
                    help="UTF-8 text, one prompt a line (blank lines skipped); each prompt is drawn with each seed")
@@ -59,8 +65,23 @@ def parse_args(argv=None):
     p.add_argument("--prediction-type", choices=("epsilon", "v_prediction"), default=None,
                    help="SD 2.x single files: what the UNet predicts (the file does not say)")
     p.add_argument("--mask", default=None, metavar="FILE",
-                   help="inpainting: the mask of --image (white: repaint, black: keep); FLUX.1 Fill's of the "
-                        "image's size, others resized to the output size")
+                   help="inpainting: the mask of --image (white: repaint, black: keep), any size: resized to the "
+                        "output size")
+    p.add_argument("--mask-blur", type=int, default=None, metavar="N",
+                   help="blur the mask first (Gaussian, radius N pixels: diffusers' mask_processor.blur)")
+    p.add_argument("--outpaint", default=None, metavar="LEFT,TOP,RIGHT,BOTTOM",
+                   help="outpainting: pixels added to each side of --image (filled with its edge pixels) and "
+                        "repainted; the mask is white there (and --mask inside, if given)")
+    p.add_argument("--controlnet", action="append", default=None, metavar="PATH[:SCALE]",
+                   help="SD 1.x / SDXL: a ControlNet (diffusers' ControlNetModel folder) at SCALE (default 1); repeat "
+                        "for several, each with its --control-image")
+    p.add_argument("--control-image", action="append", default=None, metavar="FILE",
+                   help="the control image of each --controlnet, in their order (used as it is: an edge map, a depth "
+                        "map, a pose; resized to the output size, which it sets when --width / --height are left out)")
+    p.add_argument("--control-start", type=float, default=None, metavar="S",
+                   help="the share of the steps after which the ControlNets start acting (0 to 1, default 0)")
+    p.add_argument("--control-end", type=float, default=None, metavar="E",
+                   help="the share of the steps after which they stop (0 to 1, default 1)")
     p.add_argument("--true-cfg-scale", type=float, default=None, metavar="S",
                    help="FLUX.1: true classifier-free guidance against --negative-prompt when above 1 (two forwards "
                         "a step; --guidance stays the embedded guidance)")
@@ -96,6 +117,12 @@ def parse_args(argv=None):
                         "(1: from pure noise; SD3.5 default 0.6)")
     p.add_argument("--output", default="out.png", help="the PNG; several images: out-0.png, out-1.png, ...")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--preview", default=None, metavar="FILE",
+                   help="write each denoising step's preview (the latents' RGB projection, at most 512 pixels a side) "
+                        "to this PNG, replaced atomically")
+    p.add_argument("--preview-vae", default=None, metavar="FILE",
+                   help="--preview decoded by this tiny VAE (TAESD / TAESDXL / TAESD3 / TAEF1 / TAEF2 safetensors: "
+                        "diffusers' AutoencoderTiny or madebyollin's *_decoder file) instead of the projection")
     return p.parse_args(argv)
 
 
@@ -157,6 +184,8 @@ class Job:
     loras: list
     image_names: list
     images: list
+    controlnets: list | None = None     # --controlnet: [(path, scale)]
+    control_images: list | None = None  # --control-image: PIL images, one per ControlNet
 
 
 def checked_job(args) -> Job:
@@ -173,16 +202,55 @@ def checked_job(args) -> Job:
     if count > MAX_IMAGES:
         raise MlxdiffError(f"{count} images (prompts x seeds): at most {MAX_IMAGES} in one command")
     outputs = [check_writable(o) for o in output_names(check_png_name(args.output), count)]
+    if args.preview is not None:
+        check_writable(check_png_name(args.preview))
+    if args.preview_vae is not None and args.preview is None:
+        raise MlxdiffError(f"--preview-vae {args.preview_vae}: decodes the --preview images; give --preview FILE too")
     text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
     image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
     if args.mask is not None and not images:
         raise MlxdiffError(f"--mask {args.mask}: a mask says where to repaint an image; give --image FILE too, or "
                            "leave --mask out")
+    if check_outpaint(args.outpaint) is not None and not images:
+        raise MlxdiffError(f"--outpaint {args.outpaint}: pads an image; give --image FILE too, or leave --outpaint out")
+    if check_number("mask_blur", args.mask_blur) is not None and args.mask is None and args.outpaint is None:
+        raise MlxdiffError(f"--mask-blur {args.mask_blur}: blurs a mask; give --mask FILE or --outpaint too, or leave "
+                           "--mask-blur out")
     check_number("memory_limit", args.memory_limit)
-    from .pipelines.step_cache import parse as parse_step_cache  # heavy: pipelines import mlx_lm -> torch
+    from .pipelines.step_cache import parse as parse_step_cache  # heavy: the pipelines import MLX and every family (about 0.6 s): --help and argument errors stay fast
     parse_step_cache(args.cache)
+    controlnets, control_images = checked_controls(args)
     return Job(prompts, seeds, count, outputs, parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers),
-               text_encoder, text_encoders, parse_loras(args.lora), image_names, images)
+               text_encoder, text_encoders, parse_loras(args.lora), image_names, images, controlnets, control_images)
+
+
+def checked_controls(args):
+    """--controlnet PATH[:SCALE] (a PATH whose name holds a colon is taken whole when it exists) and --control-image
+    FILE, one per ControlNet, --control-start / --control-end: checked before the model is read."""
+    controlnets = None
+    if args.controlnet:
+        controlnets = []
+        for value in args.controlnet:
+            path, sep, tail = value.rpartition(":")
+            if not sep or (Path(value).exists() and not Path(path).exists()):
+                path, tail = value, "1"
+            try:
+                scale = float(tail)
+            except ValueError:
+                raise MlxdiffError(f"--controlnet {value!r}: SCALE {tail!r} is not a number; give PATH or "
+                                   "PATH:SCALE, e.g. controlnet-canny:0.8") from None
+            controlnets += check_controlnets([(path, scale)])
+    _, control_images = check_images(args.control_image)
+    for name in ("control_start", "control_end"):
+        check_number("control_step", getattr(args, name))
+    given = len(control_images)
+    if controlnets is None and (given or args.control_start is not None or args.control_end is not None):
+        raise MlxdiffError("--control-image / --control-start / --control-end: steer a ControlNet; give "
+                           "--controlnet PATH too, or leave them out")
+    if controlnets is not None and given != len(controlnets):
+        raise MlxdiffError(f"--controlnet given {len(controlnets)} times but --control-image {given}: give one "
+                           "control image per ControlNet, in their order")
+    return controlnets, control_images or None
 
 
 def chosen_model(job: Job, args):
@@ -212,8 +280,8 @@ def run_options(args, pipe, job: Job):
     if args.cache is not None:
         pipe.new_step_cache(args.cache)      # this family takes it: checked before anything is read
         options["cache"] = args.cache
-    for name in ("scheduler", "clip_skip", "true_cfg_scale", "mask"):
-        value = getattr(args, name)
+    for name in ("scheduler", "clip_skip", "true_cfg_scale", "mask", "mask_blur", "outpaint"):
+        value = check_outpaint(args.outpaint) if name == "outpaint" else getattr(args, name)
         if value is not None:
             if name not in pipe.OPTIONS:
                 check_options(pipe.family, {name: value})
@@ -223,15 +291,20 @@ def run_options(args, pipe, job: Job):
         pipe.check_images(job.image_names, job.images, strength)     # how this family takes them, before any load
         options.update(image=job.images, strength=strength)
         strength = pipe.default_strength(options) if strength is None else strength
-        if strength is None or "mask" in options or pipe.SIZE_OF_IMAGE:   # references, an image to repaint, an
-                                                                          # init image that sizes: the image's size
+        # references, an image to repaint (or pad), an init image that sizes: the image's size
+        if strength is None or "mask" in options or "outpaint" in options or pipe.SIZE_OF_IMAGE:
             options.update(width=args.width, height=args.height)
+    if job.control_images:      # the ControlNets' images (their size the output's when none is given)
+        options.update(control_images=job.control_images, width=args.width, height=args.height,
+                       **{name: getattr(args, name) for name in ("control_start", "control_end")
+                          if getattr(args, name) is not None})
     return options, strength, steps
 
 
 def png_metadata(args, pipe, job: Job, model, options, strength) -> dict:
     """What every PNG of the job records (the prompt, seed and size are added per image)."""
-    given = {name: getattr(args, name) for name in ("scheduler", "cache", "true_cfg_scale", "mask")}
+    given = {name: getattr(args, name) for name in ("scheduler", "cache", "true_cfg_scale", "mask", "mask_blur",
+                                                    "outpaint")}
     base = {"negative_prompt": args.negative_prompt or "", "model": str(model or ""),
             "transformer": args.transformer or "", "text_encoder": " ".join(args.text_encoder or []),
             "vae": args.vae or "", "tokenizer": args.tokenizer or "",
@@ -242,6 +315,9 @@ def png_metadata(args, pipe, job: Job, model, options, strength) -> dict:
     if job.loras:
         from .lora import describe  # heavy: mlxdiff.lora imports numpy and the formats
         base["lora"] = describe(job.loras)
+    if job.controlnets:
+        base["controlnet"] = " ".join(f"{path}:{scale:g}" for path, scale in job.controlnets)
+        base["control_image"] = " ".join(args.control_image)
     return base
 
 
@@ -270,7 +346,8 @@ def make_images(args, pipe, job: Job, options, base, mine, writes, group, calls,
             if bar is not None and count > 1:
                 bar.set_description(f"image {k + 1}/{count}")
             start = time.perf_counter()
-            result = pipe.generate(prompt, seed=seed, callback=callback, progress_bar=False, **options)
+            result = pipe.generate(prompt, seed=seed, callback=callback, progress_bar=False,
+                                   on_step=None if args.preview is None else write_preview(args.preview), **options)
             if not writes:
                 if args.report_memory:      # every rank's own table: a rank holds its share (issue 27)
                     print(f"rank {group.rank()}:\n{result.memory_report()}", flush=True)
@@ -289,6 +366,13 @@ def make_images(args, pipe, job: Job, options, base, mine, writes, group, calls,
         if bar is not None:
             bar.close()
         pipe.release()
+
+
+def write_preview(path):
+    """--preview's on_step: each step's preview written over the last one (atomically: a viewer never reads half)."""
+    def on_step(step):
+        save_png(step.preview, path, {"step": f"{step.index + 1} of {step.total}", "generator": "mlxdiff"})
+    return on_step
 
 
 def closing_line(job: Job, group, writes, guidance_group, written) -> str:
@@ -313,13 +397,16 @@ def generate(args, written) -> int:
     guidance_group = group if args.split == "guidance" else None
     tensor_group = group if args.split == "tensor" else None      # every rank makes every image, together
     shared = guidance_group or tensor_group
-    from .pipelines import load as load_pipeline  # heavy: mlx_lm -> torch; mlxdiff.load with split=
+    from .pipelines import load as load_pipeline  # heavy: MLX and every family (about 0.6 s); mlxdiff.load with split=
     pipe = load_pipeline(model, group=shared, split=args.split if shared else None, transformer=args.transformer,
                          dtype=args.dtype, quantize=job.quantize, text_encoder=job.text_encoder,
                          text_encoders=job.text_encoders, vae=args.vae, tokenizer=args.tokenizer, matmul=args.matmul,
-                         loras=job.loras, prediction_type=args.prediction_type,
+                         loras=job.loras, prediction_type=args.prediction_type, controlnets=job.controlnets,
+                         download=not args.no_download, revision=args.revision,
                          keep=args.keep or ("auto" if job.count > 1 else "none"), memory_limit=args.memory_limit)
     options, strength, steps = run_options(args, pipe, job)
+    if args.preview_vae is not None:
+        pipe.set_preview_vae(args.preview_vae)
     base = png_metadata(args, pipe, job, model, options, strength)
     mine = share(job.count, None if shared else group)    # data-parallel: this rank's share of the images
     writes = shared is None or group.rank() == 0          # guidance- or tensor-parallel: rank 0 writes
@@ -335,7 +422,7 @@ def generate(args, written) -> int:
 
 def split_encoders(pipe) -> list:
     """The text encoders a tensor-parallel pipeline splits over its ranks too (loading/tensor_parallel.shardable)."""
-    from .loading.tensor_parallel import TensorParallelSpec  # heavy: mlx_lm -> torch
+    from .loading.tensor_parallel import TensorParallelSpec  # heavy: MLX and the models (about 0.6 s)
     return [name for name, spec in pipe.components.items()
             if name.startswith("text_encoder") and isinstance(spec, TensorParallelSpec)]
 

@@ -8,6 +8,8 @@ in the same numpy float64/float32 order, so it is equal bit for bit; `scale_mode
 schedulers' own. The config is the dict in scheduler/scheduler_config.json. Latents stay float32.
 """
 
+import math
+
 import numpy as np
 
 from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
@@ -46,7 +48,42 @@ _NOT_IMPLEMENTED = {"use_exponential_sigmas", "use_beta_sigmas", "rescale_betas_
                     "thresholding"}
 
 
+def _number(config, key, integer=False):
+    """config[key] as a finite number (a whole one for `integer`), else one line naming the key."""
+    value = config[key]
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not ok:
+        raise MlxdiffError(f"scheduler_config.json: {key} is {value!r}; expected a finite "
+                           f"{'whole ' if integer else ''}number, as the model's original scheduler config has it")
+    return value
+
+
+def check_values(config):
+    """The schedule's numbers: at least 2 training steps, betas strictly between 0 and 1 and rising from beta_start
+    to beta_end (a falling or degenerate schedule gives no valid sigmas), an offset that keeps the timesteps in the
+    training range. One line each, naming the key."""
+    n = _number(config, "num_train_timesteps", integer=True)
+    if not 2 <= n <= 100000:
+        raise MlxdiffError(f"scheduler_config.json: num_train_timesteps is {n}; expected 2 to 100000 (SD's is 1000)")
+    start, end = _number(config, "beta_start"), _number(config, "beta_end")
+    for key, value in (("beta_start", start), ("beta_end", end)):
+        if not 0 < value < 1:
+            raise MlxdiffError(f"scheduler_config.json: {key} is {value!r}; a beta must lie strictly between 0 and 1 "
+                               "(SD's: 0.00085 to 0.012)")
+    if start >= end:
+        raise MlxdiffError(f"scheduler_config.json: beta_start {start!r} is not below beta_end {end!r}; the noise "
+                           "schedule rises from beta_start to beta_end (SD's: 0.00085 to 0.012)")
+    offset = _number(config, "steps_offset", integer=True)
+    if not 0 <= offset < n:
+        raise MlxdiffError(f"scheduler_config.json: steps_offset is {offset}; expected 0 to {n - 1} (within "
+                           "num_train_timesteps)")
+    for key in ("sigma_min", "sigma_max"):
+        if config.get(key) is not None and not _number(config, key) > 0:
+            raise MlxdiffError(f"scheduler_config.json: {key} is {config[key]!r}; expected a positive number or null")
+
+
 def _check(config):
+    check_values(config)
     on = sorted(k for k in _NOT_IMPLEMENTED if config.get(k))
     if on:
         raise MlxdiffError(f"scheduler_config.json: {', '.join(on)} not supported by mlxdiff's samplers; use the "

@@ -38,8 +38,23 @@ def scheduler_config(config=None, **overrides) -> dict:
     if full["time_shift_type"] not in ("exponential", "linear"):
         raise MlxdiffError(f"scheduler_config.json: time_shift_type {full['time_shift_type']!r} must be "
                            "'exponential' or 'linear'")
-    if full["shift"] is None or full["shift"] <= 0:
+    for key in ("num_train_timesteps", "shift", "base_shift", "max_shift", "shift_terminal"):
+        value = full[key]
+        if value is None and key in ("base_shift", "max_shift", "shift_terminal"):
+            continue
+        whole = key == "num_train_timesteps"
+        if isinstance(value, bool) or not (isinstance(value, int) if whole else
+                                           isinstance(value, (int, float)) and math.isfinite(value)):
+            raise MlxdiffError(f"scheduler_config.json: {key} is {value!r}; expected a finite "
+                               f"{'whole ' if whole else ''}number, as the model's original scheduler config has it")
+    if not 1 <= full["num_train_timesteps"] <= 100000:
+        raise MlxdiffError(f"scheduler_config.json: num_train_timesteps is {full['num_train_timesteps']}; expected "
+                           "1 to 100000 (the released models' is 1000)")
+    if full["shift"] <= 0:
         raise MlxdiffError(f"scheduler_config.json: shift must be positive, got {full['shift']!r}")
+    if full["shift_terminal"] is not None and not 0 <= full["shift_terminal"] < 1:
+        raise MlxdiffError(f"scheduler_config.json: shift_terminal is {full['shift_terminal']!r}; expected a number "
+                           "from 0 (off) to below 1, or null")
     return full
 
 

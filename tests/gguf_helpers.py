@@ -9,7 +9,7 @@ and Q2_K, and the error of 16-bit scales).
 import struct
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gq
 
 T = GGMLQuantizationType
@@ -418,6 +418,84 @@ def write_t5_encoder_gguf(model, path, qtype=None):
     w.write_tensors_to_file()
     w.close()
     return path, decoded
+
+
+# -- city96's type mix (ComfyUI-GGUF tools/convert.py + lcpp.patch / lcpp_sd3.patch; tests/test_gguf_models.py) --
+
+FLUX2_KEEP = ("img_in.", "txt_in.", "time_in.", "guidance_in.", "vector_in.", "final_layer.",
+              "single_stream_modulation.", "double_stream_modulation_")
+SD3_KEEP = ("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.", "x_embedder.",
+            "proj_out.weight", "pos_embed")
+MIX = {"flux2": (FLUX2_KEEP, T.BF16), "sd3": (SD3_KEEP, T.F16)}
+
+
+def city96_type(name, shape, family):
+    keep, keep_type = MIX[family]
+    if len(shape) == 1 or int(np.prod(shape)) <= 1024:
+        return T.F32
+    if len(shape) != 2 or any(k in name for k in keep):
+        return keep_type
+    if shape[1] % 256:
+        return T.F16   # K-quant fallback
+    return T.Q5_K if "attn.qkv.weight" in name else T.Q4_K
+
+
+def _bf16_bytes(w):
+    """float32 -> bfloat16 (round to nearest even, as torch) as raw bytes [rows, 2 * cols]."""
+    import torch
+    bits = torch.from_numpy(np.ascontiguousarray(w, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
+    return bits.view(np.uint8).reshape(w.shape[0], -1)
+
+
+def write_city96_gguf(path, tensors: dict, family: str, arch: str, random=False, seed=0, block_scale=1e-3) -> dict:
+    """{name: float array | object with .shape} -> a GGUF in city96's mix; returns {name: type}. With random=True
+    the values are ignored (shapes only) and quantized tensors get random valid blocks whose float16 scales are
+    N(0, block_scale) (for memory and speed only; bench/gguf_cpu.py writes its file with this too)."""
+    rng = np.random.default_rng(seed)
+    writer = GGUFWriter(str(path), arch)
+    types = {}
+    for name, value in tensors.items():
+        shape = tuple(value.shape)
+        qtype = types[name] = city96_type(name, shape, family)
+        if random:
+            if qtype in (T.F32, T.F16, T.BF16):
+                value = (1 if qtype == T.F32 else 0.02) * rng.standard_normal(shape).astype(np.float32)
+            else:
+                blocks = random_blocks(qtype, shape[0], shape[1], rng, scale=block_scale)
+                writer.add_tensor(name, blocks, raw_dtype=qtype)
+                continue
+        value = np.asarray(value, np.float32)
+        if qtype == T.F32:
+            writer.add_tensor(name, value)
+        elif qtype == T.F16:
+            writer.add_tensor(name, value.astype(np.float16))
+        elif qtype == T.BF16:
+            writer.add_tensor(name, _bf16_bytes(value.reshape(shape[0], -1)), raw_dtype=T.BF16)
+        else:
+            writer.add_tensor(name, encode(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return types
+
+
+def dequantized(path) -> dict:
+    """{name: float32 array} of every tensor, dequantized by gguf-py (the reference decoder)."""
+    out = {}
+    for t in GGUFReader(str(path)).tensors:
+        shape = tuple(int(d) for d in reversed(t.shape))
+        out[t.name] = np.ascontiguousarray(gq.dequantize(t.data, t.tensor_type).reshape(shape), np.float32)
+    return out
+
+
+def torch_state(model) -> dict:
+    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+
+
+# weight noise: about 1/sqrt(fan-in), so that activations stay O(1) through the blocks (the float32 reference then
+# sits within 1e-6 of float64; checked in the tests)
+SCALE = 0.05
 
 
 if __name__ == "__main__":

@@ -327,3 +327,111 @@ def showing_moves(what, run):
         return latents, image
     return call
 
+
+# -- the tiny UNets of tests/test_unet.py, and the LoRA tests' CLIP twins and inputs (tests/test_lora_unet.py) ---------
+
+UNET_CONFIGS = {
+    "sd15": dict(
+        config=dict(sample_size=16, in_channels=4, out_channels=5, block_out_channels=(32, 48, 64),
+                    norm_num_groups=8, layers_per_block=2,
+                    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
+                    cross_attention_dim=24, attention_head_dim=8, use_linear_projection=False),
+        batch=2, size=(16, 24), seq=7, text=None),
+    "sdxl": dict(
+        config=dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 48),
+                    norm_num_groups=8, layers_per_block=(1, 2),
+                    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+                    cross_attention_dim=40, attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2),
+                    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+                    projection_class_embeddings_input_dim=20 + 6 * 8, flip_sin_to_cos=True, freq_shift=0),
+        batch=2, size=(12, 20), seq=5, text=20),
+}
+
+
+# CLIP-L-like (SD 1.5's encoder, SDXL's first; no projection) and CLIP-G-like (SDXL's second, projected)
+CLIPS = {
+    "L": dict(vocab_size=97, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5,
+              max_position_embeddings=23, hidden_act="quick_gelu", layer_norm_eps=1e-5, bos_token_id=0,
+              eos_token_id=2, pad_token_id=1),
+    "G": dict(vocab_size=101, hidden_size=48, intermediate_size=60, projection_dim=44, num_hidden_layers=2,
+              num_attention_heads=4, max_position_embeddings=19, hidden_act="gelu", layer_norm_eps=1e-5,
+              bos_token_id=98, eos_token_id=95, pad_token_id=0),
+}
+# the UNets of tests/test_unet.py, and an SDXL-like one with as many layers on each level (what SGM's flat
+# input_blocks / output_blocks numbering of kohya's SDXL files needs, as every released UNet has)
+UNETS = {**UNET_CONFIGS,
+         "sgm": {**UNET_CONFIGS["sdxl"], "config": {**UNET_CONFIGS["sdxl"]["config"], "layers_per_block": 2}}}
+
+
+def unet_inputs(family):
+    spec = UNETS[family]
+    cfg, b, (h, w) = spec["config"], spec["batch"], spec["size"]
+    rng = np.random.default_rng(5)
+    x = {"sample": rng.standard_normal((b, cfg["in_channels"], h, w)).astype(np.float32),
+         "timestep": np.array([981.0, 33.0], np.float32),
+         "context": rng.standard_normal((b, spec["seq"], cfg["cross_attention_dim"])).astype(np.float32),
+         "ids": {w: rng.integers(3, CLIPS[w]["vocab_size"] - 1, size=(2, 11)) for w in CLIPS}}
+    if spec["text"]:
+        x["added"] = {"text_embeds": rng.standard_normal((b, spec["text"])).astype(np.float32),
+                      "time_ids": np.array([[1024, 768, 0, 16, 1024, 768], [512, 512, 8, 0, 640, 512]], np.float32)}
+    return x
+
+
+# -- original single files (ldm / SGM names) of tiny SD 1.5 / SDXL twins (tests/test_sd_single_file.py) ----------------
+
+CLIP_L = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+              max_position_embeddings=16, hidden_act="quick_gelu", eos_token_id=2, bos_token_id=0, pad_token_id=1)
+BIG_G = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
+             max_position_embeddings=16, hidden_act="gelu", projection_dim=96, eos_token_id=2, bos_token_id=0,
+             pad_token_id=1)
+FAMILIES = {
+    "sd15": dict(
+        unet=dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64, 96), layers_per_block=2,
+                  down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64,
+                  attention_head_dim=8, use_linear_projection=False, norm_num_groups=32),
+        vae=dict(block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=32,
+                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
+        clip_prefix="cond_stage_model.transformer.", big_g=False, qtype="Q8_0", size=(16, 24)),
+    "sdxl": dict(
+        unet=dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(64, 128), layers_per_block=1,
+                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=192,
+                  transformer_layers_per_block=(1, 2), attention_head_dim=(1, 2), use_linear_projection=True,
+                  addition_embed_type="text_time", addition_time_embed_dim=256,
+                  projection_class_embeddings_input_dim=96 + 6 * 256, norm_num_groups=32),
+        vae=dict(block_out_channels=(32, 32, 64), layers_per_block=2, latent_channels=4, norm_num_groups=32,
+                 down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3),
+        clip_prefix="conditioner.embedders.0.transformer.", big_g=True, qtype="Q4_0", size=(12, 20)),
+}
+BIG_G_PREFIX = "conditioner.embedders.1.model."
+
+
+def _numpy(state):
+    return {k: v.detach().float().numpy().copy() for k, v in state.items()}
+
+
+def _state(model) -> dict:
+    """A torch model's state dict in the names its checkpoints hold: transformers 5's CLIPTextModel leaves out the
+    `text_model.` level that every CLIP-L checkpoint (and CLIPTextModelWithProjection) has."""
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+    if type(model).__name__ == "CLIPTextModel":
+        state = {k if k.startswith("text_model.") else "text_model." + k: v for k, v in state.items()}
+    return state
+
+
+def _checkpoint(models, spec) -> dict:
+    """The ldm / SGM-named checkpoint {name: float32 numpy} of the torch models."""
+    cfg = spec["unet"]
+    up_attention = [t == "CrossAttnUpBlock2D" for t in cfg["up_block_types"]]
+    out = {"model.diffusion_model." + k: v
+           for k, v in unet_to_ldm(_numpy(_state(models["unet"])), cfg["layers_per_block"], up_attention).items()}
+    out.update({"first_stage_model." + k: v for k, v in
+                vae_to_ldm(_numpy(_state(models["vae"])), len(spec["vae"]["block_out_channels"])).items()})
+    out.update({spec["clip_prefix"] + k: v for k, v in _numpy(_state(models["text_encoder"])).items()})
+    if spec["big_g"]:
+        out.update({BIG_G_PREFIX + k: v for k, v in
+                    clip_to_openclip(_numpy(_state(models["text_encoder_2"])), np.concatenate).items()})
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}   # safetensors.numpy writes the buffer as laid out

@@ -297,3 +297,36 @@ def flux1_lora_files(root, name, dim, num_single_layers, generator, rank=4, alph
         files[naming] = Path(root) / f"{name}-{naming}-lora.safetensors"
         save_file({k: v.clone().contiguous() for k, v in tensors.items()}, str(files[naming]))
     return files
+
+
+# -- LyCORIS tests: a quantized mlxdiff transformer and the torch twin holding its dequantized weights (tests/test_lycoris.py)
+
+
+def quantized(model):
+    """mlxdiff's transformer with its Linear layers affine-quantized (8 bits, groups of 32)."""
+    import mlx.nn as nn
+    nn.quantize(model, group_size=32, bits=8,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[1] % 32 == 0)
+    assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    return model
+
+
+def dequantized_twin(twin, model):
+    """A copy of the torch twin holding the quantized mlxdiff model's dequantized weights."""
+    import copy
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    import torch
+    out = copy.deepcopy(twin)
+    with torch.no_grad():
+        for path, m in model.named_modules():
+            if isinstance(m, nn.QuantizedLinear):
+                w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
+            elif type(m).__name__ == "RawLinear":
+                from mlxdiff.formats.gguf import decode_rows
+                w = decode_rows(m.weight, m.type_name)
+            else:
+                continue
+            out.get_submodule(path).weight.copy_(torch.from_numpy(np.array(w)))
+    return out

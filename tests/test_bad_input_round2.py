@@ -26,34 +26,14 @@ import PIL.Image
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from adversarial import refused, run_cases  # noqa: E402
+from adversarial import run_cases  # noqa: E402
 
-from mlxdiff import default_model  # noqa: E402
 from mlxdiff.errors import MlxdiffError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import fuzz_gguf_text  # noqa: E402  (the GGUF text-encoder writer and base files the fuzzer mutates)
-
-MODEL = str(default_model.FOLDER)
-CHEAP = ["--model", MODEL, "--steps", "1", "--width", "16", "--height", "16", "--no-progress"]
-FAST = 30   # seconds a case may take: a hang is a failure, not a stalled suite
-
-
-def gen(out, *argv):
-    return {"cli": "mlxdiff.generate", "argv": [*CHEAP, "--output", str(out), *argv], "timeout": FAST}
-
-
-def lines(outcome):
-    return [line for line in outcome.stderr.splitlines() if line.strip()]
-
-
-def assert_refused(outcome, *needles):
-    assert refused(outcome), outcome.describe()
-    line = lines(outcome)[0]
-    assert line.startswith("mlxdiff: error: "), outcome.describe()
-    for needle in needles:
-        assert needle in line, (needle, outcome.describe())
+from bad_input_helpers import CHEAP, FAST, MODEL, assert_refused, gen, lines  # noqa: E402
 
 
 def copy_model(dest) -> Path:

@@ -14,12 +14,10 @@ from safetensors.torch import save_file
 import mlxdiff
 from conftest import ASSETS, FIXTURES
 import parity
-from gguf_helpers import write_q8_0_gguf
+from chroma_helpers import check_parity, diffusers_converter, reference_run
+from gguf_helpers import dequantized, write_q8_0_gguf
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
-from test_chroma_pipeline import check_parity, reference_run
-from test_chroma_transformer import diffusers_converter
-from test_gguf_models import dequantized
 from twins import chroma_to_original, diffusers_to_ldm
 import fixture_guard
 

@@ -12,8 +12,8 @@ import mlxdiff
 import parity
 from lora_helpers import flux1_lora_files
 from mlxdiff.errors import MlxdiffError
-from test_chroma_pipeline import (H, W, check_parity, chroma_tiny, packed_noise,  # noqa: F401  (the fixture)
-                                  reference_run)
+from chroma_helpers import (H, W, check_parity, chroma_tiny, packed_noise,  # noqa: F401  (the fixture)
+                            reference_run)
 import fixture_guard
 
 RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5

@@ -1,7 +1,6 @@
 """Parity of mlxdiff.models.chroma with diffusers' ChromaTransformer2DModel (with its text mask), from a diffusers
 folder and from a file in lodestones' original naming (with and without `model.diffusion_model.`)."""
 
-import inspect
 import json
 
 import numpy as np
@@ -16,6 +15,7 @@ from mlxdiff.formats.safetensors import load_folder, load_safetensors
 from mlxdiff.loading import sources
 from mlxdiff.models import chroma, flux1, flux2
 from twins import chroma_to_original
+from chroma_helpers import diffusers_converter
 
 # every dimension differs from the others (heads, head dim, D, 4D, in, out, joint, approximator width and input,
 # text length, image tokens); RoPE axes unequal as Chroma's (16, 56, 56); head_dim / 8 first, as the shapes say
@@ -92,17 +92,6 @@ def test_folder_parity_with_and_without_the_text_mask(saved):
         assert max_rel_err(torch_forward(torch_model, moved, mask[::-1].copy()), ref) > 1e-3, key
         assert max_rel_err(mlx_forward(ours, moved, mask[::-1].copy()),
                            torch_forward(torch_model, moved, mask[::-1].copy())) <= 1e-4, key
-
-
-def diffusers_converter(width):
-    """diffusers' convert_chroma_transformer_checkpoint_to_diffusers with its hard-coded width (3072) set to the
-    test's: the reference for the original names at tiny sizes."""
-    from diffusers.loaders import single_file_utils
-    source = inspect.getsource(single_file_utils.convert_chroma_transformer_checkpoint_to_diffusers)
-    assert "inner_dim = 3072" in source
-    namespace = dict(vars(single_file_utils))
-    exec(source.replace("inner_dim = 3072", f"inner_dim = {width}"), namespace)
-    return namespace["convert_chroma_transformer_checkpoint_to_diffusers"]
 
 
 @pytest.fixture(scope="module")

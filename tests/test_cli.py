@@ -134,7 +134,7 @@ def test_sd3_skip_layers_bounded(sd3_tiny, tmp_path, capsys):
     for layers, needle in (([3], "from 0 to 2"), ([1, 1], "distinct"), ([], "layer indices"), ([True], "True")):
         with pytest.raises(mlxdiff.MlxdiffError, match=needle):
             pipe.generate("a cat", skip_guidance_layers=layers, **kw)
-    with pytest.raises(mlxdiff.MlxdiffError, match="FLUX.2 models only"):
+    with pytest.raises(mlxdiff.MlxdiffError, match="an option of FLUX.2 and FLUX 3 models only; this is an SD3.5 model"):
         pipe.generate("a cat", text_encoder_out_layers=[1], **kw)
     with pytest.raises(mlxdiff.MlxdiffError, match="max_sequence_length=513"):
         pipe.generate("a cat", max_sequence_length=513, **kw)

@@ -14,6 +14,7 @@ import pytest
 import mlxdiff  # noqa: F401
 import mlx.core as mx
 
+from coreml_helpers import Wrapper      # the UNet as `self.unet`, returning the sample
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats import coreml
@@ -174,8 +175,6 @@ UNET = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16
 @pytest.fixture(scope="module")
 def unet_package(tmp_path_factory):
     from diffusers import UNet2DConditionModel
-    from test_coreml_pipeline import Wrapper      # the UNet as `self.unet`, returning the sample
-
     torch.manual_seed(0)
     unet = randomize_(UNet2DConditionModel(**UNET), seed=10, scale=0.15).eval()
     x, t, c = torch.zeros(1, 4, 8, 8), torch.tensor([10.0]), torch.zeros(1, 5, 20)

@@ -27,22 +27,12 @@ from helpers import max_rel_err
 import fixture_guard
 from ldm_helpers import reference, sd15_components, showing_moves
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
+from coreml_helpers import Wrapper
 
 warnings.filterwarnings("ignore")
 
 H, W = 48, 40                 # latents 12 x 10 (the tiny VAE's factor is 4)
 PROMPT = "a red fox in the snow"
-
-
-class Wrapper(torch.nn.Module):
-    """What one traces: the UNet as `self.unet` (its names then start with `unet_`), returning the sample."""
-
-    def __init__(self, unet):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, x, t, c):
-        return self.unet(x, t, c, return_dict=False)[0]
 
 
 def _assert_matches(folder, package, pipe, seed, steps):

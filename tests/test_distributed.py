@@ -8,19 +8,16 @@
 (mlx.launch exits 0 whatever its ranks do and reports each rank's exit code: the tests read those lines.)
 """
 
-import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import PIL.Image
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
-CHEAP = ["--steps", "2", "--no-progress"]
+from distributed_helpers import CHEAP, ROOT, launch
+from distributed_helpers import launcher  # noqa: F401  (the fixture)
+
 WRAPPER = """import os, runpy, sys
 rank = int(os.environ.get("MLX_RANK", "0"))
 {body}
@@ -29,25 +26,10 @@ runpy.run_module("mlxdiff.generate", run_name="__main__", alter_sys=True)
 """
 
 
-def launch(*argv, timeout=300, port=32323):
-    """`mlx.launch --backend ring -n 2` of python *argv; `port`: the ring's first port (mlx.launch's default here;
-    each test file that launches uses its own, so that pytest-xdist's workers may run two files at once)."""
-    cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--", sys.executable, *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
 def wrapper(tmp_path, name, body) -> str:
     path = tmp_path / f"{name}.py"
     path.write_text(WRAPPER.format(body=body))
     return str(path)
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    if not Path(LAUNCH).exists():
-        pytest.fail(f"mlx.launch not found next to {sys.executable} (it ships with mlx)")
-    return LAUNCH
 
 
 def test_data_parallel_images_equal_the_single_process(launcher, tmp_path):

@@ -3,8 +3,8 @@ the encoder is a 4 B / 7 B model, and under keep="none" or a memory limit a seco
 (or the resident part of a streamed one) from the file again."""
 
 import mlxdiff
-from test_qwenimage_pipeline import qwen_tiny  # noqa: F401  (the fixture)
-from test_zimage_pipeline import zimage_tiny  # noqa: F401  (the fixture)
+from qwenimage_helpers import qwen_tiny  # noqa: F401  (the fixture)
+from zimage_helpers import zimage_tiny  # noqa: F401  (the fixture)
 
 
 def encoder_builds(folder, **kw):

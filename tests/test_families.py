@@ -21,7 +21,7 @@ from mlxdiff.pipelines.family import PART_KEYWORDS, LoadRequest, check_options, 
 PACKAGE = Path(mlxdiff.__file__).parent
 IDS = [f.name for f in FAMILIES]
 # what a layout may name that is no model: tokenizers (None: any class) and schedulers (their classes' names)
-NOT_MODELS = ("tokenizer", "scheduler")
+NOT_MODELS = ("tokenizer", "scheduler", "processor")   # processor: QwenImage21Pipeline's tokenizer
 
 
 def test_names_and_classes_are_unique():

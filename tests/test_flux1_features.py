@@ -9,16 +9,15 @@ from safetensors.torch import save_file
 import mlxdiff
 import mlx.core as mx
 
+from flux1_helpers import GGUF_CONFIG as CONFIG, H, W, flux1_components, gguf_inputs as inputs, packed_noise
+from gguf_helpers import SCALE, torch_state
 from helpers import max_rel_err, randomize_
+from memory_helpers import streamed_count
 from mlxdiff.convert import convert
 from mlxdiff.loading import sources
 from mlxdiff.loading.component import load_component
 from mlxdiff.models import flux1
 from mlxdiff.policy import RunPolicy, installed
-from test_flux1_gguf import CONFIG, inputs
-from test_flux1_pipeline import H, W, flux1_components, packed_noise
-from test_gguf_models import SCALE, torch_state
-from test_streaming import streamed_count
 from twins import flux1_to_bfl
 
 RUN = dict(width=W, height=H, steps=2, guidance=3.5, progress_bar=False)

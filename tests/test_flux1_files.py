@@ -14,7 +14,8 @@ from conftest import ASSETS, FIXTURES
 import parity
 from helpers import randomize_
 from mlxdiff.errors import MlxdiffError
-from test_flux1_pipeline import check_parity, reference_run
+from flux1_helpers import check_parity, flux1_components, reference_run
+from flux2_helpers import CONFIGS as FLUX2_CONFIGS, make_torch_model
 from twins import diffusers_to_ldm, flux1_to_bfl
 import fixture_guard
 
@@ -183,8 +184,6 @@ def test_true_cfg_scale_is_flux1s_only(files, sd3_tiny, tmp_path, capsys):
 def test_a_flux2_transformer_given_to_flux1_is_one_line(tmp_path):
     """The reverse of test_flux1_file_is_not_taken_for_flux2: a FLUX.2 BFL file as a FLUX.1 folder's transformer."""
     from diffusers import FluxPipeline
-    from test_flux1_pipeline import flux1_components
-    from test_flux2_transformer import CONFIGS as FLUX2_CONFIGS, make_torch_model
     from twins import flux2_to_bfl
     folder = tmp_path / "dev"
     FluxPipeline(**flux1_components("dev", seed=4)).save_pretrained(str(folder))

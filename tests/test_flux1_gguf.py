@@ -18,27 +18,11 @@ from helpers import max_rel_err, randomize_
 from mlxdiff.formats.gguf import RawLinear
 from mlxdiff.loading import sources
 from mlxdiff.models import flux1
-from test_flux1_transformer import diffusers_converter
-from test_gguf_models import SCALE, dequantized, torch_state, write_city96_gguf
+from flux1_helpers import GGUF_CONFIG as CONFIG, diffusers_converter, gguf_inputs as inputs
+from gguf_helpers import SCALE, dequantized, torch_state, write_city96_gguf
 from twins import flux1_to_bfl
 
-# D = 256 (4 heads of 64) so that every quantized in-dim (D, 4D, 5D) is a multiple of 256; the others differ
-CONFIG = dict(patch_size=1, in_channels=24, out_channels=None, num_layers=2, num_single_layers=2,
-              attention_head_dim=64, num_attention_heads=4, joint_attention_dim=40, pooled_projection_dim=52,
-              guidance_embeds=True, axes_dims_rope=(8, 28, 28))
 MIXES = ("Q4_K_M", "Q8_0", "Q4_0")
-
-
-def inputs(seed=0, grid=(4, 5), text_len=6):
-    import torch
-    from diffusers import FluxPipeline
-    rng = np.random.default_rng(seed)
-    return dict(hidden_states=rng.standard_normal((2, grid[0] * grid[1], 24)).astype(np.float32),
-                encoder_hidden_states=rng.standard_normal((2, text_len, 40)).astype(np.float32),
-                pooled_projections=rng.standard_normal((2, 52)).astype(np.float32),
-                timestep=np.array([0.9731, 0.2125], np.float32), guidance=np.array([3.5, 2.0], np.float32),
-                img_ids=FluxPipeline._prepare_latent_image_ids(1, *grid, "cpu", torch.float32).numpy(),
-                txt_ids=np.zeros((text_len, 3), np.float32))
 
 
 def torch_forward(model, x):

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 import mlxdiff
 import parity
 from lora_helpers import flux1_lora_files
-from test_flux1_pipeline import H, W, check_parity, flux1_components, packed_noise, reference_run
+from flux1_helpers import H, W, check_parity, flux1_components, packed_noise, reference_run
 import fixture_guard
 
 RANK, ALPHA = 4, 2.0       # kohya's scale alpha / rank = 0.5

@@ -21,12 +21,11 @@ import pytest
 import torch
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
+from flux1_helpers import make_inputs, make_torch_model, mlx_forward, torch_forward
 from helpers import load_ours, max_rel_err
-from lora_helpers import save, to_lycoris
+from lora_helpers import dequantized_twin, quantized, save, to_lycoris
 from mlxdiff import lora
 from mlxdiff.models import flux1
-from test_flux1_transformer import make_inputs, make_torch_model, mlx_forward, torch_forward
-from test_lycoris import dequantized_twin, quantized
 
 ALPHA = 8
 

@@ -6,56 +6,17 @@ import pytest
 import torch
 
 import mlxdiff
-from conftest import ASSETS, FIXTURES
 import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 import fixture_guard
-
-H, W = 40, 24      # non-square; multiples of vae_scale_factor (2) * 2 (the 2x2 patches)
-LATENT = 5         # VAE latent channels: the transformer takes 4 x 5 = 20
+from flux1_helpers import H, LATENT, W, check_parity, flux1_components, packed_noise, reference_run
 
 
 @pytest.fixture(autouse=True)
 def _shared_fixtures_unchanged(request):
     """The module's shared fixtures are left as built (fixture_guard)."""
     yield from fixture_guard.unchanged(request, ['flux1_tiny', 'kontext_tiny', 'fill_tiny', 'control_tiny'])
-
-
-def flux1_components(variant, seed=0):
-    """A tiny FluxPipeline, every dimension distinct: CLIP-L 36 wide (pooled), T5 44 wide, a transformer 48 wide
-    (3 heads of 16, RoPE axes 4, 6, 6), a 5-channel VAE. dev: guidance embedder and dev's scheduler (dynamic
-    shifting); schnell: neither (shift 1)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, T5Config, T5EncoderModel, T5TokenizerFast
-    torch.manual_seed(seed)
-    clip = CLIPTextModel(CLIPTextConfig(
-        vocab_size=49408, hidden_size=36, intermediate_size=52, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=77, hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=1))
-    t5 = T5EncoderModel(T5Config(
-        vocab_size=32128, d_model=44, d_kv=10, d_ff=60, num_layers=2, num_heads=3, feed_forward_proj="gated-gelu",
-        relative_attention_num_buckets=10, relative_attention_max_distance=24))
-    dev = variant == "dev"
-    transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=4 * LATENT, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=3, joint_attention_dim=44, pooled_projection_dim=36, guidance_embeds=dev,
-        axes_dims_rope=(4, 6, 6))
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, block_out_channels=(8, 12), layers_per_block=1, latent_channels=LATENT,
-        norm_num_groups=4, down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
-    for i, m in enumerate((clip, t5, transformer, vae)):
-        randomize_(m, seed=seed * 10 + i, scale=0.15)
-        m.eval()
-    vocab = FIXTURES / "clip" if (FIXTURES / "clip" / "vocab.json").exists() else ASSETS / "clip"
-    t5_file = FIXTURES / "t5" if (FIXTURES / "t5" / "tokenizer.json").exists() else ASSETS / "t5"
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-        max_image_seq_len=4096) if dev else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
-    return dict(transformer=transformer, vae=vae, text_encoder=clip, text_encoder_2=t5,
-                tokenizer=CLIPTokenizer(str(vocab / "vocab.json"), str(vocab / "merges.txt"), model_max_length=77),
-                tokenizer_2=T5TokenizerFast(tokenizer_file=str(t5_file / "tokenizer.json"), model_max_length=512),
-                scheduler=scheduler)
 
 
 @pytest.fixture(scope="module", params=["dev", "schnell"])
@@ -65,34 +26,6 @@ def flux1_tiny(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(f"flux1_{request.param}")
     FluxPipeline(**flux1_components(request.param)).save_pretrained(str(folder))
     return request.param, folder, FluxPipeline.from_pretrained(str(folder))
-
-
-def packed_noise(seed):
-    return np.random.default_rng(seed).standard_normal((1, (H // 4) * (W // 4), 4 * LATENT)).astype(np.float32)
-
-
-def reference_run(pipe, noise, generator_seed=None, height=H, width=W, **kw):
-    """One diffusers run from the packed noise (a generator seeded afresh where the pipeline draws a VAE posterior):
-    (its final latents, unpacked to the VAE's layout, from the step callback; its image in [0, 1])."""
-    final = {}
-
-    def keep_latents(_, i, t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-    if generator_seed is not None:
-        kw["generator"] = torch.Generator().manual_seed(generator_seed)
-    image = pipe(height=height, width=width, latents=torch.from_numpy(noise), output_type="np",
-                 callback_on_step_end=keep_latents, **kw).images[0]
-    return pipe._unpack_latents(final["latents"], height, width, pipe.vae_scale_factor).numpy(), image
-
-
-def check_parity(result, ref_latents, ref_image, what):
-    """mlxdiff's latents within LATENT_TOL of diffusers', its image within IMAGE_LEVELS."""
-    err = max_rel_err(result.latents, ref_latents)
-    shift = parity.levels(result.image, ref_image)
-    print(f"{what}: latents max_rel_err {err:.2e}, image {shift}/255; notes {result.notes}")
-    assert err <= parity.LATENT_TOL and shift <= parity.IMAGE_LEVELS
-    return err
 
 
 @pytest.mark.parametrize("case", ["guidance", "true_cfg"])
@@ -268,11 +201,13 @@ def test_fill_inputs_are_one_line(fill_tiny, flux1_tiny):
         pipe.generate("a cat", image=image, steps=1)
     with pytest.raises(MlxdiffError, match="give both --image and --mask"):
         pipe.generate("a cat", steps=1, width=W, height=H)
-    with pytest.raises(MlxdiffError, match=r"the mask must have the image's size"):
-        pipe.generate("a cat", image=image, mask=fill_mask_picture(W + 4, H, (0, 0, 4, 4)), steps=1)
-    _, other, _ = flux1_tiny
-    with pytest.raises(MlxdiffError, match="mask: FLUX.1 Fill's"):
-        mlxdiff.load(str(other)).generate("a cat", image=image, mask=fill_mask_picture(W, H, (0, 0, 4, 4)), steps=1)
+    # a mask of another size is resized to the output's, as diffusers' mask_processor does, with a note
+    other_size = pipe.generate("a cat", image=image, mask=fill_mask_picture(W + 4, H, (0, 0, 4, 4)), steps=1,
+                               progress_bar=False)
+    assert other_size.image.size == (W, H) and any("another aspect ratio" in n for n in other_size.notes)
+    _, other, _ = flux1_tiny       # dev and schnell inpaint too (FluxInpaintPipeline: tests/test_inpaint_flux1.py)
+    with pytest.raises(MlxdiffError, match=r"mask: a mask says where to repaint an image; give image= \(--image\)"):
+        mlxdiff.load(str(other)).generate("a cat", mask=fill_mask_picture(W, H, (0, 0, 4, 4)), steps=1)
 
 
 # -- Depth / Canny: a control image on the channels (FluxControlPipeline) ---------------------------------------------

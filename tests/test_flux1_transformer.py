@@ -1,83 +1,20 @@
 """Parity of mlxdiff.models.flux1 with diffusers' FluxTransformer2DModel: from a diffusers folder, and from a single
 file in Black Forest Labs' original naming (with and without `model.diffusion_model.`)."""
 
-import inspect
 import json
 
-import numpy as np
 import pytest
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
+from helpers import load_ours, max_rel_err, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats.safetensors import load_folder, load_safetensors
 from mlxdiff.loading import sources
 from mlxdiff.models import flux1, flux2
 from twins import flux1_to_bfl
-
-# Within each config every dimension differs from the others (heads, head dim, D, 4D, 5D, 7D, in, out, joint, pooled,
-# text length, image tokens), so a swapped axis cannot pass. The RoPE axes are unequal, as FLUX.1's (16, 56, 56).
-CONFIGS = {
-    # dev-like: guidance embedder, out_channels null (= in); head_dim / 8 then halves, as config_from_original infers
-    "dev": dict(patch_size=1, in_channels=20, out_channels=None, num_layers=2, num_single_layers=3,
-                attention_head_dim=32, num_attention_heads=3, joint_attention_dim=28, pooled_projection_dim=36,
-                guidance_embeds=True, axes_dims_rope=(4, 14, 14)),
-    # schnell-like: no guidance embedder, out != in (as Fill's 384 -> 64)
-    "schnell": dict(patch_size=1, in_channels=52, out_channels=12, num_layers=1, num_single_layers=2,
-                    attention_head_dim=24, num_attention_heads=2, joint_attention_dim=40, pooled_projection_dim=44,
-                    guidance_embeds=False, axes_dims_rope=(4, 10, 10)),
-}
-GRID = {"dev": (3, 7), "schnell": (5, 6)}        # latent token grid (h, w)
-REF_GRID = {"dev": (2, 3), "schnell": None}      # dev: Kontext's reference tokens appended (ids index 1)
-TEXT_LEN = {"dev": 9, "schnell": 7}
-
-
-def make_torch_model(name, seed, dtype=None):
-    import torch
-    from diffusers import FluxTransformer2DModel
-    torch.manual_seed(seed)
-    model = FluxTransformer2DModel(**CONFIGS[name])
-    randomize_(model, seed=seed)
-    return (model if dtype is None else model.to(dtype)).eval()
-
-
-def make_inputs(name, seed=0):
-    """Random latents, text and pooled vector; the position ids exactly as diffusers' FluxPipeline (and, for the
-    reference tokens, FluxKontextPipeline) builds them."""
-    import torch
-    from diffusers import FluxPipeline
-    cfg, (h, w), batch = CONFIGS[name], GRID[name], 2
-    rng = np.random.default_rng(seed)
-    img_ids = FluxPipeline._prepare_latent_image_ids(batch, 2 * h, 2 * w, "cpu", torch.float32)   # (0, row, col)
-    if REF_GRID[name]:
-        ref_ids = FluxPipeline._prepare_latent_image_ids(batch, 2 * REF_GRID[name][0], 2 * REF_GRID[name][1], "cpu",
-                                                         torch.float32)
-        ref_ids[..., 0] = 1                                  # FluxKontextPipeline: the image's index is 1
-        img_ids = torch.cat([img_ids, ref_ids])
-    n_img = img_ids.shape[0]
-    text = rng.standard_normal((batch, TEXT_LEN[name], cfg["joint_attention_dim"])).astype(np.float32)
-    inputs = dict(hidden_states=rng.standard_normal((batch, n_img, cfg["in_channels"])).astype(np.float32),
-                  encoder_hidden_states=text,
-                  pooled_projections=rng.standard_normal((batch, cfg["pooled_projection_dim"])).astype(np.float32),
-                  timestep=np.array([0.9731, 0.2125], dtype=np.float32),       # sigmas: the pipeline's t / 1000
-                  img_ids=img_ids.numpy(), txt_ids=np.zeros((TEXT_LEN[name], 3), dtype=np.float32))
-    assert len(np.unique(inputs["img_ids"], axis=0)) == n_img                   # every image token has its own id
-    if cfg["guidance_embeds"]:
-        inputs["guidance"] = np.array([3.5, 2.0], dtype=np.float32)
-    return inputs
-
-
-def torch_forward(model, inputs):
-    import torch
-    with torch.no_grad():
-        out = model(**{k: torch.from_numpy(v) for k, v in inputs.items()}, return_dict=False)
-    return out[0].float().numpy()
-
-
-def mlx_forward(model, inputs):
-    return np.array(model(**{k: mx.array(v) for k, v in inputs.items()}).astype(mx.float32))
+from flux1_helpers import CONFIGS, diffusers_converter, make_inputs, make_torch_model, mlx_forward, torch_forward
 
 
 saved = saved_model_fixture(make_torch_model, CONFIGS, "flux1")   # (config name, torch model, its folder)
@@ -116,16 +53,6 @@ def test_position_ids_must_cover_the_tokens(saved):
 
 
 # -- BFL original naming ------------------------------------------------------------------------------------------
-
-def diffusers_converter(width):
-    """diffusers' convert_flux_transformer_checkpoint_to_diffusers with its hard-coded width (3072, FLUX.1's) set to
-    `width`: the reference for our key map at the tests' tiny sizes."""
-    from diffusers.loaders import single_file_utils
-    source = inspect.getsource(single_file_utils.convert_flux_transformer_checkpoint_to_diffusers)
-    assert "inner_dim = 3072" in source
-    namespace = dict(vars(single_file_utils))
-    exec(source.replace("inner_dim = 3072", f"inner_dim = {width}"), namespace)
-    return namespace["convert_flux_transformer_checkpoint_to_diffusers"]
 
 
 @pytest.fixture(scope="module")

@@ -9,41 +9,18 @@ import pytest
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from helpers import load_ours, max_rel_err, randomize_, saved_model_fixture
+from helpers import load_ours, max_rel_err, saved_model_fixture
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats.keymaps import remap
 from mlxdiff.formats.safetensors import load_folder, load_safetensors
 from mlxdiff.loading import sources
 from mlxdiff.models import flux2
 from twins import flux2_to_bfl
+from flux2_helpers import CONFIGS, make_torch_model
 
-# Within each config every dimension differs from the others (heads, head dim, D, M, 2M, 3D+2M, D+M, in, out, joint,
-# sinusoid channels, text length, image tokens), so a swapped axis cannot pass. The axes are equal within a config
-# (config_from_original can only know their sum); unequal axes are tested on the RoPE table alone below.
-CONFIGS = {
-    # FLUX.2-dev-like: guidance embedder, out_channels null (= in), mlp ratio 2.5
-    "dev": dict(patch_size=1, in_channels=20, out_channels=None, num_layers=2, num_single_layers=3,
-                attention_head_dim=16, num_attention_heads=3, joint_attention_dim=28, timestep_guidance_channels=36,
-                mlp_ratio=2.5, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6, guidance_embeds=True),
-    # klein-like: no guidance embedder, out != in, the real 256 sinusoid channels and mlp ratio 3
-    "klein": dict(patch_size=1, in_channels=16, out_channels=12, num_layers=1, num_single_layers=2,
-                  attention_head_dim=24, num_attention_heads=2, joint_attention_dim=40, timestep_guidance_channels=256,
-                  mlp_ratio=3.0, axes_dims_rope=(6, 6, 6, 6), rope_theta=2000, eps=1e-6, guidance_embeds=False),
-}
 GRID = {"dev": (3, 7), "klein": (5, 6)}        # latent grid (h, w) of the noise tokens
 REF_GRID = {"dev": (2, 3), "klein": None}      # dev: a reference image appended, as in editing (ids t = 10)
 TEXT_LEN = {"dev": 9, "klein": 7}
-
-
-def make_torch_model(name, seed, dtype=None):
-    import torch
-    from diffusers import Flux2Transformer2DModel
-    torch.manual_seed(seed)
-    model = Flux2Transformer2DModel(**CONFIGS[name])
-    randomize_(model, seed=seed)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model.eval()
 
 
 def make_inputs(name, seed=0):

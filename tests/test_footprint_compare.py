@@ -13,36 +13,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from gguf_helpers import write_city96_gguf
+from helpers import randomize_
+from ldm_helpers import sd15_components, sdxl_components
 from mlxdiff import footprint
 from mlxdiff.errors import MlxdiffError
+from twins import build_pipeline, flux2_to_bfl
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "weights" / "klein-shapes"
 LABELS = ("mlxdiff", "diffusers as is", "diffusers sequential")
 PHASES = ("load", "encode", "denoise", "decode")
-
-
-def _import(name, modules):
-    """The first of `modules` that defines `name`: the shared builders are moving from the test modules into
-    tests/twins.py / helpers.py / gguf_helpers.py; prefer those, fall back on the test module."""
-    import importlib
-    for module in modules:
-        try:
-            found = getattr(importlib.import_module(module), name, None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    raise ImportError(f"{name} is in none of {modules}")
-
-
-SHARED = ("twins", "gguf_helpers", "helpers")
-build_pipeline = _import("build_pipeline", SHARED + ("test_flux2_pipeline",))
-flux2_to_bfl = _import("flux2_to_bfl", SHARED + ("test_gguf_models",))
-write_city96_gguf = _import("write_city96_gguf", SHARED + ("test_gguf_models",))
-randomize_ = _import("randomize_", ("helpers", "twins"))
-sd15_components = _import("sd15_components", SHARED + ("test_sd_pipeline",))
-sdxl_components = _import("sdxl_components", SHARED + ("test_sd_pipeline",))
 
 
 def run_compare(out, *args):

@@ -12,7 +12,6 @@ is a multiple of 256: D = 256 (4 heads of 64).
 
 import dataclasses
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -22,10 +21,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from gguf import GGMLQuantizationType as T
-from gguf import GGUFReader, GGUFWriter
-from gguf import quants as gq
 
-from gguf_helpers import encode, random_blocks
+import gguf_helpers
+from gguf_helpers import MIX, SCALE, dequantized, torch_state, write_city96_gguf
 from helpers import max_rel_err, randomize_
 from mlxdiff.formats import gguf as gguf_reader
 from mlxdiff.loading import sources
@@ -35,79 +33,6 @@ from mlxdiff.loading.matmul import DequantizedLinear, strategy_of, use_strategy
 from mlxdiff.models import flux2, mmdit
 from mlxdiff.policy import RunPolicy, installed
 from twins import H, SEQ, TAPS, W, build_pipeline, flux2_to_bfl, sd3_to_sai
-
-# -- city96's type mix ---------------------------------------------------------------------------------------------
-
-FLUX2_KEEP = ("img_in.", "txt_in.", "time_in.", "guidance_in.", "vector_in.", "final_layer.",
-              "single_stream_modulation.", "double_stream_modulation_")
-SD3_KEEP = ("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.", "x_embedder.",
-            "proj_out.weight", "pos_embed")
-MIX = {"flux2": (FLUX2_KEEP, T.BF16), "sd3": (SD3_KEEP, T.F16)}
-
-
-def city96_type(name, shape, family):
-    keep, keep_type = MIX[family]
-    if len(shape) == 1 or int(np.prod(shape)) <= 1024:
-        return T.F32
-    if len(shape) != 2 or any(k in name for k in keep):
-        return keep_type
-    if shape[1] % 256:
-        return T.F16   # K-quant fallback
-    return T.Q5_K if "attn.qkv.weight" in name else T.Q4_K
-
-
-def _bf16_bytes(w):
-    """float32 -> bfloat16 (round to nearest even, as torch) as raw bytes [rows, 2 * cols]."""
-    import torch
-    bits = torch.from_numpy(np.ascontiguousarray(w, np.float32)).to(torch.bfloat16).view(torch.int16).numpy()
-    return bits.view(np.uint8).reshape(w.shape[0], -1)
-
-
-def write_city96_gguf(path, tensors: dict, family: str, arch: str, random=False, seed=0, block_scale=1e-3) -> dict:
-    """{name: float array | object with .shape} -> a GGUF in city96's mix; returns {name: type}. With random=True
-    the values are ignored (shapes only) and quantized tensors get random valid blocks whose float16 scales are
-    N(0, block_scale) (for memory and speed only; bench/gguf_cpu.py writes its file with this too)."""
-    rng = np.random.default_rng(seed)
-    writer = GGUFWriter(str(path), arch)
-    types = {}
-    for name, value in tensors.items():
-        shape = tuple(value.shape)
-        qtype = types[name] = city96_type(name, shape, family)
-        if random:
-            if qtype in (T.F32, T.F16, T.BF16):
-                value = (1 if qtype == T.F32 else 0.02) * rng.standard_normal(shape).astype(np.float32)
-            else:
-                blocks = random_blocks(qtype, shape[0], shape[1], rng, scale=block_scale)
-                writer.add_tensor(name, blocks, raw_dtype=qtype)
-                continue
-        value = np.asarray(value, np.float32)
-        if qtype == T.F32:
-            writer.add_tensor(name, value)
-        elif qtype == T.F16:
-            writer.add_tensor(name, value.astype(np.float16))
-        elif qtype == T.BF16:
-            writer.add_tensor(name, _bf16_bytes(value.reshape(shape[0], -1)), raw_dtype=T.BF16)
-        else:
-            writer.add_tensor(name, encode(value, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return types
-
-
-def dequantized(path) -> dict:
-    """{name: float32 array} of every tensor, dequantized by gguf-py (the reference decoder)."""
-    out = {}
-    for t in GGUFReader(str(path)).tensors:
-        shape = tuple(int(d) for d in reversed(t.shape))
-        out[t.name] = np.ascontiguousarray(gq.dequantize(t.data, t.tensor_type).reshape(shape), np.float32)
-    return out
-
-
-def torch_state(model) -> dict:
-    return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-
 
 def save_float_file(tensors: dict, path):
     import torch
@@ -139,9 +64,6 @@ SD3 = {
                   num_attention_heads=4, joint_attention_dim=72, caption_projection_dim=256, pooled_projection_dim=36,
                   out_channels=12, pos_embed_max_size=9, dual_attention_layers=(), qk_norm=None),
 }
-# weight noise: about 1/sqrt(fan-in), so that activations stay O(1) through the blocks (the float32 reference then
-# sits within 1e-6 of float64; checked in the tests)
-SCALE = 0.05
 
 
 def make_flux2(name, seed):
@@ -498,7 +420,7 @@ def test_resident_bytes_at_the_file_size(tmp_path, monkeypatch, qtype, dtype):
     with torch.device("meta"):
         shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
     path = tmp_path / f"flux2-{qtype.name}.gguf"
-    monkeypatch.setattr(sys.modules[__name__], "city96_type",
+    monkeypatch.setattr(gguf_helpers, "city96_type",    # where write_city96_gguf looks it up
                         lambda name, shape, family: T.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024
                         else (qtype if len(shape) == 2 and shape[1] % 256 == 0 else T.BF16))
     types = write_city96_gguf(path, shapes, "flux2", "flux", random=True)
@@ -541,7 +463,7 @@ def test_memory_budget_picks_the_raw_layout(tmp_path, monkeypatch):
     with torch.device("meta"):
         shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
     path = tmp_path / "flux2-Q4_K.gguf"
-    monkeypatch.setattr(sys.modules[__name__], "city96_type",
+    monkeypatch.setattr(gguf_helpers, "city96_type",    # where write_city96_gguf looks it up
                         lambda name, shape, family: T.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024
                         else (T.Q4_K if len(shape) == 2 and shape[1] % 256 == 0 else T.BF16))
     write_city96_gguf(path, shapes, "flux2", "flux", random=True)

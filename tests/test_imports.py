@@ -1,5 +1,6 @@
 """Issue 38 item 5: an import inside a function only breaks a real cycle or defers a heavy or optional dependency,
-and says which on its line; the CLI's front door stays free of torch, transformers and diffusers."""
+and says which on its line; the CLI's front door stays free of torch, transformers and diffusers. Issue 47 item 7: no
+test module imports another (shared pieces live in the tests' helper modules)."""
 
 import ast
 import subprocess
@@ -51,3 +52,46 @@ def test_cli_front_door_imports_no_heavy_dependency():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=PACKAGE.parent).stdout
     assert out.strip() == "[]"
+
+
+# -- no test module imports another (issue 47) -------------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _imports_by_name(func) -> bool:
+    """importlib.import_module(...), import_module(...) or __import__(...)."""
+    name = getattr(func, "attr", None) or getattr(func, "id", None)
+    return name in ("import_module", "__import__")
+
+
+def imports_of_test_modules(text: str) -> list:
+    """(line number, module) of each import of a test module (`import test_x`, `from test_x import ...`, or
+    importlib.import_module / __import__ of a literal "test_x") anywhere in the source."""
+    found = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0].startswith("test_")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0].startswith("test_"):
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and _imports_by_name(node.func) and node.args:
+            name = node.args[0].value if isinstance(node.args[0], ast.Constant) else None
+            if isinstance(name, str) and name.startswith("test_"):
+                found.append((node.lineno, name))
+    return found
+
+
+def test_the_walk_finds_imports_of_test_modules():
+    sample = ("import os\nimport test_a\nfrom test_b import x\nfrom helpers import y\n"
+              "def f():\n    from test_c import z  # late\n    importlib.import_module('test_d')\n")
+    assert [m for _, m in imports_of_test_modules(sample)] == ["test_a", "test_b", "test_c", "test_d"]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in TESTS.glob("*.py")))
+def test_no_test_module_imports_another(name):
+    """A test or helper module takes shared pieces from the helper modules (helpers.py, twins.py, parity.py,
+    ldm_helpers.py, gguf_helpers.py, lora_helpers.py, flux1_helpers.py, ...), never from another test module: that
+    import runs the other module's definitions and heavy imports, and couples files that pytest-xdist's loadfile
+    runs on different workers."""
+    found = imports_of_test_modules((TESTS / name).read_text(encoding="utf-8"))
+    assert found == [], f"{name} imports test modules: {found}; move the shared pieces into a helper module"

@@ -3,9 +3,9 @@ mlxdiff as a pipeline's --lora reads it, in a forked child under a memory cap an
 MlxdiffError line naming the file, or loaded with the weight change diffusers' own loading gives the same file
 (Flux2KleinPipeline.load_lora_weights on the diffusers twin of the default model's transformer); never a load of a
 file diffusers refuses, of non-finite values, or with other numbers (and none hangs or is pathologically slow:
-test_reader_fuzz.fuzzed's load-proof time guards). The 10,000-mutant run is the bench's."""
+fuzz_helpers.fuzzed's load-proof time guards). The 10,000-mutant run is the bench's."""
 
-from test_reader_fuzz import fuzzed
+from fuzz_helpers import fuzzed
 
 N = 80
 

@@ -24,24 +24,12 @@ import mlx.nn as nn
 import fixture_guard
 from helpers import max_rel_err, randomize_
 from lora_helpers import save
-from test_unet import CONFIGS
 from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import clip, unet
+from ldm_helpers import CLIPS, UNETS, unet_inputs as inputs
 
 TOL = 1e-4
-# CLIP-L-like (SD 1.5's encoder, SDXL's first; no projection) and CLIP-G-like (SDXL's second, projected)
-CLIPS = {
-    "L": dict(vocab_size=97, hidden_size=40, intermediate_size=52, num_hidden_layers=2, num_attention_heads=5,
-              max_position_embeddings=23, hidden_act="quick_gelu", layer_norm_eps=1e-5, bos_token_id=0,
-              eos_token_id=2, pad_token_id=1),
-    "G": dict(vocab_size=101, hidden_size=48, intermediate_size=60, projection_dim=44, num_hidden_layers=2,
-              num_attention_heads=4, max_position_embeddings=19, hidden_act="gelu", layer_norm_eps=1e-5,
-              bos_token_id=98, eos_token_id=95, pad_token_id=0),
-}
-# the UNets of tests/test_unet.py, and an SDXL-like one with as many layers on each level (what SGM's flat
-# input_blocks / output_blocks numbering of kohya's SDXL files needs, as every released UNet has)
-UNETS = {**CONFIGS, "sgm": {**CONFIGS["sdxl"], "config": {**CONFIGS["sdxl"]["config"], "layers_per_block": 2}}}
 # family -> {component: CLIP config}, and kohya's prefix of each component
 ENCODERS = {"sd15": {"text_encoder": "L"}, "sdxl": {"text_encoder": "L", "text_encoder_2": "G"},
             "sgm": {"text_encoder": "L", "text_encoder_2": "G"}}
@@ -91,20 +79,6 @@ def ours_model(name, torch_model):
     weights = {k: mx.array(v.detach().numpy()) for k, v in torch_model.state_dict().items()}
     model.load_weights(list(model.sanitize(weights).items()), strict=True)
     return model
-
-
-def inputs(family):
-    spec = UNETS[family]
-    cfg, b, (h, w) = spec["config"], spec["batch"], spec["size"]
-    rng = np.random.default_rng(5)
-    x = {"sample": rng.standard_normal((b, cfg["in_channels"], h, w)).astype(np.float32),
-         "timestep": np.array([981.0, 33.0], np.float32),
-         "context": rng.standard_normal((b, spec["seq"], cfg["cross_attention_dim"])).astype(np.float32),
-         "ids": {w: rng.integers(3, CLIPS[w]["vocab_size"] - 1, size=(2, 11)) for w in CLIPS}}
-    if spec["text"]:
-        x["added"] = {"text_embeds": rng.standard_normal((b, spec["text"])).astype(np.float32),
-                      "time_ids": np.array([[1024, 768, 0, 16, 1024, 768], [512, 512, 8, 0, 640, 512]], np.float32)}
-    return x
 
 
 def run_torch(models, family):

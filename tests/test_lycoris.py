@@ -22,7 +22,8 @@ import torch
 import mlx.core as mx
 import mlx.nn as nn
 from helpers import load_ours, max_rel_err, randomize_
-from lora_helpers import save, to_lycoris
+from ldm_helpers import UNETS, unet_inputs
+from lora_helpers import dequantized_twin, quantized, save, to_lycoris
 from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import flux2
@@ -88,14 +89,6 @@ def peft_adapter(model, config, seed, scale=0.2, alpha=ALPHA):
     return model.eval(), to_lycoris(state, alpha)
 
 
-def quantized(model):
-    """mlxdiff's transformer with its Linear layers affine-quantized (8 bits, groups of 32)."""
-    nn.quantize(model, group_size=32, bits=8,
-                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[1] % 32 == 0)
-    assert any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
-    return model
-
-
 def gguf_q8_0(model):
     """mlxdiff's transformer with its Linear layers (in-width a multiple of 32) as GGUF Q8_0 blocks (RawLinear:
     the file's own blocks, decoded per call), as a GGUF file's layers are loaded."""
@@ -114,22 +107,6 @@ def gguf_q8_0(model):
         _put(model, path, raw)
     assert len(layers) > 10
     return model
-
-
-def dequantized_twin(twin, model):
-    """A copy of the torch twin holding the quantized mlxdiff model's dequantized weights."""
-    out = copy.deepcopy(twin)
-    with torch.no_grad():
-        for path, m in model.named_modules():
-            if isinstance(m, nn.QuantizedLinear):
-                w = mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits).astype(mx.float32)
-            elif type(m).__name__ == "RawLinear":
-                from mlxdiff.formats.gguf import decode_rows
-                w = decode_rows(m.weight, m.type_name)
-            else:
-                continue
-            out.get_submodule(path).weight.copy_(torch.from_numpy(np.array(w)))
-    return out
 
 
 def configs():
@@ -232,10 +209,9 @@ UNET_TARGETS = ["to_q", "to_out.0", "proj_in", "ff.net.2", "conv1", "conv2", "co
 def unet_twin():
     """(the tiny SD 1.5 torch UNet, its inputs, a function of a torch UNet giving its noise prediction)."""
     from diffusers import UNet2DConditionModel
-    from test_lora_unet import UNETS, inputs
     torch.manual_seed(0)
     model = randomize_(UNet2DConditionModel(**UNETS["sd15"]["config"]), seed=1, scale=0.1).eval()
-    x = inputs("sd15")
+    x = unet_inputs("sd15")
 
     def run(m):
         with torch.no_grad():

@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlxdiff import backend, default_model
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import flux2, mmdit
+from ldm_helpers import sd15_components
 
 FLUX = dict(patch_size=1, in_channels=16, out_channels=12, num_layers=2, num_single_layers=3, attention_head_dim=32,
             num_attention_heads=2, joint_attention_dim=40, timestep_guidance_channels=256, mlp_ratio=3.0,
@@ -138,7 +139,6 @@ def test_embedded_default_draws_under_float16_mixed():
 
 def test_unet_family_refuses_it(tmp_path):
     from diffusers import StableDiffusionPipeline
-    from test_sd_pipeline import sd15_components
     StableDiffusionPipeline(**sd15_components()).save_pretrained(str(tmp_path))
     with pytest.raises(MlxdiffError, match="no such streams: use --dtype float16"):
         mlxdiff.load(str(tmp_path), dtype="float16-mixed")

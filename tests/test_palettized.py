@@ -22,6 +22,8 @@ from mlxdiff.convert import convert
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats import palettized as P
 from mlxdiff.formats import quantized as Q
+from ldm_helpers import sd15_components
+from quantized_helpers import _built, _densify, resident_after_build
 
 NBITS = (1, 2, 3, 4, 6, 8)
 
@@ -187,13 +189,10 @@ def test_palettized_linear_is_the_matmul_with_its_decoded_weight(monkeypatch):
 @pytest.fixture(scope="module")
 def sd15(tmp_path_factory):
     from diffusers import StableDiffusionPipeline
-    from test_sd_pipeline import sd15_components
     folder = tmp_path_factory.mktemp("sd15_pal")
     StableDiffusionPipeline(**sd15_components()).save_pretrained(str(folder))
     return folder
 
-
-from test_quantized_conv import _built, _densify   # noqa: E402  (build + materialize; every quantized layer dense)
 
 
 QUANTIZE = {"unet": "p4", "text_encoder": "p6:g4"}
@@ -289,7 +288,6 @@ def test_resident_bytes_are_indices_and_tables(tmp_path):
                    for m in palettized.values())                                 # indices, bias, tables
     expected += sum(v.nbytes for k, v in tree_flatten(model.parameters()) if k.rsplit(".", 1)[0] not in palettized)
     del model, palettized
-    from test_quantized_encoders import resident_after_build    # (model, MLX active bytes added, parameter bytes)
     model, resident, _ = resident_after_build(spec)
     print(f"resident {resident} bytes, indices + tables + the rest {expected}")
     assert resident <= 1.02 * expected

@@ -14,15 +14,15 @@ import pytest
 import mlxdiff
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_flatten
 
 from helpers import max_rel_err
 from mlxdiff.convert import convert
 from mlxdiff.formats import palettized as P
-from mlxdiff.loading.quantize import MIN_CONV_CHANNELS, PalettizedConv2d, QuantizedConv2d, materialize
+from mlxdiff.loading.quantize import MIN_CONV_CHANNELS, PalettizedConv2d, QuantizedConv2d
 from mlxdiff.models.vae import Conv2d
-
-QUANTIZED = (QuantizedConv2d, PalettizedConv2d)
+from ldm_helpers import sd15_components
+from quantized_helpers import QUANTIZED, _built, _densify, resident_after_build
 
 
 def _conv(cin=32, cout=48, k=3, stride=1, padding=1, seed=0):
@@ -74,7 +74,6 @@ def sd15(tmp_path_factory):
     import torch
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from helpers import randomize_
-    from test_sd_pipeline import sd15_components
     parts = sd15_components()
     torch.manual_seed(0)
     parts["unet"] = UNet2DConditionModel(
@@ -86,39 +85,6 @@ def sd15(tmp_path_factory):
     folder = tmp_path_factory.mktemp("sd15_qconv")
     StableDiffusionPipeline(**parts).save_pretrained(str(folder))
     return folder
-
-
-def _built(pipe, name):
-    model = pipe.components[name].build(mx.float32)
-    materialize(model)
-    return model
-
-
-def _densify(model):
-    """Every quantized layer of `model` replaced, in place, by a plain one holding its decoded weight."""
-    def swap(_, m):
-        if isinstance(m, QUANTIZED):
-            out = Conv2d(1, 1, 1)
-            out.stride, out.padding, out.dilation, out.groups = m.stride, m.padding, m.dilation, m.groups
-            out.weight = m.dense_weight()
-            if "bias" in m:
-                out.bias = m.bias
-            else:
-                del out["bias"]
-            return out
-        if isinstance(m, P.PalettizedLinear):
-            out = nn.Linear(m.in_dims, m.weight.shape[0], bias="bias" in m)
-            out.weight = m.dense_weight()
-        elif isinstance(m, nn.QuantizedLinear):
-            out = nn.Linear(m.weight.shape[1] * 32 // m.bits, m.weight.shape[0], bias="bias" in m)
-            out.weight = mx.dequantize(m.weight, m.scales, m.biases, group_size=m.group_size, bits=m.bits)
-        else:
-            return m
-        if "bias" in m:
-            out.bias = m.bias
-        return out
-    model.update_modules(tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module))
-    return model
 
 
 @pytest.mark.parametrize("quantize,kind", [("p4", PalettizedConv2d), ({"bits": 4, "group_size": 32}, QuantizedConv2d)])
@@ -180,7 +146,6 @@ def test_resident_bytes_are_codes_and_tables(sd15, quantize):
     """A UNet quantized while loading holds, as MLX's active memory after the load, at most its quantized layers'
     codes / indices plus scales / tables plus its other parameters as stored, plus 2%: bytes from shapes; plus the
     fixed overhead (about 50 kB, measured here) that the same UNet loaded unquantized holds beyond its parameters."""
-    from test_quantized_encoders import resident_after_build    # (model, MLX active bytes added, parameter bytes)
 
     def resident(spec):
         model, held, _ = resident_after_build(spec)

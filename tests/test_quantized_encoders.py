@@ -6,8 +6,6 @@ Resident bytes are measured as MLX's active memory after the model is built and 
 against the bytes, as stored, of the tensors the encoder reads.
 """
 
-import gc
-
 import numpy as np
 import pytest
 
@@ -17,7 +15,6 @@ import mlx.core as mx
 from mlxdiff.formats import tensor_nbytes
 from mlxdiff.formats.fp8 import Fp8Embedding, Fp8Linear
 from mlxdiff.formats.gguf import RawEmbedding, RawLinear
-from mlxdiff.loading.quantize import materialize, parameter_nbytes
 from mlxdiff.loading.component_files import text_encoder_file
 from mlxdiff.loading.sources import text_encoder_from_file
 from mlxdiff.models import text_llm
@@ -28,20 +25,9 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 from safetensors.torch import save_file  # noqa: E402
 from gguf_helpers import language_model, write_llama_cpp_gguf, write_t5_encoder_gguf  # noqa: E402
+from quantized_helpers import resident_after_build  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-
-
-def resident_after_build(spec):
-    """(the built, materialized model, MLX active bytes it added, its parameter bytes)."""
-    gc.collect()
-    mx.clear_cache()
-    before = mx.get_active_memory()
-    model = spec.build(mx.float32)
-    materialize(model)
-    gc.collect()
-    mx.clear_cache()
-    return model, mx.get_active_memory() - before, parameter_nbytes(model)
 
 
 # -- an embedding kept quantized decodes exactly the looked-up rows ------------------------------------------------

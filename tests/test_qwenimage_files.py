@@ -15,12 +15,10 @@ from safetensors.torch import save_file
 
 import mlxdiff
 import parity
-from gguf_helpers import write_q8_0_gguf
+from gguf_helpers import dequantized, write_q8_0_gguf
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
-from test_gguf_models import dequantized
-from test_qwenimage_pipeline import check_parity
-from test_vae_qwenimage import to_original
+from qwenimage_helpers import check_parity, to_original
 from twins import build_tokenizer
 import fixture_guard
 

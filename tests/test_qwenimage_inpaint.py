@@ -16,9 +16,9 @@ import torch
 
 import mlxdiff
 import parity
-from test_qwenimage_pipeline import (H, NEGATIVE, PROMPT, SEQ, W, Z, check_parity,  # noqa: F401  (the fixture)
-                                    qwen_tiny, reference_unpacked)
-from test_zimage_img2img import mask_picture
+from qwenimage_helpers import (H, NEGATIVE, PROMPT, SEQ, W, Z, check_parity,  # noqa: F401  (the fixture)
+                               qwen_tiny, reference_unpacked)
+from zimage_helpers import mask_picture
 from twins import picture
 import fixture_guard
 

@@ -15,15 +15,15 @@ from safetensors.torch import save_file
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-import test_zimage_lora
 import parity
 from helpers import load_ours, max_rel_err
 from lora_helpers import shapes_config
 from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import flux1, flux2, qwenimage, zimage
-from test_qwenimage_transformer import CONFIG, make_inputs, make_torch_model, mlx_forward, text_mask, torch_forward
+from qwenimage_helpers import CONFIG, make_inputs, make_torch_model, mlx_forward, text_mask, torch_forward
 import fixture_guard
+import zimage_helpers
 
 RANK, ALPHA = 3, 1.5           # scale alpha / rank = 0.5
 # every block's attention (image and text streams), both MLPs and both modulations
@@ -169,7 +169,7 @@ def test_another_architectures_lora_is_refused(lora_files, tmp_path):
               str(tmp_path / "zimage.safetensors"))
     assert "a LoRA for Z-Image" in refusal(qwenimage, args, tmp_path / "zimage.safetensors")
     targets = {flux2: flux2.ModelArgs.from_dict(shapes_config()),
-               zimage: zimage.ModelArgs.from_dict(test_zimage_lora.CONFIG),
+               zimage: zimage.ModelArgs.from_dict(zimage_helpers.LORA_CONFIG),
                flux1: flux1.ModelArgs.from_dict(dict(num_layers=1, num_single_layers=1, attention_head_dim=16,
                                                      num_attention_heads=2, joint_attention_dim=24,
                                                      pooled_projection_dim=20, in_channels=16,

@@ -16,75 +16,17 @@ import torch
 
 import mlxdiff
 import parity
-from helpers import max_rel_err, randomize_
+from helpers import max_rel_err
 from mlxdiff.errors import MlxdiffError
-from twins import build_tokenizer
 import fixture_guard
-
-H, W = 32, 48      # non-square; multiples of 4 (the VAE) x 2 (the patches): latents 8 x 12, 4 x 6 tokens
-Z = 5              # VAE latent channels: the transformer takes 4 x 5 = 20
-SEQ = 96           # max_sequence_length: more than any prompt here keeps after the drop
-TEXT = dict(hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=321, max_position_embeddings=256, rms_norm_eps=1e-6,
-            rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 2, 1]))   # 10-wide heads
-VISION = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=40, patch_size=4,
-              spatial_merge_size=2, temporal_patch_size=2, window_size=8, fullatt_block_indexes=[0])
-# Qwen/Qwen-Image's scheduler_config.json
-SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
-                 base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
-PROMPT, NEGATIVE = "a red fox sitting in the snow at dawn", "blurry, dark"
+from qwenimage_helpers import H, NEGATIVE, PROMPT, SCHEDULER, SEQ, TEXT, W, Z, check_parity, noise, reference_unpacked
+from qwenimage_helpers import qwen_tiny  # noqa: F401  (the fixture)
 
 
 @pytest.fixture(autouse=True)
 def _shared_fixtures_unchanged(request):
     """The module's shared fixtures are left as built (fixture_guard)."""
     yield from fixture_guard.unchanged(request, ['qwen_tiny'])
-
-
-def save_qwen25vl(folder, seed=5):
-    import transformers
-    config = transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False)
-    model = randomize_(transformers.Qwen2_5_VLForConditionalGeneration(config).eval(), seed, 0.2)
-    model.save_pretrained(folder)
-    return model
-
-
-@pytest.fixture(scope="module")
-def qwen_tiny(tmp_path_factory):
-    """A tiny QwenImagePipeline: Qwen2.5-VL 40 wide (3 layers, heads of 10, mrope_section (2, 2, 1), a 1-block
-    vision tower that is never read), a transformer 96 wide (3 heads of 32, RoPE axes 6, 12, 14; 2 blocks) over 5
-    latent channels, a 3-level Qwen-Image VAE (factor 4) with its own latents_mean / latents_std, Qwen-Image's
-    scheduler config; saved and read back."""
-    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
-                           QwenImageTransformer2DModel)
-    from transformers import AutoTokenizer
-    root = tmp_path_factory.mktemp("qwenimage")
-    encoder = save_qwen25vl(root / "te_src")
-    tok_dir = build_tokenizer(root / "tok_src", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "right",
-                              "<|endoftext|>", eos="<|im_end|>")
-    torch.manual_seed(0)
-    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * Z, out_channels=Z, num_layers=2,
-                                              attention_head_dim=32, num_attention_heads=3,
-                                              joint_attention_dim=TEXT["hidden_size"], axes_dims_rope=(6, 12, 14))
-    vae = AutoencoderKLQwenImage(base_dim=6, z_dim=Z, dim_mult=[1, 2, 3], num_res_blocks=1, attn_scales=[],
-                                 temperal_downsample=[False, True], latents_mean=[0.3, -0.2, 0.1, 0.5, -0.4],
-                                 latents_std=[1.5, 0.7, 2.1, 1.1, 0.9])
-    randomize_(transformer, seed=10, scale=0.15)
-    randomize_(vae, seed=11, scale=0.15)
-    with torch.no_grad():      # RMS gammas around 1 (randomize_ centres only *norm.weight on 1)
-        for name, p in vae.named_parameters():
-            if name.endswith("gamma"):
-                p.add_(1.0)
-    pipe = QwenImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.eval(),
-                             text_encoder=encoder.float().eval(), tokenizer=AutoTokenizer.from_pretrained(str(tok_dir)),
-                             transformer=transformer.eval())
-    folder = root / "pipeline"
-    pipe.save_pretrained(str(folder))
-    return folder, QwenImagePipeline.from_pretrained(str(folder)), mlxdiff.load(str(folder), dtype="float32")
-
-
-def noise(seed=2):
-    return np.random.default_rng(seed).standard_normal((1, (H // 8) * (W // 8), 4 * Z)).astype(np.float32)
 
 
 def check_embeds(ref, got, what):
@@ -111,37 +53,6 @@ def test_encode_prompt_matches_diffusers(qwen_tiny, padding):
             check_embeds(ref, got, f"{padding} padding, max_sequence_length {seq}")
     finally:
         pipe.tokenizer.padding_side = ours.tokenizer.padding_side = "right"
-
-
-def reference(pipe, **kwargs):
-    """One diffusers run: (its final packed latents, from the step callback, and its image)."""
-    final = {}
-
-    def keep_latents(_, i, t, tensors):
-        final["latents"] = tensors["latents"]
-        return {}
-    with torch.no_grad():
-        image = pipe(**kwargs, output_type="np", callback_on_step_end=keep_latents).images[0]
-    return final["latents"], image
-
-
-def check_parity(got, ref_latents, ref_image, what):
-    """mlxdiff's latents within LATENT_TOL of diffusers' (unpacked), its image within IMAGE_LEVELS."""
-    latents = np.asarray(got.latents).astype(np.float32)
-    assert latents.shape == ref_latents.shape
-    err = max_rel_err(latents, ref_latents)
-    shift = parity.levels(got.image, ref_image)
-    print(f"{what}: latents max_rel_err {err:.2e}, image {shift}/255, notes {got.notes}")
-    assert err <= parity.LATENT_TOL and shift <= parity.IMAGE_LEVELS
-    return err
-
-
-def reference_unpacked(pipe, generator_seed=None, **kwargs):
-    """reference(), its latents unpacked to the VAE's layout (the frame axis dropped); a generator seeded afresh."""
-    if generator_seed is not None:
-        kwargs["generator"] = torch.Generator().manual_seed(generator_seed)
-    latents, image = reference(pipe, **kwargs)
-    return pipe._unpack_latents(latents, H, W, pipe.vae_scale_factor)[:, :, 0].numpy(), image
 
 
 def run_both(qwen_tiny, ours_kw, ref_kw, steps=3, changes=None):

@@ -10,57 +10,13 @@ import pytest
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from helpers import load_ours, max_rel_err, randomize_
+from helpers import load_ours, max_rel_err
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats.safetensors import load_folder, load_safetensors
 from mlxdiff.loading.spec import ComponentSpec
 from mlxdiff.models import qwenimage
-
-# every dimension differs from the others (heads, head dim, D, 4D, 6D, in, out, joint, text length, image tokens);
-# RoPE axes unequal, as Qwen-Image's (16, 56, 56); patch 2 as Qwen-Image (in = 4 x 5 channels, out = 4 x 3)
-CONFIG = dict(patch_size=2, in_channels=20, out_channels=3, num_layers=3, attention_head_dim=32,
-              num_attention_heads=3, joint_attention_dim=28, axes_dims_rope=(6, 12, 14))
-TEXT_LEN, PROMPT_LEN = 9, (5, 9)       # batch row b: PROMPT_LEN[b] tokens, then padding (row 1: no padding)
-CASES = {"text-to-image": [(1, 3, 5)],               # non-square latent grid
-         "edit-plus": [(1, 3, 5), (1, 4, 2)]}      # the target's grid, then a reference image's
-
-
-def make_torch_model(seed=5):
-    import torch
-    from diffusers import QwenImageTransformer2DModel
-    torch.manual_seed(seed)
-    return randomize_(QwenImageTransformer2DModel(**CONFIG), seed=seed).eval()
-
-
-def text_mask():
-    """QwenImagePipeline's prompt_embeds_mask: 1 over each prompt's tokens, 0 over the padding."""
-    return np.stack([(np.arange(TEXT_LEN) < n).astype(np.int64) for n in PROMPT_LEN])
-
-
-def make_inputs(case, seed=0):
-    rng = np.random.default_rng(seed)
-    n_img = sum(f * h * w for f, h, w in CASES[case])
-    return dict(hidden_states=rng.standard_normal((2, n_img, CONFIG["in_channels"])).astype(np.float32),
-                encoder_hidden_states=rng.standard_normal((2, TEXT_LEN, CONFIG["joint_attention_dim"])).astype(
-                    np.float32),
-                timestep=np.array([0.9731, 0.2125], dtype=np.float32))      # the pipeline's t / 1000
-
-
-def torch_forward(model, inputs, case, mask, shapes=None, dtype=None):
-    """diffusers' forward as the pipelines call it: img_shapes one list of grids per batch row."""
-    import torch
-    kwargs = {k: torch.from_numpy(v).to(dtype or torch.float32) for k, v in inputs.items()}
-    if mask is not None:
-        kwargs["encoder_hidden_states_mask"] = torch.from_numpy(mask)
-    with torch.no_grad():
-        return model(**kwargs, img_shapes=[shapes or CASES[case]] * 2, return_dict=False)[0].float().numpy()
-
-
-def mlx_forward(model, inputs, case, mask, shapes=None):
-    kwargs = {k: mx.array(v) for k, v in inputs.items()}
-    out = model(**kwargs, img_shapes=shapes or CASES[case],
-                encoder_hidden_states_mask=None if mask is None else mx.array(mask))
-    return np.array(out.astype(mx.float32))
+from qwenimage_helpers import (CASES, CONFIG, TEXT_LEN, make_inputs, make_torch_model, mlx_forward, text_mask,
+                               torch_forward)
 
 
 @pytest.fixture(scope="module")

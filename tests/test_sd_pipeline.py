@@ -13,8 +13,8 @@ import torch
 import fixture_guard
 import mlxdiff
 from helpers import max_rel_err
-from ldm_helpers import (clip_tokenizer as _tokenizer, reference, sd2_components, sd15_components, sdxl_components,
-                         showing_moves, twin_)
+from ldm_helpers import (BIG_G, CLIP_L, FAMILIES, _checkpoint, clip_tokenizer as _tokenizer, reference, sd2_components,
+                         sd15_components, sdxl_components, showing_moves, twin_)
 from mlxdiff.errors import MlxdiffError
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
 
@@ -228,7 +228,6 @@ def test_single_file_pipeline_matches_diffusers(name, tmp_path):
     import diffusers
     from safetensors.numpy import save_file
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-    from test_sd_single_file import BIG_G, CLIP_L, FAMILIES, _checkpoint
     spec = FAMILIES[name]
     real_vocab = dict(vocab_size=49408, max_position_embeddings=77)    # the released tokenizers' ids and length
     torch.manual_seed(0)

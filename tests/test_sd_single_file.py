@@ -20,55 +20,16 @@ import mlx.nn as nn
 
 import fixture_guard
 from helpers import max_rel_err, randomize_
-from ldm_helpers import clip_to_openclip, unet_to_ldm, vae_to_ldm, write_sdcpp_gguf
+from ldm_helpers import BIG_G, BIG_G_PREFIX, CLIP_L, FAMILIES, _checkpoint, _numpy, _state, vae_to_ldm, write_sdcpp_gguf
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.stable_diffusion.single_file import sd_single_file
 
 TOL = 1e-4
-CLIP_L = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
-              max_position_embeddings=16, hidden_act="quick_gelu", eos_token_id=2, bos_token_id=0, pad_token_id=1)
-BIG_G = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=2,
-             max_position_embeddings=16, hidden_act="gelu", projection_dim=96, eos_token_id=2, bos_token_id=0,
-             pad_token_id=1)
-FAMILIES = {
-    "sd15": dict(
-        unet=dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 64, 96), layers_per_block=2,
-                  down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64,
-                  attention_head_dim=8, use_linear_projection=False, norm_num_groups=32),
-        vae=dict(block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=32,
-                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2),
-        clip_prefix="cond_stage_model.transformer.", big_g=False, qtype="Q8_0", size=(16, 24)),
-    "sdxl": dict(
-        unet=dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(64, 128), layers_per_block=1,
-                  down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=192,
-                  transformer_layers_per_block=(1, 2), attention_head_dim=(1, 2), use_linear_projection=True,
-                  addition_embed_type="text_time", addition_time_embed_dim=256,
-                  projection_class_embeddings_input_dim=96 + 6 * 256, norm_num_groups=32),
-        vae=dict(block_out_channels=(32, 32, 64), layers_per_block=2, latent_channels=4, norm_num_groups=32,
-                 down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3),
-        clip_prefix="conditioner.embedders.0.transformer.", big_g=True, qtype="Q4_0", size=(12, 20)),
-}
-BIG_G_PREFIX = "conditioner.embedders.1.model."
-
-
-def _numpy(state):
-    return {k: v.detach().float().numpy().copy() for k, v in state.items()}
 
 
 def _torch(state):
     import torch
     return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in state.items()}
-
-
-def _state(model) -> dict:
-    """A torch model's state dict in the names its checkpoints hold: transformers 5's CLIPTextModel leaves out the
-    `text_model.` level that every CLIP-L checkpoint (and CLIPTextModelWithProjection) has."""
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
-    if type(model).__name__ == "CLIPTextModel":
-        state = {k if k.startswith("text_model.") else "text_model." + k: v for k, v in state.items()}
-    return state
 
 
 def _load(model, state):
@@ -79,21 +40,6 @@ def _load(model, state):
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected and all(k.endswith("position_ids") for k in missing), (missing, unexpected)
     return model
-
-
-def _checkpoint(models, spec) -> dict:
-    """The ldm / SGM-named checkpoint {name: float32 numpy} of the torch models."""
-    cfg = spec["unet"]
-    up_attention = [t == "CrossAttnUpBlock2D" for t in cfg["up_block_types"]]
-    out = {"model.diffusion_model." + k: v
-           for k, v in unet_to_ldm(_numpy(_state(models["unet"])), cfg["layers_per_block"], up_attention).items()}
-    out.update({"first_stage_model." + k: v for k, v in
-                vae_to_ldm(_numpy(_state(models["vae"])), len(spec["vae"]["block_out_channels"])).items()})
-    out.update({spec["clip_prefix"] + k: v for k, v in _numpy(_state(models["text_encoder"])).items()})
-    if spec["big_g"]:
-        out.update({BIG_G_PREFIX + k: v for k, v in
-                    clip_to_openclip(_numpy(_state(models["text_encoder_2"])), np.concatenate).items()})
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}   # safetensors.numpy writes the buffer as laid out
 
 
 def _diffusers_states(checkpoint, models, spec) -> dict:

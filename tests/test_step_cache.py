@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import mlxdiff
+from bad_input_helpers import assert_refused, gen
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.step_cache import FirstBlockCache, parse
 from twins import H, TAPS, W, build_pipeline, text_length
@@ -231,7 +232,6 @@ def test_parse_gives_a_fresh_cache():
 
 def test_cli_cache_bad_and_good(tmp_path):
     from adversarial import run_cases
-    from test_bad_input_round2 import assert_refused, gen
     bad, good = run_cases([gen(tmp_path / "bad.png", "--cache", "first-block:fast"),
                            gen(tmp_path / "good.png", "--cache", "first-block:0.3", "--steps", "3")], tmp_path)
     assert_refused(bad, "first-block:fast", "a number > 0")

@@ -28,6 +28,9 @@ from mlxdiff.loading.component import load_component
 from mlxdiff.loading.streaming import StreamedBlock
 from mlxdiff.models import flux2
 from mlxdiff.policy import RunPolicy, installed
+from fp8_helpers import comfy_file
+from gguf_helpers import write_city96_gguf
+from memory_helpers import default_with_transformer, load_buffers, sampled_generate, streamed_count
 
 MiB = 2 ** 20
 # many small blocks: D = 512 (4 x 128), 8 double + 24 single blocks, 0.14 B parameters (0.27 GB in bf16); the
@@ -44,16 +47,13 @@ def files(tmp_path_factory):
     import torch
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
-    from test_gguf_models import write_city96_gguf
     from twins import flux2_to_bfl
     root = tmp_path_factory.mktemp("streaming")
-    from test_process_memory import default_with_transformer
     folder = root / "many"
     model = default_with_transformer(folder, MANY, scale=0.5)
     bfl = root / "many-bfl.safetensors"
     original = flux2_to_bfl(model.state_dict(), MANY)
     save_file({k: v.contiguous() for k, v in original.items()}, str(bfl))
-    from test_fp8 import comfy_file
     _, fp8 = comfy_file({k: v.float().contiguous() for k, v in original.items()}, root / "many-fp8.safetensors",
                         "scaled_fp8")
     with torch.device("meta"):
@@ -74,11 +74,6 @@ def flux2_inputs(seed=0):
 def forward(loaded, policy, inputs):
     with installed(memory.decide(policy, loaded.model)):
         return np.array(loaded.model(**{k: mx.array(v) for k, v in inputs.items()}).astype(mx.float32))
-
-
-def streamed_count(model) -> int:
-    return sum(isinstance(m, StreamedBlock) for blocks in (model.transformer_blocks, model.single_transformer_blocks)
-               for m in blocks)
 
 
 def transformer_spec(files, form):
@@ -200,7 +195,6 @@ def test_file_groups():
 
 def _cli(tmp_path, name, *args):
     """(what the CLI printed, its largest MLX peak, the outside sampler's peak)."""
-    from test_process_memory import sampled_generate
     stdout, peaks, outside = sampled_generate(tmp_path, name, *args)
     return stdout, max(peaks["mlx"].values()), outside
 
@@ -208,7 +202,7 @@ def _cli(tmp_path, name, *args):
 def test_cli_streams_under_a_third_of_the_weights(files, tmp_path):
     """`--memory-limit` at a third of the transformer's bf16 weights: the image is the resident run's, the plan and
     what was read are in the report, and the process holds at most the limit plus the embedded default's overhead
-    (its outside peak less its MLX peak) and a load's host buffers (test_process_memory.load_buffers: the largest
+    (its outside peak less its MLX peak) and a load's host buffers (memory_helpers.load_buffers: the largest
     tensor in float32 and the heap glibc retains)."""
     folder = files["folder"]
     need = mlxdiff.load(str(folder)).components["transformer"].loaded_nbytes(compute_dtype=mx.float32)
@@ -224,7 +218,6 @@ def test_cli_streams_under_a_third_of_the_weights(files, tmp_path):
     assert np.array_equal(np.array(PIL.Image.open(tmp_path / "streamed.png")),
                           np.array(PIL.Image.open(tmp_path / "resident.png")))
     assert mlx_peak <= limit * 2 ** 30
-    from test_process_memory import load_buffers
     buffers = load_buffers(MANY)
     assert outside <= limit * 2 ** 30 + 1.15 * overhead + buffers, (outside, limit, overhead, buffers)
 

@@ -21,8 +21,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
-from test_distributed import CHEAP, ROOT, launcher  # noqa: F401  (the fixture)
-from test_distributed import launch as launch_ranks
+from distributed_helpers import CHEAP, ROOT, launcher  # noqa: F401  (the fixture)
+from distributed_helpers import launch as launch_ranks
 
 
 def launch(*argv, **kw):
@@ -119,7 +119,7 @@ def flux2_klein_gguf(root):
     rows or the 256-value blocks of a row (attention 512 = 2 x 256 columns per rank, feed-forward 1536 = 3 x 256).
     Returns (the folder, whose transformer config is that model's, the GGUF file)."""
     from diffusers import Flux2Transformer2DModel
-    from test_gguf_models import torch_state, write_city96_gguf
+    from gguf_helpers import torch_state, write_city96_gguf
     from twins import build_pipeline, flux2_to_bfl
     folder = build_pipeline("klein_distilled", root)[1]
     config = dict(patch_size=1, in_channels=20, out_channels=None, num_layers=1, num_single_layers=1,
@@ -153,7 +153,7 @@ def sd35(root):
 def flux1_dev(root):
     """test_flux1_pipeline's tiny dev folder with a 4-head transformer (its T5 has 3 heads: it stays whole)."""
     from diffusers import FluxPipeline, FluxTransformer2DModel
-    from test_flux1_pipeline import LATENT, flux1_components
+    from flux1_helpers import LATENT, flux1_components
     from twins import randomize_
     parts = flux1_components("dev", seed=5)
     parts["transformer"] = randomize_(FluxTransformer2DModel(

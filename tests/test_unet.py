@@ -12,27 +12,9 @@ import mlx.core as mx
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import unet
+from ldm_helpers import UNET_CONFIGS as CONFIGS
 
 TOL = 1e-4
-
-CONFIGS = {
-    "sd15": dict(
-        config=dict(sample_size=16, in_channels=4, out_channels=5, block_out_channels=(32, 48, 64),
-                    norm_num_groups=8, layers_per_block=2,
-                    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-                    cross_attention_dim=24, attention_head_dim=8, use_linear_projection=False),
-        batch=2, size=(16, 24), seq=7, text=None),
-    "sdxl": dict(
-        config=dict(sample_size=16, in_channels=4, out_channels=4, block_out_channels=(32, 48),
-                    norm_num_groups=8, layers_per_block=(1, 2),
-                    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                    up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                    cross_attention_dim=40, attention_head_dim=(2, 4), transformer_layers_per_block=(1, 2),
-                    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
-                    projection_class_embeddings_input_dim=20 + 6 * 8, flip_sin_to_cos=True, freq_shift=0),
-        batch=2, size=(12, 20), seq=5, text=20),
-}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -3,9 +3,7 @@ tiny random config with distinct dimensions (3 levels, temperal_downsample like 
 attention scale: diffusers' encoder cannot run one, ModelArgs refuses it). diffusers runs its 3-D causal
 convolutions on [B, C, 1, H, W]; ours runs 2-D convolutions on the kernels' last temporal slice, so matching outputs
 also prove that reduction. Weights reach our model only through our loaders (a save_pretrained folder, or the Wan /
-ComfyUI names written by the inverse map below)."""
-
-import re
+ComfyUI names written by the inverse map, qwenimage_helpers.to_original)."""
 
 import numpy as np
 import pytest
@@ -19,6 +17,7 @@ from mlxdiff.formats.safetensors import load_folder
 from mlxdiff.loading.build import build
 from mlxdiff.loading.spec import ARCHITECTURES
 from mlxdiff.models import vae_qwenimage
+from qwenimage_helpers import to_original
 
 TOL = 1e-4
 CONFIG = dict(base_dim=6, z_dim=5, dim_mult=[1, 2, 3], num_res_blocks=2, attn_scales=[],
@@ -153,45 +152,6 @@ def test_banded_convolutions_are_exact(ours):
 
 
 # -- the Wan / ComfyUI naming ----------------------------------------------------------------------------------
-
-_RESIDUAL = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
-             "conv2": "residual.6", "conv_shortcut": "shortcut"}
-
-
-def _residual(rest):
-    for ours, theirs in _RESIDUAL.items():
-        if rest.startswith(ours):
-            return theirs + rest[len(ours):]
-    raise AssertionError(rest)
-
-
-def to_original(name, num_res_blocks):
-    """diffusers' name -> Wan's (the inverse of convert_wan_vae_to_diffusers)."""
-    top = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
-    if (m := re.fullmatch(r"(quant_conv|post_quant_conv)\.(.+)", name)):
-        return f"{top[m.group(1)]}.{m.group(2)}"
-    if (m := re.fullmatch(r"(encoder|decoder)\.conv_in\.(.+)", name)):
-        return f"{m.group(1)}.conv1.{m.group(2)}"
-    if (m := re.fullmatch(r"(encoder|decoder)\.norm_out\.gamma", name)):
-        return f"{m.group(1)}.head.0.gamma"
-    if (m := re.fullmatch(r"(encoder|decoder)\.conv_out\.(.+)", name)):
-        return f"{m.group(1)}.head.2.{m.group(2)}"
-    if (m := re.fullmatch(r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)", name)):
-        return f"{m.group(1)}.middle.1.{m.group(2)}"
-    if (m := re.fullmatch(r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.+)", name)):
-        return f"{m.group(1)}.middle.{2 * int(m.group(2))}.{_residual(m.group(3))}"
-    if (m := re.fullmatch(r"encoder\.down_blocks\.(\d+)\.(.+)", name)):
-        rest = m.group(2)
-        if rest.startswith(("resample", "time_conv", "norm.", "to_qkv", "proj")):
-            return f"encoder.downsamples.{m.group(1)}.{rest}"
-        return f"encoder.downsamples.{m.group(1)}.{_residual(rest)}"
-    if (m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", name)):
-        n = int(m.group(1)) * (num_res_blocks + 2) + int(m.group(2))
-        return f"decoder.upsamples.{n}.{_residual(m.group(3))}"
-    if (m := re.fullmatch(r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)", name)):
-        n = int(m.group(1)) * (num_res_blocks + 2) + num_res_blocks + 1
-        return f"decoder.upsamples.{n}.{m.group(2)}"
-    raise AssertionError(name)
 
 
 def test_original_names(folder, twin):

@@ -19,14 +19,12 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
-from gguf_helpers import write_llama_cpp_gguf, write_q8_0_gguf
+from gguf_helpers import dequantized, write_llama_cpp_gguf, write_q8_0_gguf
 import parity
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import text_llm
-from test_gguf_models import dequantized
-from test_zimage_pipeline import check_parity
-from test_zimage_transformer import to_original
+from zimage_helpers import check_parity, to_original
 from twins import QWEN3_TEMPLATE, build_tokenizer, diffusers_to_ldm, save_qwen3
 import fixture_guard
 

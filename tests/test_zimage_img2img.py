@@ -19,10 +19,10 @@ import torch
 import mlxdiff
 import parity
 from helpers import max_rel_err
-from test_zimage_pipeline import (LATENT, SEQ, check_parity, reference_run,  # noqa: F401  (the tiny folder)
-                                 zimage_tiny)
 from twins import picture
 import fixture_guard
+from zimage_helpers import LATENT, SEQ, check_parity, mask_picture, reference_run
+from zimage_helpers import zimage_tiny  # noqa: F401  (the tiny folder)
 
 PROMPT = "a red fox in the snow"
 IMAGE = (50, 35)        # cut to 48 x 32 (multiples of 4: the tiny VAE's 2 x the patches' 2) by both sides
@@ -34,14 +34,6 @@ SHAPE = (1, LATENT, H // 2, W // 2)
 def _shared_fixtures_unchanged(request):
     """The module's shared fixtures are left as built (fixture_guard)."""
     yield from fixture_guard.unchanged(request, ['zimage_tiny'])
-
-
-def mask_picture(width, height):
-    """A mask of another size than the image: a white (repaint) rectangle on black, a soft grey edge, colours."""
-    pixels = np.zeros((height, width, 3), np.uint8)
-    pixels[height // 4: 3 * height // 4, width // 3: 5 * width // 6] = 255
-    pixels[:, width // 3 - 2: width // 3] = (200, 90, 160)         # near the 0.5 threshold once grey and resized
-    return PIL.Image.fromarray(pixels)
 
 
 def draws(seed):

@@ -22,11 +22,8 @@ from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import flux2, zimage
 import fixture_guard
+from zimage_helpers import LORA_CONFIG as CONFIG
 
-# a tiny model in test_zimage_transformer's style: heads 2 of 48 (RoPE axes 8, 16, 24), dim 96, SwiGLU 256, 2 main
-# blocks and 1 of each refiner, caption features 24, 4 latent channels; captions of 5 and 9 tokens, 8 x 12 latents
-CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=96, n_layers=2, n_refiner_layers=1,
-              n_heads=2, n_kv_heads=2, cap_feat_dim=24, axes_dims=(8, 16, 24), axes_lens=(48, 16, 16))
 LATENT, TEXT_LEN, PROMPT_LEN = (8, 12), 10, (5, 9)
 RANK, ALPHA = 4, 2.0           # scale alpha / rank = 0.5
 TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]

@@ -16,6 +16,7 @@ from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats.safetensors import load_folder, load_safetensors
 from mlxdiff.loading import sources
 from mlxdiff.models import chroma, flux1, flux2, zimage
+from zimage_helpers import to_original
 
 # every dimension differs from the others: heads 3, head dim 96 (RoPE axes 16, 32, 48), dim 288, SwiGLU 768, the
 # modulation input 256 (min(dim, 256)), the timestep MLP's 1024, caption features 40, 6 latent channels (24 patch
@@ -162,25 +163,6 @@ def test_bad_inputs_are_one_line(saved):
 
 
 # -- original names --------------------------------------------------------------------------------------------------
-
-def to_original(sd: dict) -> dict:
-    """diffusers names -> the original ones: the inverse of diffusers' convert_z_image_transformer_checkpoint_to_
-    diffusers (q, k, v fused into attention.qkv; attention.out, q_norm, k_norm; x_embedder and final_layer)."""
-    import torch
-    out = {}
-    for key, value in sd.items():
-        if key.endswith((".attention.to_k.weight", ".attention.to_v.weight")):
-            continue
-        if key.endswith(".attention.to_q.weight"):
-            base = key[:-len("to_q.weight")]
-            out[base + "qkv.weight"] = torch.cat([sd[base + f"to_{c}.weight"] for c in "qkv"]).contiguous()
-            continue
-        for new, old in (("x_embedder.", "all_x_embedder.2-1."), ("final_layer.", "all_final_layer.2-1."),
-                         (".attention.out.", ".attention.to_out.0."), (".attention.q_norm.", ".attention.norm_q."),
-                         (".attention.k_norm.", ".attention.norm_k.")):
-            key = key.replace(old, new)
-        out[key] = value
-    return out
 
 
 @pytest.fixture(scope="module")

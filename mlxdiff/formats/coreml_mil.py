@@ -16,6 +16,7 @@ The layout (coremltools 9, mlmodel/format/MIL.proto, mlmodel/src/MILBlob/Blob/St
 
 import json
 import math
+import re
 import struct
 from pathlib import Path
 
@@ -240,29 +241,85 @@ def _operations(buf, block_span):
             yield from _operations(buf, inner)
 
 
+CHUNK = re.compile(r"(?i).*chunk\d+\.mlpackage")   # Apple's ml-stable-diffusion --chunk-unet: UnetChunk1/2.mlpackage
+
+
+def chunked_unet(path: Path):
+    """The one line for Apple's chunked Core ML UNet (UnetChunk1.mlpackage, UnetChunk2.mlpackage), given as one chunk
+    or as the folder holding them; None for anything else."""
+    path = Path(path)
+    try:
+        chunks = [path] if CHUNK.fullmatch(path.name) else sorted(
+            p for p in path.iterdir() if CHUNK.fullmatch(p.name)) if path.is_dir() else []
+    except OSError:                                       # unreadable: the caller's own check says so
+        chunks = []
+    if not chunks:
+        return None
+    shown = ", ".join(p.name for p in chunks)
+    return (f"{path}: Apple's chunked Core ML UNet ({shown}: ml-stable-diffusion's --chunk-unet splits one UNet in "
+            "two packages, each half of its layers); chunked UNets are not read yet, give the one-package UNet "
+            "(Unet.mlpackage, converted without --chunk-unet) or the model's safetensors")
+
+
+def package_roots(path: Path) -> list:
+    """Where a package's files may resolve to: inside the package itself, and, for a package in a Hugging Face hub
+    cache (…/models--org--name/snapshots/REV/…), that repository's blobs folder, which the hub's snapshot links
+    point into."""
+    roots = [path.resolve()]
+    for parent in path.absolute().parents:
+        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+            roots.append((parent.parent / "blobs").resolve())
+            break
+    return roots
+
+
+def inside_package(package: Path, item: Path, what: str) -> Path:
+    """`item` (a file of the package) resolved, refused in one line where it resolves outside the package (a
+    symbolic link or a `..` out of it): a package is read as one self-contained thing."""
+    try:
+        resolved = item.resolve()
+    except (OSError, RuntimeError) as e:                    # a link loop
+        raise MlxdiffError(f"{item}: {what} of the Core ML package {package} cannot be resolved ({e}); copy the "
+                           "package whole, without links") from None
+    if not any(resolved.is_relative_to(root) for root in package_roots(package)):
+        raise MlxdiffError(f"{item}: {what} of the Core ML package {package} resolves outside it (to {resolved}); a "
+                           "package's files must lie inside it: copy the package whole, without links out of it")
+    return item
+
+
 def _model_file(path: Path) -> Path:
-    """The model.mlmodel of an .mlpackage folder (its Manifest.json's root item, else the usual place)."""
+    """The model.mlmodel of an .mlpackage folder (its Manifest.json's root item, else the usual place). Every
+    manifest entry and the model file must lie inside the package (inside_package)."""
     if path.suffix == ".mlmodelc" or (path / "model.mil").exists():
         raise MlxdiffError(f"{path}: a compiled Core ML model (.mlmodelc) is not read; use the .mlpackage it was "
                            "compiled from (Apple's repositories ship both)")
+    hint = chunked_unet(path)
+    if hint:
+        raise MlxdiffError(hint)
     if not path.is_dir():
         raise MlxdiffError(f"{path}: not a Core ML package (expected an .mlpackage folder with "
                            "Data/com.apple.CoreML/model.mlmodel)")
     default = path / "Data" / "com.apple.CoreML" / "model.mlmodel"
     manifest = path / "Manifest.json"
     if manifest.is_file():
+        inside_package(path, manifest, "Manifest.json")
+        info = None
         try:
             info = json.loads(manifest.read_text())
-            entry = info["itemInfoEntries"][info["rootModelIdentifier"]]
-            candidate = (path / "Data" / entry["path"]).resolve()
-            if candidate.is_relative_to(path.resolve()) and candidate.is_file():
+            entries = info["itemInfoEntries"]
+            for entry in entries.values():
+                if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+                    inside_package(path, path / "Data" / entry["path"], f"Manifest.json's entry {entry['path']!r}")
+            candidate = inside_package(path, path / "Data" / entries[info["rootModelIdentifier"]]["path"],
+                                       "the model file")   # kept unresolved: weights/ is beside it
+            if candidate.is_file():
                 return candidate
-        except (ValueError, KeyError, TypeError, OSError):
+        except (ValueError, KeyError, TypeError, AttributeError, OSError):
             pass                                           # a bad manifest: try the usual place
     if not default.is_file():
         raise MlxdiffError(f"{path}: not a Core ML package (no Data/com.apple.CoreML/model.mlmodel); pass the "
                            ".mlpackage folder coremltools saved")
-    return default
+    return inside_package(path, default, "model.mlmodel")
 
 
 def _guard(path, fn):

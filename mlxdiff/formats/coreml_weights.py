@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import MlxdiffError
 from .coreml_mil import (DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, PROGRAM, SIGNED_SUB_BYTE, _Bad, _Blobs,
                          _fields, _guard, _map, _model_file, _one, _operations, _text, _Value, _varint,
-                         unpack_bits)
+                         inside_package, unpack_bits)
 from .palettized import palettized
 
 
@@ -139,7 +139,7 @@ class _Program:
 
     def __init__(self, path: Path):
         self.path = path
-        self.model_file = _model_file(path)
+        self.model_file = _model_file(path)     # inside the package (coreml_mil.inside_package), as weight.bin
         try:
             buf = memoryview(self.model_file.read_bytes())
         except OSError as e:
@@ -177,7 +177,8 @@ class _Program:
 
     def blobs(self) -> _Blobs:
         if self._blobs is None:
-            self._blobs = _Blobs(self.model_file.parent / "weights" / "weight.bin")
+            blob = self.model_file.parent / "weights" / "weight.bin"
+            self._blobs = _Blobs(inside_package(self.path, blob, "weights/weight.bin"))
         return self._blobs
 
     def value(self, v: _Value) -> np.ndarray:

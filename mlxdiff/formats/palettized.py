@@ -47,6 +47,7 @@ NBITS = (1, 2, 3, 4, 6, 8)
 ITERATIONS = 16      # Lloyd steps (from the companded start, a few suffice: bench/palettize_quality.py)
 MAX_BINS = 1 << 16   # the histogram k-means runs on: about 4 values a bin, INIT_BINS to MAX_BINS (a power of 2)
 INIT_BINS = 1 << 10  # the coarser one its start is drawn from (a cube root of sparse counts would favour the tails)
+TABLE_DTYPES = (mx.float16, mx.bfloat16, mx.float32)   # a checkpoint's tables and scales (float64: CPU-only in MLX)
 
 
 def row_bytes(cols: int, nbits: int) -> int:
@@ -264,6 +265,7 @@ def use_palettized_layers(model, layers: dict, compute_dtype=None) -> None:
         if not setting or "palettize" not in setting or not isinstance(module, nn.Linear):
             return module
         out_dims, in_dims = module.weight.shape
+        check_row_bytes(path, setting, in_dims)
         return PalettizedLinear(in_dims, out_dims, setting["palettize"], setting.get("groups", 1),
                                 setting.get("scale", False), "bias" in module, compute_dtype=compute_dtype)
 
@@ -271,13 +273,58 @@ def use_palettized_layers(model, layers: dict, compute_dtype=None) -> None:
 
 
 def palettized_layers(weights: dict) -> dict:
-    """{layer path: {"palettize": nbits, "groups", "scale"}} of the layers a flat weight dict holds palettized
-    (those with `<layer>.lut`: flatten_quantized's output, or mlxdiff.convert's checkpoints)."""
+    """{layer path: {"palettize": nbits, "groups", "scale", "row_bytes"}} of the layers a flat weight dict holds
+    palettized (those with `<layer>.lut`: flatten_quantized's output, or mlxdiff.convert's checkpoints), each
+    layer's arrays checked from their shapes and dtypes (nothing read): a float table (groups, 2**nbits) with nbits
+    one of NBITS, uint8 packed indices (rows, bytes) whose rows the tables divide, a scale (rows,). One line naming
+    the tensor otherwise."""
     out = {}
     for name, lut in weights.items():
-        if not name.endswith(".lut") or getattr(lut, "ndim", 0) != 2:
+        if not name.endswith(".lut") or not hasattr(lut, "shape"):
             continue
         prefix = name[:-len(".lut")]
-        out[prefix] = {"palettize": lut.shape[1].bit_length() - 1, "groups": lut.shape[0],
-                       "scale": f"{prefix}.scale" in weights}
+        k = lut.shape[1] if lut.ndim == 2 else 0
+        nbits = k.bit_length() - 1
+        if lut.ndim != 2 or k != 1 << nbits or nbits not in NBITS or lut.dtype not in TABLE_DTYPES:
+            raise MlxdiffError(f"palettized checkpoint: {name} is a {_dtype(lut)} table of shape {tuple(lut.shape)}; "
+                               "expected a float16 / bfloat16 / float32 table (groups, 2**nbits) with nbits one of "
+                               + ", ".join(map(str, NBITS)) + "; the file is damaged, convert it again")
+        packed = weights.get(f"{prefix}.weight")
+        if packed is None or not hasattr(packed, "shape") or packed.ndim != 2 or packed.dtype != mx.uint8:
+            shown = "missing" if packed is None else f"{_dtype(packed)} of shape {tuple(getattr(packed, 'shape', ()))}"
+            raise MlxdiffError(f"palettized checkpoint: {prefix}.weight is {shown}; beside its table {name} it must "
+                               "be the uint8 packed indices (rows, bytes per row); the file is damaged, convert it "
+                               "again")
+        rows = packed.shape[0]
+        if rows % lut.shape[0]:
+            raise MlxdiffError(f"palettized checkpoint: {name} holds {lut.shape[0]} tables, which do not divide the "
+                               f"{rows} rows of {prefix}.weight; the file is damaged, convert it again")
+        scale = weights.get(f"{prefix}.scale")
+        if scale is not None and (not hasattr(scale, "shape") or tuple(scale.shape) != (rows,)
+                                  or scale.dtype not in TABLE_DTYPES):
+            raise MlxdiffError(f"palettized checkpoint: {prefix}.scale is {_dtype(scale)} of shape "
+                               f"{tuple(getattr(scale, 'shape', ()))}; expected a float ({rows},), one per row of "
+                               f"{prefix}.weight")
+        out[prefix] = {"palettize": nbits, "groups": lut.shape[0], "scale": scale is not None,
+                       "row_bytes": packed.shape[1]}
     return out
+
+
+def _dtype(a) -> str:
+    return str(getattr(a, "dtype", type(a).__name__)).rpartition(".")[2]
+
+
+def check_row_bytes(path, setting, cols) -> None:
+    """A palettized checkpoint's layer at `path`, of `cols` inputs: its packed rows hold the bytes its table's index
+    width needs (a table shorter than the indices would leave indices with no entry). No-op for settings without
+    the stored row width (a GGUF or Core ML weight, packed here)."""
+    have = setting.get("row_bytes")
+    nbits = setting["palettize"]
+    if have is None or have == row_bytes(cols, nbits):
+        return
+    fits = [b for b in NBITS if row_bytes(cols, b) == have]
+    why = (f"its indices are {fits[0]}-bit (a table of {1 << fits[0]} entries)" if fits else
+           "that fits no index width")
+    raise MlxdiffError(f"palettized checkpoint: {path}.lut has {1 << nbits} entries ({nbits}-bit indices, "
+                       f"{row_bytes(cols, nbits)} bytes a row of {cols}) but {path}.weight packs {have} bytes a row: "
+                       f"{why}; the table and its indices do not belong together, convert the file again")

@@ -68,7 +68,7 @@ def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=
     rename = None if native else model.sanitize
     weights = in_model_names(model, weights, native)
     if config.get("quantization"):  # saved quantized (mlxdiff.convert, mlx-lm's convert)
-        prepare_quantized(model, weights, config["quantization"], rename)
+        prepare_quantized(model, weights, config["quantization"], rename, source)
     weights, gguf_layers = flatten_quantized(weights)
     if gguf_layers:  # GGUF weights stay quantized: exactly those layers become QuantizedLinear (per their own
         # bits) or RawLinear (the file's blocks); float8 ones Fp8Linear (formats/fp8.py)

@@ -33,8 +33,8 @@ from mlx.utils import tree_flatten, tree_map_with_path
 
 from ..arguments import DEFAULT_GROUP_SIZE, quantize_setting
 from ..errors import MlxdiffError
-from ..formats.palettized import (PalettizedLinear, decode, palettize, palettized_layers, row_bytes,
-                                 use_palettized_layers)
+from ..formats.palettized import (PalettizedLinear, check_row_bytes, decode, palettize, palettized_layers,
+                                 row_bytes, use_palettized_layers)
 from ..models.vae import Conv2d
 
 MIN_CONV_CHANNELS = 16   # a convolution with fewer input or output channels stays in full precision (above)
@@ -59,7 +59,42 @@ def plan(components: dict, quantize) -> None:
         if name not in present:
             raise MlxdiffError(f"quantize: unknown component {name!r}; this pipeline has "
                                + ", ".join(sorted(present)))
-        present[name].quantize = setting(value, f"quantize[{name!r}]")
+        wanted_setting = quantize_setting(value, f"quantize[{name!r}]")
+        if not stored_as(present[name], wanted_setting):   # stored at that setting already: loaded as it is
+            present[name].quantize = wanted_setting.as_dict()
+
+
+def stored_setting(spec):
+    """The QuantizeSetting a checkpoint saved quantized holds (its config.json's `quantization`: mlxdiff.convert's,
+    mlx-lm's top-level bits / group size), None for a float one or one whose setting varies per layer."""
+    stored = spec.config.get("quantization")
+    if not isinstance(stored, dict):
+        return None
+    top = {k: stored[k] for k in ("mode", "bits", "group_size") if k in stored}
+    try:
+        return quantize_setting(top)
+    except MlxdiffError:
+        return None
+
+
+def stored_as(spec, wanted) -> bool:
+    """quantize= on a checkpoint already saved quantized at another setting is refused in one line: its float
+    weights are gone, and quantizing the stored values again would add a second rounding to the first (a p4 table
+    made from p6's 64 values is not the p4 table of the weights), an error neither setting has; nor may the
+    request be dropped silently. The same setting as stored is what it holds: True (nothing to do); False for a
+    float checkpoint."""
+    stored = spec.config.get("quantization")
+    if not stored:
+        return False
+    held = stored_setting(spec)
+    if held is not None and held.as_dict() == wanted.as_dict():
+        return True
+    what = f"at {held.text}" if held is not None else "quantized (per-layer settings)"
+    source = spec.files[0] if spec.files else spec.name
+    raise MlxdiffError(f"quantize {spec.name}={wanted.text}: {source} is already stored {what} (its config.json's "
+                       "quantization), and quantizing its stored values again would add a second error to the "
+                       f"first; leave {spec.name} out of --quantize to run it as stored, or convert the original "
+                       f"float model with --quantize {spec.name}={wanted.text}")
 
 
 def quantizable(model, path, module, group_size, mode="affine") -> bool:
@@ -217,16 +252,20 @@ def quantize_model(model, bits: int, group_size: int | None = DEFAULT_GROUP_SIZE
     return model
 
 
-def prepare_quantized(model, weights: dict, quantization: dict, rename=None) -> None:
+def prepare_quantized(model, weights: dict, quantization: dict, rename=None, source=None) -> None:
     """For a checkpoint saved quantized (mlxdiff.convert, mlx-lm's convert): quantize exactly the layers that have
     `.scales` in the file, each with the settings its arrays imply (mlx-lm's `infer_quant_config`), or with the
     per-layer entry of `quantization` where there is one. `rename` maps a file key to the model's (per-layer
     entries are keyed by the file's module paths). A palettized checkpoint (quantization {"mode": "palettize"}):
-    the layers with `<layer>.lut` in the file become PalettizedLinear of the tables' shapes."""
+    the layers with `<layer>.lut` in the file become PalettizedLinear of the tables' shapes, each layer's arrays
+    checked first (palettized_layers; a refusal names `source`, the file)."""
     if quantization.get("mode") == "palettize":
-        layers = palettized_layers(weights)
-        use_palettized_layers(model, layers, getattr(model, "compute_dtype", None))
-        use_palettized_convs(model, layers)
+        try:
+            layers = palettized_layers(weights)
+            use_palettized_layers(model, layers, getattr(model, "compute_dtype", None))
+            use_palettized_convs(model, layers)
+        except MlxdiffError as e:
+            raise MlxdiffError(f"{source}: {e}" if source else str(e)) from None
         return
     from mlx_lm.utils import infer_quant_config  # heavy: mlx_lm.utils imports transformers and torch
     overrides = {}
@@ -264,6 +303,7 @@ def use_palettized_convs(model, layers: dict) -> None:
         setting = layers.get(path)
         if not setting or "palettize" not in setting or isinstance(module, (QuantizedConv2d, PalettizedConv2d)):
             return None
+        check_row_bytes(path, setting, math.prod(module.weight.shape[1:]))
         return PalettizedConv2d(module, nbits=setting["palettize"], groups=setting.get("groups", 1),
                                 scale=setting.get("scale", False))
     _swap_convs(model, conv)

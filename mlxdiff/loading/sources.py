@@ -1,7 +1,7 @@
 """What every family's readers share, to turn what a user names into component specs (where each component's bytes
 are, its config and its key mapping): a folder's model_index.json checked against the families' layouts, a
 component sub-folder, a denoiser or LLM text encoder given as one file, JSON configs read safely inside the model
-folder, a hub id found in the local Hugging Face cache. The family readers (pipelines/<family>/) build a
+folder, a hub id fetched into the Hugging Face cache (hub.py). The family readers (pipelines/<family>/) build a
 PipelineSources from these (spec.py: ComponentSpec, PipelineSources and the architecture registry ARCHITECTURES);
 pipelines.detect picks the family. A spec holds no weights; `spec.build()` maps them lazily when a phase needs it.
 """
@@ -13,16 +13,15 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError
-
 from ..config_checks import (MAX_IMAGE_SIZE, MAX_POSITIONS, CheckedArgs, Limit, Rule, between, json_type, one_of,
                              positive, show)
 from ..errors import MlxdiffError
 from ..files import read_capped
 from ..formats import check_weight_file, format_of, open_weights, safetensors as st, tensor_shapes
+from ..formats.coreml_mil import chunked_unet
 from ..formats.keymaps import strip_prefix
 from ..models import text_llm
+from . import hub
 from .spec import ARCHITECTURES, ComponentSpec, coreml_component   # also reached as sources.ComponentSpec
 
 MAX_CONFIG_BYTES = 16 << 20   # config.json, model_index.json, scheduler_config.json: real ones are a few KB
@@ -128,6 +127,8 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
 def not_a_folder(path, what) -> Path:
     """A path given as a file must not be a folder (check_weight_file would only say "not found")."""
     path = Path(path)
+    if path.is_dir() and chunked_unet(path):    # Apple's chunked Core ML UNet: say what it is
+        raise MlxdiffError(chunked_unet(path))
     fmt = format_of(path, header=False)
     if path.is_dir() and not (fmt.folder and what in fmt.only_as):   # a Core ML package is a folder
         raise MlxdiffError(f"{path}: is a folder; the {what} must be one .safetensors or .gguf file")
@@ -223,25 +224,25 @@ def tokenizer_folder(root, name) -> Path:
     return folder
 
 
-def find_in_hf_cache(repo_id: str) -> Path:
-    try:
-        return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        raise MlxdiffError(f"{repo_id!r} is neither a local path nor a model in the local Hugging Face cache; "
-                           "download it first (huggingface-cli download) or pass a folder/file path") from None
-
-
-def resolve_path(model) -> Path:
+def resolve_path(model, hub_request=None, reads=None) -> Path:
+    """What `model` names: a local path, else a hub id (ORG/NAME) fetched into the Hugging Face cache through
+    loading/hub.py (`hub_request`: download, revision, variant; `reads(folder)`: the components the run reads from
+    its model_index.json)."""
+    hub_request = hub.HubRequest() if hub_request is None else hub_request.checked()
     path = Path(model).expanduser()
     if path.exists():
+        if hub_request.revision is not None:
+            raise MlxdiffError(f"revision={hub_request.revision!r}: for a hub id (ORG/NAME); {model} is a local path")
         return path
-    if isinstance(model, str) and model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        return find_in_hf_cache(model)
+    if hub.looks_like_hub_id(model):
+        return hub.fetch(model, hub_request, reads or (lambda root: {}))
     raise MlxdiffError(f"{model}: no such file or folder")
 
 
 def _entry_class(where, name, entry, optional):
     """A component entry ["library", "class"] -> the class name; None for an optional component set to null."""
+    if isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], dict):
+        entry = entry[:2]       # a modular pipeline's entry: [library, class, its loading spec]
     if optional and (entry is None or entry == [None, None]):
         return None
     if entry is None or entry == [None, None]:
@@ -252,13 +253,26 @@ def _entry_class(where, name, entry, optional):
     return entry[1]
 
 
+MODULAR_INDEX = "modular_model_index.json"    # diffusers' ModularPipeline.save_pretrained writes this instead
+
+
+def index_file(root) -> Path:
+    """A pipeline folder's index: model_index.json, or the modular_model_index.json of a folder that has only that."""
+    root = Path(root)
+    where = root / "model_index.json"
+    return root / MODULAR_INDEX if not where.is_file() and (root / MODULAR_INDEX).is_file() else where
+
+
 def read_pipeline_folder(root: Path, layouts: dict):
     """model_index.json, checked -> (the whole index, pipeline class name, {component: class name or None}): the
     pipeline class is one of `layouts` ({class: (its components -> the classes each may name, or None for any;
     the components that may be null)}), and each component it needs is a ["library", "class"] entry naming a
     class that component may be."""
     where = root / "model_index.json"
-    index = read_json(where, "model_index.json", root)
+    if not where.exists() and chunked_unet(root):   # Apple's chunked Core ML UNet: say what it is
+        raise MlxdiffError(chunked_unet(root))
+    where = index_file(root)
+    index = read_json(where, where.name, root)
     pipeline_class = index.get("_class_name")
     if not isinstance(pipeline_class, str) or pipeline_class not in layouts:
         raise MlxdiffError(f"{where}: _class_name is {show(pipeline_class)}; expected one of "

@@ -22,8 +22,10 @@ from ..formats import format_of, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.coreml import read_diffusers
 from ..formats.keymaps import strip_prefix
 from ..lora import apply_loras, lora_nbytes
-from ..models import (chroma, clip, flux1, flux2, mmdit, qwenimage, t5, text_llm, unet, vae, vae_flux2, vae_qwenimage,
-                      zimage)
+from ..models import (chroma, clip, controlnet, flux1, flux2, flux3, mmdit, qwenimage, t5, text_llm, unet, vae,
+                      vae_flux2, vae_qwenimage, zimage)
+from ..models import krea2
+from ..models import qwenimage21, vae_qwenimage21
 from ..models.protocol import Architecture
 from .build import build
 from .quantize import parameter_nbytes, setting
@@ -35,18 +37,25 @@ ARCHITECTURES = {
     "CLIPTextModelWithProjection": clip,
     "CLIPTextModel": clip,                    # SD 1.x, SDXL's first encoder: no text_projection
     "UNet2DConditionModel": unet,
+    "ControlNetModel": controlnet,            # SD 1.x / SDXL ControlNets (load(controlnets=))
     "T5EncoderModel": t5,
     "FluxTransformer2DModel": flux1,
     "ChromaTransformer2DModel": chroma,
     "QwenImageTransformer2DModel": qwenimage,
     "Flux2Transformer2DModel": flux2,
+    "Flux3Transformer2DModel": flux3,
     "ZImageTransformer2DModel": zimage,
+    "Krea2Transformer2DModel": krea2,
+    "QwenImage21Transformer2DModel": qwenimage21,
     "AutoencoderKLFlux2": vae_flux2,
     "AutoencoderKLQwenImage": vae_qwenimage,
+    "AutoencoderKLQwenImage21": vae_qwenimage21,
     "Mistral3ForConditionalGeneration": text_llm,
     "Qwen3ForCausalLM": text_llm,
     "Qwen2_5_VLForConditionalGeneration": text_llm,   # Qwen-Image's (its language model only)
     "Qwen3Model": text_llm,                   # Tongyi-MAI's Z-Image folders name their Qwen3 so
+    "Qwen3VLModel": text_llm,                 # Krea 2's, FLUX 3's, Qwen-Image 2.1's (the language model only)
+    "Qwen3VLForConditionalGeneration": text_llm,
 }
 # config.json key that marks mlxdiff's own format: weights saved in the module's names and layouts (no sanitize)
 NATIVE_KEY = "_mlxdiff_native"

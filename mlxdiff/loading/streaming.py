@@ -14,7 +14,11 @@ How, for every family and file form alike:
   resident load (ComponentSpec.weights with the group's names, build.in_model_names, flatten_quantized, the same
   dtype casts), so its weights are the same arrays and a streamed forward gives the numbers of a resident one; the
   next streamed group's bytes are read ahead on a thread (into the page cache: no process memory) while the device
-  computes.
+  computes;
+- before each streamed read, the file is checked to be the one the plan was made from (FileIdentity: its size,
+  modification time, inode and a digest of its header bytes, taken when the plan is made): a file truncated,
+  replaced by a rename or rewritten in place under a run stops it in one line, rather than feeding the run the
+  wrong bytes at the planned offsets (it ran on, once to an all-black image).
 
 The plan is chosen from the budget and each group's exact loaded size (from the headers): the resident weights,
 the streamed blocks in flight (IN_FLIGHT_BLOCKS) and the rest of the component fit the budget less a reserve for the
@@ -24,6 +28,7 @@ refused, naming the smallest limit that works. Weights that would have to be qua
 float checkpoint with quantize=) are refused with the command that converts them once.
 """
 
+import hashlib
 import os
 import re
 import threading
@@ -223,6 +228,60 @@ def plan(spec, model, compute_dtype, budget, native=False):
     return StreamPlan(resident, streamed, rest_nbytes, budget, loose)
 
 
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a streamed run planned from, per file: its size, modification time, inode (and device) and a digest
+    of its header bytes (up to the first tensor's data, the part the plan's offsets come from)."""
+    path: str
+    size: int
+    mtime_ns: int
+    inode: tuple
+    header_end: int
+    header_digest: bytes
+
+    @classmethod
+    def of(cls, path) -> "FileIdentity":
+        path = str(path)
+        st = os.stat(path)
+        end = min((offset for offset, _ in tensor_ranges(path).values()), default=0)
+        return cls(path, st.st_size, st.st_mtime_ns, (st.st_dev, st.st_ino), end, _header_digest(path, end))
+
+    def check(self) -> None:
+        """Before each read: the file is still the one planned from, else one line saying what changed."""
+        try:
+            st = os.stat(self.path)
+        except OSError as e:
+            reason = f"is gone ({e.strerror or e})"
+        else:
+            reason = None
+            if (st.st_dev, st.st_ino) != self.inode:
+                reason = "was replaced by another file (a rename or a copy over its name)"
+            elif st.st_size != self.size:
+                reason = f"was {'truncated' if st.st_size < self.size else 'extended'} from {self.size} to " \
+                         f"{st.st_size} bytes"
+            elif st.st_mtime_ns != self.mtime_ns:
+                reason = "was rewritten in place (its modification time changed)"
+            elif _header_digest(self.path, self.header_end) != self.header_digest:
+                reason = "was rewritten in place (its header changed)"
+        if reason:
+            raise MlxdiffError(f"{self.path}: {reason} while this run was streaming its blocks; the run is stopped "
+                               "and nothing was written. Run again once the file is complete and left alone")
+
+
+def _header_digest(path, end) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.blake2b(f.read(end), digest_size=16).digest()
+    except OSError:
+        return b""
+
+
+def file_identities(spec) -> dict:
+    """{file: FileIdentity} of a spec's regular weight files (a Core ML package, a folder, is not streamed from a
+    range of one file)."""
+    return {f: FileIdentity.of(f) for f in spec.files if os.path.isfile(f)}
+
+
 class ReadAhead:
     """Reads a group's byte ranges on a background thread, into the page cache (each chunk read and dropped: no
     process memory), so that the device computes one block while the file gives the next."""
@@ -274,8 +333,9 @@ class BlockStream:
     """The streamed groups of one loaded component: reads a group's weights into its block for one call, drops
     them after, reads the next group ahead; counts what it read and how long it waited."""
 
-    def __init__(self, spec, model, groups, compute_dtype, native):
+    def __init__(self, spec, model, groups, compute_dtype, native, identities=None):
         self.spec, self.model, self.groups = spec, model, groups
+        self.identities = identities or {}     # {file: FileIdentity}: checked before each read
         self.compute_dtype, self.native = compute_dtype, native
         self.next_of = {g.key: groups[(i + 1) % len(groups)] for i, g in enumerate(groups)}
         self.read_ahead = ReadAhead()
@@ -312,6 +372,9 @@ class BlockStream:
     def load(self, group, block):
         start = time.perf_counter()
         self.read_ahead.wait()
+        for f in group.names:
+            if f in self.identities:
+                self.identities[f].check()
         # the next group is read while this one is mapped, converted and computed
         self.read_ahead.start(self.next_of[group.key].ranges)
         block.update(tree_unflatten(list(self.weights_of(group, block).items())))
@@ -375,6 +438,7 @@ def load_streamed(spec, compute_dtype, budget, strategy):
                            f"python -m mlxdiff.convert MODEL DEST --quantize {spec.name}={quantize_setting(spec.quantize).text}, "
                            "then use DEST")
     native = bool(spec.config.get(NATIVE_KEY))
+    identities = file_identities(spec)     # what the plan is made from: each later read checks it still is
     everything = frozenset(n for f in spec.files for n in tensor_nbytes(f))
     # planned on a model built around stand-ins for everything (nothing read; without LoRAs, which the real build
     # reads once below: a block's parameters are compared as named before LoRAs wrap its layers)
@@ -384,7 +448,7 @@ def load_streamed(spec, compute_dtype, budget, strategy):
     blocks = frozenset().union(*(g.all_names for g in streaming.resident + streaming.streamed))
     model = spec.build(compute_dtype, standins=blocks, check=False)
     use_strategy(model, strategy)
-    stream = BlockStream(spec, model, streaming.streamed, compute_dtype, native)
+    stream = BlockStream(spec, model, streaming.streamed, compute_dtype, native, identities)
     for group in streaming.resident:
         parent, index = _container(model, group.block)
         _read_into(stream, group, parent[index], compute_dtype, spec.source)

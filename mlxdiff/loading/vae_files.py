@@ -43,6 +43,7 @@ def read_vae_file(path, naming: VaeNaming, base_config=None, base_where=None, ti
     reason = naming.other(names, title)
     if reason:
         raise MlxdiffError(f"{path}: {reason}")
+    check_channels(path, names, title)
     if naming.is_original(names):
         try:
             config = naming.from_original(names, base_config)
@@ -60,6 +61,23 @@ def read_vae_file(path, naming: VaeNaming, base_config=None, base_where=None, ti
         return ComponentSpec("vae", naming.arch, config, [path], prefix)
     shown = ", ".join(sorted(names)[:4]) or "no tensors"
     raise MlxdiffError(f"{path}: not {naming.what or title + ' VAE'} in {naming.reads}; its tensors are {shown}")
+
+
+def _dim(names, key, axis):
+    shape = tuple(names[key].shape) if key in names else ()
+    return shape[axis] if len(shape) == 4 else None
+
+
+def check_channels(path, names, title) -> None:
+    """A VAE's image ends, from its shapes (ldm and diffusers names share them), before anything runs: images of 3
+    channels out and in (decoder.conv_out, encoder.conv_in); another count decodes into nothing a PNG holds (it
+    crashed inside Pillow after the whole denoise). Its latents against the denoiser's: each family's check of its
+    components together (the UNet family's check_unet_together)."""
+    for key, axis, end in (("decoder.conv_out.weight", 0, "decodes to"), ("encoder.conv_in.weight", 1, "encodes")):
+        channels = _dim(names, key, axis)
+        if channels is not None and channels != 3:
+            raise MlxdiffError(f"{path}: this VAE {end} images of {channels} channels ({key} {tuple(names[key].shape)})"
+                               f", not RGB's 3; it is not a VAE for {title} model, give that model's own VAE")
 
 
 def _renaming(rules):

@@ -57,6 +57,9 @@ UNET_LAYERS = re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks
 UNET = "an SD 1.x / SDXL UNet"
 ARCHITECTURES = (
     (UNET_LAYERS, (UNET,)),
+    # FLUX 3's (diffusers' names): its per-mode blocks, modulations and embedders
+    (re.compile(r"(^|[._])(txt_mode_blocks|mode_blocks[._]image(_cond)?|(early|single)_stream_modulations|x_embedders)"
+                r"([._]|$)"), ("FLUX 3",)),
     (re.compile(r"(^|[._])(double_blocks[._]\d+[._](img|txt)_mod|single_blocks[._]\d+[._]modulation|vector_in|"
                 r"single_transformer_blocks[._]\d+[._](proj_mlp|proj_out|norm[._]linear|attn[._]to_[qkv]))([._]|$)"),
      ("FLUX.1",)),
@@ -73,10 +76,17 @@ ARCHITECTURES = (
     (re.compile(r"(^|[._])(noise_refiner|context_refiner|cap_embedder|all_x_embedder|all_final_layer|"
                 r"layers[._]\d+[._](attention[._](qkv|out|to_[qkv]|to_out|q_norm|k_norm|norm_[qk])|"
                 r"feed_forward[._]w[123]|adaLN_modulation))([._]|$)"), ("Z-Image",)),
+    # Qwen-Image 2.1's (diffusers' names): its bias-free SwiGLU (img_mlp.proj / gate_layer / out, ComfyUI's gate_up)
+    # and text projection (Qwen-Image's MLP is img_mlp.net.*)
+    (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._]img_mlp[._](proj|gate_layer|gate_up|out)|"
+                r"txt_in[._](in_layer|out_layer|text_norm))([._]|$)"), ("Qwen-Image 2.1",)),
     # Qwen-Image's (diffusers' names, which all its LoRAs use): each block's per-stream modulation and MLP (its
     # attention's to_q / add_q_proj / to_add_out are SD3's and FLUX.1's names too, BFL's img_mod / img_mlp sit under
     # double_blocks, not transformer_blocks) and the text features' txt_norm
     (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._](img|txt)_(mod|mlp)|txt_norm)([._]|$)"), ("Qwen-Image",)),
+    # Krea 2's (diffusers' and krea-ai's names): its text fusion, time projection, gated attention and SwiGLU
+    (re.compile(r"(^|[._])(text_fusion|txtfusion|time_mod_proj|tproj|attn[._](to_gate|wq|wk|wv|wo)|"
+                r"transformer_blocks[._]\d+[._]ff[._](gate|up|down))([._]|$)"), ("Krea 2",)),
 )
 # A denoiser LoRAs apply to says so on its architecture module (models/protocol.LoRADenoiser): LORA_NAME (what
 # messages call it), LORA_ARCHITECTURE (its label in ARCHITECTURES above), lora_original_rules(args) (its

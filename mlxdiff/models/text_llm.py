@@ -4,6 +4,8 @@
     klein: Qwen3ForCausalLM (Qwen3-4B / 8B), taps (9, 18, 27)
     Qwen-Image: Qwen2_5_VLForConditionalGeneration's language model (Qwen2's layers), tap num_hidden_layers
                (hidden_states[-1], the final-normed output; the pipeline folder names it)
+    Krea 2 (FLUX 3 Klein, Qwen-Image 2.1): Qwen3VLModel / Qwen3VLForConditionalGeneration's language model (Qwen3's
+               layers; the taps and the positions the pipeline's; models/text_qwen3vl.py)
 
 diffusers (`_get_mistral_3_small_prompt_embeds`, `_get_qwen3_prompt_embeds`) runs the whole LLM with
 `output_hidden_states=True` and keeps hidden_states[k] for k in the taps: [0] is the embedding output, [k] the output of
@@ -14,14 +16,16 @@ is the last layer), the lm_head, the vision tower and the projector are dropped 
 anything is read.
 
 The layers are mlx-lm's own (llama.LlamaModel for Mistral, qwen3.Qwen3Model). We run embed -> layers ourselves with the
-mask transformers builds: causal AND the tokenizer's padding mask (AND a sliding window where the config has one).
+mask transformers builds: causal AND the tokenizer's padding mask (AND a sliding window where the config has one);
+and, where the pipeline gives them, each token's own RoPE position (Krea 2's: text_qwen3vl.block_at_positions).
 Left padding (Mistral's tokenizer) makes every pad query see no key at all; torch's SDPA, which diffusers runs by
 default, returns a zero attention output for such a row, where MLX's SDPA returns the mean of the values. Those pad
 positions reach the DiT (it gets no text mask), so for them we compose mlx-lm's block ourselves with a zero attention
 output (`block_with_blind_rows`); every other row goes through the mlx-lm layer unchanged.
 
 Accepted folders: a diffusers `text_encoder/` (transformers names: `model.language_model.*` or the older
-`language_model.model.*` for Mistral3, `model.*` for Qwen3) or an mlx-lm converted one, also quantized (config has
+`language_model.model.*` for Mistral3, `model.*` for Qwen3, `model.language_model.*` or `language_model.*` for
+Qwen3-VL) or an mlx-lm converted one, also quantized (config has
 "quantization"; layers are quantized exactly where the file has `.scales`, with mlx-lm's per-layer settings).
 Accepted single files (text_encoder=FILE, loading/sources.text_encoder_from_file): the same names flat in one
 safetensors (ComfyUI's `model.*`, pruned or whole), or a llama.cpp GGUF (`token_embd`, `blk.N.*`; kept quantized,
@@ -43,6 +47,7 @@ from ..config_checks import (MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS,
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap
 from ..formats.quantized import QuantizedTensor, RawBlocks
+from . import text_qwen3vl
 from .fused import through
 from .sharding import check_counts, divides_all, shard_layer
 
@@ -50,7 +55,8 @@ from .sharding import check_counts, divides_all, shard_layer
 TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
 # config.json model_type -> the class it comes from (for error messages)
 ARCHITECTURES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}   # Qwen-Image's: its language model only
+                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",   # Qwen-Image's: its language model only
+                 text_qwen3vl.MODEL_TYPE: text_qwen3vl.CLASSES[1]}      # Krea 2's (Qwen3VLModel too)
 # Mistral3's text_config model_type -> mlx-lm language model (as mlx_lm.models.mistral3 chooses it)
 MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
 
@@ -59,6 +65,7 @@ MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
 KEYMAP = compile_rules([
     (r"model\.language_model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, transformers >= 4.52
     (r"language_model\.model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),   # Mistral3, older / mlx-lm converted
+    (r"language_model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),         # Qwen3VLModel (transformers 5.25)
     # Qwen3ForCausalLM, mlx-lm, ComfyUI; Qwen2_5_VLForConditionalGeneration as transformers 4.x and 5.25 save it
     (r"model\.((?:embed_tokens|layers|norm)\..+)", r"\1"),
     (r"((?:embed_tokens|layers|norm)\..+)", r"\1"),                          # Qwen3Model (Tongyi-MAI's Z-Image)
@@ -136,6 +143,11 @@ class ModelArgs(CheckedArgs):
         if "text_config" not in params:
             params["text_config"] = {k: v for k, v in params.items() if k not in ("taps", "quantization",
                                                                                   "file_layers")}
+        elif params.get("model_type") == text_qwen3vl.MODEL_TYPE and isinstance(params["text_config"], dict):
+            # Qwen3VLConfig keeps tie_word_embeddings at the top; mlx-lm's Qwen3 args require it (the lm_head is
+            # never read either way)
+            params["text_config"] = {"tie_word_embeddings": bool(params.get("tie_word_embeddings", False)),
+                                     **params["text_config"]}
         args = super().from_dict(params, where)
         check_language_model(args, where)
         return args
@@ -161,7 +173,7 @@ class ModelArgs(CheckedArgs):
 
 def language_model_class(args: ModelArgs):
     """The mlx-lm ModelArgs class the language model config becomes (None: a model type check_args refuses)."""
-    if args.model_type == "qwen3":
+    if args.model_type in ("qwen3", text_qwen3vl.MODEL_TYPE):
         return qwen3.ModelArgs
     if args.model_type == "qwen2_5_vl":
         return qwen2.ModelArgs
@@ -178,7 +190,7 @@ def check_language_model(args: ModelArgs, where) -> None:
     if cls is None:
         return
     text = require_object(args.text_config, where, "text_config")
-    prefix = "text_config." if args.model_type == "mistral3" else ""
+    prefix = "text_config." if args.model_type in ("mistral3", text_qwen3vl.MODEL_TYPE) else ""
     hints = {**field_types(cls), **TEXT_TYPES}
     required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
                 and f.default_factory is dataclasses.MISSING and f.name != "rope_theta"]  # or in rope_parameters
@@ -197,7 +209,7 @@ def check_args(args: ModelArgs, source, taps=True) -> None:
         what = ", ".join(args.architectures or []) or "no architectures"
         raise MlxdiffError(f"{source}: model_type {args.model_type!r} ({what}) is not a FLUX.2 text encoder; "
                            "expected Mistral3ForConditionalGeneration (FLUX.2-dev) or Qwen3ForCausalLM (FLUX.2-klein)"
-                           " (or Qwen-Image's Qwen2_5_VLForConditionalGeneration)")
+                           " (or Qwen-Image's Qwen2_5_VLForConditionalGeneration, Krea 2's Qwen3VLModel)")
     if args.model_type == "mistral3":
         text_type = args.text_config.get("model_type")
         if text_type not in MISTRAL3_TEXT_MODELS:
@@ -239,6 +251,8 @@ def language_model_config(args: ModelArgs) -> dict:
         scaling = text.get("rope_scaling") or {}
         if scaling.get("type", scaling.get("rope_type", "default")) in ("mrope", "default"):
             text["rope_scaling"] = None
+    if args.model_type == text_qwen3vl.MODEL_TYPE:
+        text = text_qwen3vl.language_model_config(text)
     return text
 
 
@@ -309,8 +323,9 @@ def check_shardable(args: ModelArgs, n: int) -> None:
 class Model(nn.Module):
     """embed_tokens + layers[:max(taps)] (+ the final norm when a tap is the last layer) of the mlx-lm model.
 
-    __call__(input_ids (B, L), attention_mask (B, L) or None) -> prompt_embeds (B, L, len(taps) * hidden) in
-    compute_dtype: diffusers' stacked hidden states, per token [tap0 | tap1 | ...]."""
+    __call__(input_ids (B, L), attention_mask (B, L) or None, position_ids (B, L) or None: each token's RoPE
+    position, 0 .. L-1 when None) -> prompt_embeds (B, L, len(taps) * hidden) in compute_dtype: diffusers' stacked
+    hidden states, per token [tap0 | tap1 | ...]."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -323,7 +338,7 @@ class Model(nn.Module):
             language_model = arch.LlamaModel(arch.ModelArgs.from_dict(text))
         elif args.model_type == "qwen2_5_vl":      # Qwen2.5-VL's language model is Qwen2's (mlx_lm qwen2_vl)
             language_model = qwen2.Qwen2Model(qwen2.ModelArgs.from_dict(text))
-        else:
+        else:                                      # Qwen3, and Qwen3-VL's language model (mlx_lm qwen3_vl)
             language_model = qwen3.Qwen3Model(qwen3.ModelArgs.from_dict(text))
         self.embed_tokens = language_model.embed_tokens
         self.layers = language_model.layers
@@ -355,10 +370,19 @@ class Model(nn.Module):
         formats/fp8.Fp8Embedding, MLX's QuantizedEmbedding)."""
         return {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
 
-    def __call__(self, input_ids, attention_mask=None):
+    def __call__(self, input_ids, attention_mask=None, position_ids=None):
         if not isinstance(input_ids, mx.array):
             input_ids = mx.array(np.asarray(input_ids), dtype=mx.int32)
         batch, length = input_ids.shape
+        if position_ids is not None:
+            position_ids = mx.array(np.asarray(position_ids, np.int32)) if not isinstance(position_ids, mx.array) \
+                else position_ids.astype(mx.int32)
+            if position_ids.shape != (batch, length):
+                raise MlxdiffError(f"position_ids has shape {position_ids.shape}, input_ids {(batch, length)}")
+            if self.args.model_type not in ("qwen3", text_qwen3vl.MODEL_TYPE):
+                raise MlxdiffError(f"position_ids: only for Qwen3 layers, not {self.args.model_type}")
+            if text_qwen3vl.plain_positions(position_ids, length):
+                position_ids = None
         pad = np.ones((batch, length), np.int32) if attention_mask is None else np.asarray(attention_mask)
         if pad.shape != (batch, length):
             raise MlxdiffError(f"attention_mask has shape {pad.shape}, input_ids {(batch, length)}")
@@ -376,7 +400,10 @@ class Model(nn.Module):
         states = {0: h}
         for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
             mask, blind = masks[window]
-            h = layer(h, mask) if blind is None else through(layer, block_with_blind_rows, h, mask, blind)
+            if position_ids is not None:
+                h = through(layer, text_qwen3vl.block_at_positions, h, mask, blind, position_ids)
+            else:
+                h = layer(h, mask) if blind is None else through(layer, block_with_blind_rows, h, mask, blind)
             states[i + 1] = h
         if self.args.tapped_final_norm:
             states[self.args.depth] = self.norm(h)

@@ -10,7 +10,7 @@ linear projections in the transformers, and SDXL's "text_time" added conditionin
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Optional
 
 import mlx.core as mx
@@ -348,6 +348,50 @@ class UNetMidBlock2DCrossAttn(nn.Module):
         return x
 
 
+def attention_of(a: ModelArgs, level: int):
+    """A level's transformer settings (heads, cross-attention width, depth, linear projections) as the blocks take
+    them."""
+    return a.heads[level], a.cross_dims[level], a.transformer_layers[level], a.use_linear_projection
+
+
+def down_blocks(a: ModelArgs) -> list:
+    """The down path of a UNet2DConditionModel (and of a ControlNetModel, which copies it)."""
+    boc, n, temb = a.block_out_channels, len(a.block_out_channels), a.block_out_channels[0] * 4
+    blocks, out_ch = [], boc[0]
+    for i, kind in enumerate(a.down_block_types):
+        in_ch, out_ch = out_ch, boc[i]
+        blocks.append(DownBlock(in_ch, out_ch, temb, a.layers[i], a.norm_num_groups, a.norm_eps, i < n - 1,
+                                attention_of(a, i) if kind == "CrossAttnDownBlock2D" else None))
+    return blocks
+
+
+def add_embeddings(model, a: ModelArgs) -> None:
+    """The timestep MLP and, for SDXL ("text_time"), the pooled-text-and-sizes MLP, onto `model` (a UNet or a
+    ControlNet: the same names)."""
+    temb = a.block_out_channels[0] * 4
+    model.time_embedding = TimestepEmbedding(a.block_out_channels[0], temb)
+    if a.addition_embed_type == "text_time":
+        model.add_embedding = TimestepEmbedding(a.projection_class_embeddings_input_dim, temb)
+
+
+def embed_time(model, a: ModelArgs, timestep, batch, dtype, added_cond_kwargs=None):
+    """The time embedding a UNet (or ControlNet) adds in every resnet: the timestep's sinusoids through
+    time_embedding, plus SDXL's add_embedding of the pooled text and the six size / crop ids."""
+    t = mx.broadcast_to(mx.array(timestep).reshape(-1), (batch,))
+    emb = timestep_embedding(t, a.block_out_channels[0], a.flip_sin_to_cos, a.freq_shift).astype(dtype)
+    emb = model.time_embedding(emb)
+    if a.addition_embed_type == "text_time":
+        if not added_cond_kwargs or "text_embeds" not in added_cond_kwargs or "time_ids" not in added_cond_kwargs:
+            raise MlxdiffError(f"this {a.WHAT.split()[0]} (addition_embed_type \"text_time\") needs added_cond_kwargs "
+                               "with \"text_embeds\" and \"time_ids\"")
+        time_ids = added_cond_kwargs["time_ids"]
+        time_embeds = timestep_embedding(time_ids.reshape(-1), a.addition_time_embed_dim, a.flip_sin_to_cos,
+                                         a.freq_shift).reshape(time_ids.shape[0], -1)
+        add = mx.concatenate([added_cond_kwargs["text_embeds"].astype(dtype), time_embeds.astype(dtype)], axis=-1)
+        emb = emb + model.add_embedding(add)
+    return emb
+
+
 class Model(nn.Module):
     """UNet2DConditionModel. `sample` (B, C, H, W) and the returned noise prediction are NCHW like diffusers;
     `timestep` a scalar or (B,) array; `encoder_hidden_states` (B, S, cross_attention_dim); for SDXL
@@ -359,21 +403,10 @@ class Model(nn.Module):
         boc, groups, eps, n = a.block_out_channels, a.norm_num_groups, a.norm_eps, len(a.block_out_channels)
         temb = boc[0] * 4
         self.conv_in = Conv2d(a.in_channels, boc[0], 3, padding=1)
-        self.time_embedding = TimestepEmbedding(boc[0], temb)
-        if a.addition_embed_type == "text_time":
-            self.add_embedding = TimestepEmbedding(a.projection_class_embeddings_input_dim, temb)
-        heads, tl, cross = a.heads, a.transformer_layers, a.cross_dims
-
-        def attn(i):
-            return heads[i], cross[i], tl[i], a.use_linear_projection
-
-        self.down_blocks = []
-        out_ch = boc[0]
-        for i, kind in enumerate(a.down_block_types):
-            in_ch, out_ch = out_ch, boc[i]
-            self.down_blocks.append(DownBlock(in_ch, out_ch, temb, a.layers[i], groups, eps, i < n - 1,
-                                              attn(i) if kind == "CrossAttnDownBlock2D" else None))
-        self.mid_block = UNetMidBlock2DCrossAttn(boc[-1], temb, groups, eps, attn(n - 1))
+        add_embeddings(self, a)
+        self.down_blocks = down_blocks(a)
+        self.mid_block = UNetMidBlock2DCrossAttn(boc[-1], temb, groups, eps, attention_of(a, n - 1))
+        attn = partial(attention_of, a)
         rev = list(reversed(boc))
         self.up_blocks = []
         out_ch = rev[0]
@@ -385,24 +418,16 @@ class Model(nn.Module):
         self.conv_norm_out = group_norm(groups, boc[0], eps)
         self.conv_out = Conv2d(boc[0], a.out_channels, 3, padding=1)
 
-    def __call__(self, sample, timestep, encoder_hidden_states, added_cond_kwargs=None, after_block=None):
-        """`after_block(x)`: the caller's memory policy, called with each block's output (pipelines/base.py)."""
+    def __call__(self, sample, timestep, encoder_hidden_states, added_cond_kwargs=None, after_block=None,
+                 down_block_additional_residuals=None, mid_block_additional_residual=None):
+        """`after_block(x)`: the caller's memory policy, called with each block's output (pipelines/base.py).
+        `down_block_additional_residuals` / `mid_block_additional_residual`: a ControlNet's outputs (models/
+        controlnet.py; channels-last, as this model's skips are), added to the skips and the middle block's output as
+        diffusers' UNet adds them."""
         a = self.args
         after_block = after_block or (lambda *outputs: None)
         dtype = sample.dtype
-        b = sample.shape[0]
-        t = mx.broadcast_to(mx.array(timestep).reshape(-1), (b,))
-        emb = timestep_embedding(t, a.block_out_channels[0], a.flip_sin_to_cos, a.freq_shift).astype(dtype)
-        emb = self.time_embedding(emb)
-        if a.addition_embed_type == "text_time":
-            if not added_cond_kwargs or "text_embeds" not in added_cond_kwargs or "time_ids" not in added_cond_kwargs:
-                raise MlxdiffError("this UNet (addition_embed_type \"text_time\") needs added_cond_kwargs with "
-                                   "\"text_embeds\" and \"time_ids\"")
-            time_ids = added_cond_kwargs["time_ids"]
-            time_embeds = timestep_embedding(time_ids.reshape(-1), a.addition_time_embed_dim, a.flip_sin_to_cos,
-                                             a.freq_shift).reshape(time_ids.shape[0], -1)
-            add = mx.concatenate([added_cond_kwargs["text_embeds"].astype(dtype), time_embeds.astype(dtype)], axis=-1)
-            emb = emb + self.add_embedding(add)
+        emb = embed_time(self, a, timestep, sample.shape[0], dtype, added_cond_kwargs)
         context = encoder_hidden_states.astype(dtype)
 
         x = self.conv_in(sample.transpose(0, 2, 3, 1))
@@ -412,6 +437,13 @@ class Model(nn.Module):
             skips.extend(out)
             after_block(*out)
         x = self.mid_block(x, emb, context)
+        if down_block_additional_residuals is not None:
+            if len(down_block_additional_residuals) != len(skips):
+                raise MlxdiffError(f"the ControlNet gives {len(down_block_additional_residuals)} down-block residuals "
+                                   f"but the UNet has {len(skips)} skips; they do not belong together")
+            skips = [s + r.astype(dtype) for s, r in zip(skips, down_block_additional_residuals)]
+        if mid_block_additional_residual is not None:
+            x = x + mid_block_additional_residual.astype(dtype)
         after_block(x)
         n = len(a.block_out_channels)
         for i, block in enumerate(self.up_blocks):
@@ -536,15 +568,16 @@ def _indices(weights, pattern) -> list:
     return sorted({int(m.group(1)) for k in weights if (m := pattern.match(k))})
 
 
-def _layout(weights) -> tuple:
-    """(levels, layers per block) of ldm names, from the downsamplers and the input block count."""
+def _layout(weights, up=True) -> tuple:
+    """(levels, layers per block) of ldm names, from the downsamplers and the input block count; `up`: the output
+    blocks must be there too (a ControlNet's copy of the encoder has none)."""
     inputs, downsamplers = _indices(weights, _INPUT), _indices(weights, _DOWNSAMPLER)
     if not inputs or inputs != list(range(len(inputs))):
         raise MlxdiffError(f"not a complete SD UNet original checkpoint: input_blocks indices {inputs[:4]}... are not "
                            "contiguous from 0; re-download the file")
     levels = len(downsamplers) + 1
     layers, extra = divmod(len(inputs) - 1 - (levels - 1), levels)
-    outputs = _indices(weights, _OUTPUT)
+    outputs = _indices(weights, _OUTPUT) if up else list(range(levels * (layers + 1)))
     if extra or layers < 1 or outputs != list(range(levels * (layers + 1))):
         raise MlxdiffError(f"not a complete SD UNet original checkpoint: {len(inputs)} input_blocks, {len(outputs)} "
                            f"output_blocks and {len(downsamplers)} downsamplers do not make a UNet; re-download the "
@@ -602,9 +635,13 @@ def config_from_original(weights: dict) -> dict:
     block = f"input_blocks.{first[level]}.1"
     cross = shape(f"{block}.transformer_blocks.0.attn2.to_k.weight", 2)[1]
     linear = len(shape(f"{block}.proj_in.weight")) == 2
-    if linear and any(w % 64 for w in widths):
-        raise MlxdiffError(f"SD UNet original checkpoint: widths {widths} are not multiples of 64, the head size of "
-                           "SD 2.x / SDXL UNets (linear projections)")
+    # the levels whose blocks attend (down, up: output block 0 is the deepest level, the middle block the last);
+    # only those split into 64-wide heads: a level without attention may have any width
+    attended = {i for i in range(levels) if attention[i] or up_attention[levels - 1 - i]} | {levels - 1}
+    if linear and any(widths[i] % 64 for i in attended):
+        raise MlxdiffError(f"SD UNet original checkpoint: the widths {[widths[i] for i in sorted(attended)]} of its "
+                           "levels with attention are not multiples of 64, the head size of SD 2.x / SDXL UNets "
+                           "(linear projections)")
     config = {
         "sample_size": 64,
         "in_channels": conv_in[1],
@@ -614,7 +651,7 @@ def config_from_original(weights: dict) -> dict:
         "down_block_types": ["CrossAttnDownBlock2D" if a else "DownBlock2D" for a in attention],
         "up_block_types": ["CrossAttnUpBlock2D" if a else "UpBlock2D" for a in up_attention],
         "cross_attention_dim": cross,
-        "attention_head_dim": [w // 64 for w in widths] if linear else 8,
+        "attention_head_dim": [max(1, w // 64) for w in widths] if linear else 8,
         "use_linear_projection": linear,
         "transformer_layers_per_block": depth_per_level if len(set(depth_per_level)) > 1 else depth_per_level[0],
         "norm_num_groups": 32,

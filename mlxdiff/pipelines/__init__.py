@@ -4,21 +4,24 @@ each family in turn whether a folder, a single file or files alone are its model
 
 from pathlib import Path
 
-from ..arguments import check_load, check_loras, check_number, check_quantize
+from ..arguments import check_controlnets, check_load, check_loras, check_number, check_quantize
 from ..distributed import check_guidance_group, check_split, check_tensor_group
 from ..errors import MlxdiffError
 from ..formats import check_weight_file, tensor_shapes
 from ..loading import quantize as quantization
+from ..loading.component_files import TEXT_ENCODER_FILES
+from ..loading.hub import HubRequest
 from ..loading.sources import not_a_folder, read_pipeline_folder, resolve_path
-from ..loading.spec import PipelineSources
+from ..loading.spec import ARCHITECTURES, PipelineSources
 from ..loading.tensor_parallel import shardable, tensor_parallel
 from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
-from . import chroma, flux1, flux2, qwenimage, sd3, stable_diffusion, zimage
+from . import chroma, flux1, flux2, flux3, krea2, qwenimage, sd3, stable_diffusion, zimage
+from . import qwenimage21
 from .family import Family, LoadRequest, family_named, identify  # noqa: F401  (Family: the record's type)
 
 # the registry: detection asks each in turn (their claims do not overlap: tests/test_families.py)
-FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY, zimage.FAMILY,
-            qwenimage.FAMILY)
+FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, krea2.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY, zimage.FAMILY,
+            qwenimage.FAMILY, flux3.FAMILY, qwenimage21.FAMILY)
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
 
 
@@ -27,16 +30,17 @@ def by_pipeline_class() -> dict:
     return {cls: f for f in FAMILIES for cls in f.layouts}
 
 
-def detect(model, request: LoadRequest) -> PipelineSources:
-    """What the user named -> PipelineSources, from the family whose model it is: a pipeline folder (or a hub id in
-    the local cache) by its model_index.json class, a single file by its tensor names (Family.claims_file), no
-    model but a family's part files (Family.read_files_alone). A file no family claims is refused in one line that
-    says what it is (a part of some family's model) or what each family reads."""
+def detect(model, request: LoadRequest, hub: HubRequest | None = None) -> PipelineSources:
+    """What the user named -> PipelineSources, from the family whose model it is: a pipeline folder (or a hub id,
+    fetched into the Hugging Face cache as `hub` says: only what the family reads, hub_reads) by its model_index.json
+    class, a single file by its tensor names (Family.claims_file), no model but a family's part files
+    (Family.read_files_alone). A file no family claims is refused in one line that says what it is (a part of some
+    family's model) or what each family reads."""
     if request.transformer is not None:
         check_weight_file(not_a_folder(request.transformer, "transformer file"), "transformer file")
     if model is None:
         return _files_alone(request)
-    path = resolve_path(model)
+    path = resolve_path(model, hub, lambda root: hub_reads(root, request))
     if path.is_dir():
         if request.prediction_type is not None:
             raise MlxdiffError(f"prediction_type=: for SD 2.x single files (their tensors do not say); {path} is a "
@@ -50,6 +54,23 @@ def detect(model, request: LoadRequest) -> PipelineSources:
     family = family_of_file(path)
     family.check_keywords(path, request)
     return family.read_file(path, request)
+
+
+def hub_reads(root, request: LoadRequest) -> dict:
+    """What a run reads from a hub repo whose model_index.json is in `root`, for loading/hub.py to fetch: {component
+    folder: whether its weights are read}: the components its family's layout names that the index does not set to
+    null (a repo's other folders, an image encoder or safety checker, are never read); the weights of those that are
+    models (loading/spec.ARCHITECTURES: not a tokenizer or scheduler), but not of one that a file given to load()
+    replaces (its config is still read). Its keywords are checked first."""
+    owners = by_pipeline_class()
+    _, pipeline_class, components = read_pipeline_folder(
+        root, {cls: (f.layouts[cls], f.optional) for cls, f in owners.items()})
+    family = owners[pipeline_class]
+    family.check_keywords(root, request)
+    replaced = {"transformer": family.pipeline.DENOISER, "vae": "vae", "text_encoder": "text_encoder"}
+    files = {replaced[k] for k in request.given() if k in replaced}
+    files |= {TEXT_ENCODER_FILES[k][0] for k in request.text_encoders or {} if k in TEXT_ENCODER_FILES}
+    return {name: cls in ARCHITECTURES and name not in files for name, cls in components.items() if cls is not None}
 
 
 def family_of_file(path) -> Family:
@@ -87,8 +108,9 @@ def _files_alone(request) -> PipelineSources:
 
 def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quantize=None, matmul=None, keep="none",
          text_encoder=None, vae=None, tokenizer=None, loras=None, memory_limit=None, group=None,
-         prediction_type=None, split=None):
-    """`model`: a diffusers pipeline folder, a hub id in the local HF cache, or an original single file; None for
+         prediction_type=None, split=None, controlnets=None, download=True, revision=None, variant=None):
+    """`model`: a diffusers pipeline folder, a hub id (ORG/NAME; what the run reads is fetched into the Hugging
+    Face cache where missing: loading/hub.py, docs/downloads.md), or an original single file; None for
     FLUX.2 from its files alone (transformer=, text_encoder= and vae=, e.g. ComfyUI's; pipelines/flux2/files.py).
     `transformer`: optional file that replaces the denoiser. `dtype`: compute dtype (default: float32 on the CPU,
     bfloat16 on GPUs). `text_encoders`: SD3.5 (folder or single file), {'clip_l': FILE, 'clip_g': FILE, 't5xxl':
@@ -116,16 +138,25 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     the group's ranks, 2 or more (tensor-parallel: each rank holds about 1/N of its blocks' weights and computes
     1/N of their heads and feed-forward widths, two all_sums per block; every rank runs the whole job, text encoders
     and VAE whole; mlxdiff/distributed.py).
+    `download`: False reads a hub id from the local Hugging Face cache only. `revision`: a hub id's branch, tag or
+    commit (default main). `variant`: diffusers' weight variant of a hub id's files ("fp16", ...) where it has them.
+    `controlnets`: [(folder or file, scale), ...] (or paths, scale 1): ControlNets for the denoiser (SD 1.x / SDXL:
+    diffusers' ControlNetModel folders, or the original files in ldm names), components like the others (loaded in
+    the denoise phase, quantizable as "controlnet", "controlnet_2", ...); generate(control_images=[...]) gives one
+    control image each, and its control_scales= replace these scales.
     """
     # checked here too, for calls as mlxdiff.pipelines.load
     check_load(model, transformer, text_encoders, quantize, text_encoder, vae=vae, tokenizer=tokenizer,
                loras=loras)
+    controlnets = check_controlnets(controlnets)
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
     quantize = check_quantize(quantize)       # the one check: typed settings that the plan trusts
     policy = from_switches(check_number("memory_limit", memory_limit))
     found = detect(model, LoadRequest(transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder,
-                                      vae=vae, tokenizer=tokenizer, prediction_type=prediction_type))
+                                      vae=vae, tokenizer=tokenizer, prediction_type=prediction_type),
+                   HubRequest(download, revision, variant).checked())
+    add_controlnets(found, controlnets)
     quantization.plan(found.components, quantize)
     for spec in found.components.values():
         if spec is not None and matmul is not None:
@@ -145,3 +176,16 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)
     return pipe
+
+
+def add_controlnets(found: PipelineSources, controlnets) -> None:
+    """load(controlnets=)'s ControlNets, read by the family (Family.read_controlnets: checked against its denoiser,
+    added to the components); one line for a family that takes none."""
+    if not controlnets:
+        return
+    family = family_named(found.family)
+    if family.read_controlnets is None:
+        takes = " and ".join(f.title for f in FAMILIES if f.read_controlnets is not None)
+        raise MlxdiffError(f"controlnets=: mlxdiff runs ControlNets with {takes} models; this is {family.article} "
+                           f"{family.title} model; leave controlnets= (--controlnet) out")
+    family.read_controlnets(found, controlnets)

@@ -7,7 +7,9 @@ becomes an empty shell) and MLX's buffer cache is returned, so the next phase st
 (sd3.py, flux2.py) supplies only what is its own: prompt encoding, its velocity and its latent packing.
 """
 
+import threading
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -24,6 +26,7 @@ from ..pacing import pace, settle
 from ..policy import RunPolicy, current, installed
 from .family import check_options, family_named
 from .images import to_pil
+from .previews import latent_preview, load_tiny_vae
 from .report import Result, finish, new_run
 from .residency import Residency
 from .step_cache import parse as parse_step_cache
@@ -71,10 +74,31 @@ def guidance_pair(group, uncond, cond):
     return both[:mine.shape[0]], both[mine.shape[0]:]
 
 
-def denoise(velocity, step, x, timesteps, callback=None, progress_bar=True):
+class Cancelled(MlxdiffError):
+    """A run stopped between two denoising steps: on_step returned False or Pipeline.cancel() was called. Nothing
+    was decoded; the components were kept or released as `keep` says. An MlxdiffError, so that the CLI says it in
+    one line (exit 2) and an app that catches MlxdiffError needs nothing more."""
+
+
+class Step:
+    """What generate(on_step=...) gets after each denoising step: `index` (0-based) of `total` (the steps this run
+    makes), `timestep`, `latents` (the transformer's layout) and `preview`, a PIL image made on first access (the
+    family's latent-to-RGB projection: pipelines/previews.py)."""
+
+    def __init__(self, index, total, timestep, latents, make_preview):
+        self.index, self.total, self.timestep, self.latents = index, total, timestep, latents
+        self._make_preview = make_preview
+
+    @cached_property
+    def preview(self):
+        return self._make_preview(self.latents)
+
+
+def denoise(velocity, step, x, timesteps, callback=None, progress_bar=True, on_step=None):
     """The denoising loop: `velocity(i, x)` is the family's prediction at step i (CFG, skip-layer or embedded
     guidance included), `step(i, x, prediction)` its sampler's update (flow-match Euler, or a UNet family sampler).
-    Latents stay float32 whatever the compute dtype; each step is evaluated."""
+    Latents stay float32 whatever the compute dtype; each step is evaluated. `on_step(i, t, x)` after each step may
+    raise Cancelled (Pipeline.watch)."""
     steps = len(timesteps)
     for i in progress(range(steps), steps, "denoise", progress_bar):
         x = step(i, x, velocity(i, x).astype(mx.float32))
@@ -82,6 +106,8 @@ def denoise(velocity, step, x, timesteps, callback=None, progress_bar=True):
         settle()
         if callback is not None:
             callback(i, float(timesteps[i]), x)
+        if on_step is not None:
+            on_step(i, float(timesteps[i]), x)
     return x
 
 
@@ -180,6 +206,8 @@ class Pipeline:
         self._prompts = {}       # encode settings -> Conditioning, most recent last
         self._sizes = {}         # spec key -> loaded bytes (for keep="auto")
         self._encoding = None    # the Result of the run whose encode phase is running
+        self._cancel = threading.Event()     # cancel(): the running generate stops at its next step boundary
+        self.preview_decoder = None          # set_preview_vae: a tiny VAE for on_step's previews
         backend.warn_if_slow_blas()
 
     @property
@@ -203,6 +231,20 @@ class Pipeline:
         if key not in self._sizes:
             self._sizes[key] = spec.loaded_nbytes()
         return self._sizes[key]
+
+    def set_preview_vae(self, path):
+        """on_step's previews decoded by a tiny VAE (TAESD / TAESDXL / TAESD3 / TAEF1 / TAEF2: diffusers'
+        AutoencoderTiny or madebyollin's decoder file) instead of the latent-to-RGB projection; None: back to it.
+        Returns the pipeline."""
+        vae = self.components.get("vae")
+        channels = getattr(getattr(vae, "args", None), "latent_channels", None)
+        self.preview_decoder = None if path is None else load_tiny_vae(path, channels)
+        return self
+
+    def cancel(self):
+        """Stop the run in progress (from any thread) after its current denoising step: generate raises Cancelled.
+        Without a run in progress it does nothing (the next generate starts afresh)."""
+        self._cancel.set()
 
     def release(self):
         """Free every component kept loaded (keep="auto" / "all") and the prompt cache."""
@@ -305,12 +347,14 @@ class Pipeline:
     # -- the template ------------------------------------------------------------------------------------------
     def generate(self, prompt=None, *, negative_prompt=None, conditioning=None, width=None, height=None, steps=None,
                  guidance=None, seed=0, latents=None, image=None, strength=None, callback=None, progress_bar=True,
-                 cache=None, **options) -> Result:
+                 cache=None, on_step=None, **options) -> Result:
         """One image (or a batch of prompts): the steps in order; see the family's docstring for its keywords.
         `latents`: the initial noise in diffusers' layout; `image`: a PIL image or file (or a list): the init image
         of image-to-image with `strength`, FLUX.2's reference images without. `cache`: "first-block[:threshold]"
         skips a step's blocks after the first where their result barely changes, "taylorseer[:interval[:order]]"
-        predicts whole forwards between the ones it runs (pipelines/step_cache.py)."""
+        predicts whole forwards between the ones it runs (pipelines/step_cache.py). `on_step(step)`: a Step after each
+        denoising step; returning False stops the run (Cancelled), as cancel() from another thread does."""
+        self._cancel.clear()
         # 1. check: the images, the family's own keywords and the step cache, before anything is loaded
         names, images = check_images(image, strength)
         self.check_images(names, images, strength)
@@ -341,18 +385,42 @@ class Pipeline:
                 with phase("reference"), self.use(self.components["vae"], run.result) as vae:
                     x = self.encode_images(run, vae, x)
                 run.result.notes.append(self.images_note(run, run.result.timings["reference"]))
-            # 7. denoise
-            with phase("denoise"), self.use(self.components[self.DENOISER], run.result) as denoiser:
-                x = denoise(lambda i, x: self.velocity(run, denoiser, run.start + i, x),
-                            lambda i, x, prediction: self.step(run, run.start + i, x, prediction), x,
-                            run.timesteps[run.start:], callback, progress_bar)
-            record_step_cache(run)
+            # 7. denoise (stopped between steps by on_step or cancel())
+            x = self.denoise_phase(run, phase, x, callback, progress_bar, on_step)
             # 8. decode
             x = self.unpack(run, x)
             with phase("decode"), self.use(self.components["vae"], run.result) as vae:
                 decoded = decode(vae, x, self.dtype)
         # 9. finish
-        return finish(run.result, decoded, x)
+        return finish(run.result, self.finish_images(run, decoded), x)
+
+    def denoise_phase(self, run, phase, x, callback, progress_bar, on_step):
+        """The template's step 7: the denoiser through the schedule from run.start, watched between steps."""
+        watch = self.watch(run, on_step, len(run.timesteps) - run.start)
+        watch(-1, None, None)       # a cancel() during encode stops the run before the denoiser loads
+        with phase("denoise"), self.use(self.components[self.DENOISER], run.result) as denoiser:
+            x = denoise(lambda i, x: self.velocity(run, denoiser, run.start + i, x),
+                        lambda i, x, prediction: self.step(run, run.start + i, x, prediction), x,
+                        run.timesteps[run.start:], callback, progress_bar, watch)
+        record_step_cache(run)
+        return x
+
+    def watch(self, run, on_step, total):
+        """denoise's on_step: cancel() seen, then the caller's on_step given the step's Step (its preview made from
+        the unpacked latents on demand); Cancelled when either says stop. Step -1: before the first step."""
+        rgb = family_named(self.family).latent_rgb(self.pipeline_class)
+
+        def preview(x):
+            return latent_preview(np.array(self.preview_layout(run, x)), rgb, run.width, run.height,
+                                  self.preview_decoder)
+
+        def watch(i, t, x):
+            stop = (on_step is not None and i >= 0 and not self._cancel.is_set()
+                    and on_step(Step(i, total, t, x, preview)) is False)
+            if stop or self._cancel.is_set():       # the event seen after on_step too: a cancel() while it ran
+                raise Cancelled(f"cancelled {'before the first step' if i < 0 else f'after step {i + 1} of {total}'}"
+                                "; no image was made")
+        return watch
 
     def new_step_cache(self, cache):
         """generate(cache=...) checked: a fresh pipelines/step_cache cache, or None; one line where the
@@ -467,6 +535,15 @@ class Pipeline:
     def unpack(self, run, x):
         """Step 8: denoised latents in the transformer's layout -> the VAE's (diffusers' `latents` layout)."""
         return x
+
+    def preview_layout(self, run, x):
+        """Step 7's previews: a step's latents in diffusers' layout, as unpack gives them, without what else unpack
+        does at the end of the denoise phase (a family whose unpack does more overrides this)."""
+        return self.unpack(run, x)
+
+    def finish_images(self, run, images) -> list:
+        """Step 9: the decoded PIL images as the family returns them (cropped back to a padded input, say)."""
+        return images
 
 
 def as_numpy(conditioning) -> dict:

@@ -53,6 +53,14 @@ class Family:
     reference_dtypes: tuple = ()          # footprint compare's --reference-dtype values its reference takes
     reference_file_refusal: str = ""      # when its reference cannot run a single file: what such a file is
     files_alone_kinds: str = ""           # with read_files_alone: the transformer files it reads without a model
+    read_controlnets: Callable | None = None   # (PipelineSources, [(path, scale)]) -> None: load(controlnets=)'s
+                                          # ControlNets read, checked against the model and added as components
+    preview: object = None                # its latents' previews.LatentRGB (ComfyUI's factors), or (pipeline class)
+                                          # -> LatentRGB; None: previews.first_channels
+
+    def latent_rgb(self, pipeline_class):
+        """The preview projection of this family's pipeline class (previews.latent_preview), or None."""
+        return self.preview(pipeline_class) if callable(self.preview) else self.preview
 
     def check_keywords(self, where, request: LoadRequest) -> None:
         """Each load() keyword this family does not take refused in one line: what the keyword is for (the family

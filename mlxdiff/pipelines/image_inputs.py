@@ -11,20 +11,27 @@ whose behaviour mlxdiff follows prepare them, then encoded by the family's VAE.
   sample of the VAE posterior (mean + std x noise, as `latent_dist.sample`), (z - shift) x scaling.
 - FLUX.2 img2img (mflux's `--image-path` recipe, see `flux2_img2img_start`): the image, alpha composited over white,
   resized (LANCZOS) to the output size; the latent mean, patchified and normalised as a reference is.
-- Latent-blend inpainting (diffusers' ZImageInpaintPipeline, QwenImageInpaintPipeline): the mask as their
-  mask_processor prepares it, at the latent size (`latent_mask`); after each step the kept area is put back
-  (`inpaint_blend`). `take_mask` is the check both families' check_inputs make.
+- Masks (every family that takes one): `take_mask` is the check their check_inputs make: the mask read (any size),
+  blurred as diffusers' VaeImageProcessor.blur (`mask_blur`), outpainting's canvas and mask made (`outpaint`:
+  `outpaint_canvas`), an all-black mask refused, a mask of another aspect ratio noted (resized all the same, as
+  diffusers does). The inpaint pipelines' mask_processor is `binary_mask` (resized to the output size, grayscale,
+  binarized at 0.5); the latent mask is it at every factor-th pixel (`latent_mask`: interpolate "nearest";
+  SD3.5, FLUX.1, Z-Image, Qwen-Image) or interpolated bilinearly to the token grid (`bilinear_mask`: FLUX.2 klein).
+- Latent-blend inpainting (diffusers' StableDiffusion3InpaintPipeline, FluxInpaintPipeline,
+  Flux2KleinInpaintPipeline, ZImageInpaintPipeline, QwenImageInpaintPipeline): after each step the kept area is put
+  back (`inpaint_blend`, the `LatentInpainting` mixin's step).
 """
 
 import math
 
 import numpy as np
 import PIL.Image
+import PIL.ImageFilter
 
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-from ..arguments import check_images
+from ..arguments import MAX_SIZE, check_images, check_number, check_outpaint
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..pacing import pace
@@ -98,22 +105,26 @@ def flux2_latents(vae, image, dtype):
     return latents
 
 
+def latents_reference(latents, i, batch):
+    """FLUX.2 transformer latents [1, C, h, w] -> reference i's (tokens [batch, h * w, C] float32, position ids
+    [batch, h * w, 4] int32: t = 10 + 10 i, row, column, 0), as Flux2Pipeline.prepare_image_latents makes them."""
+    _, c, h, w = latents.shape
+    tokens = latents.reshape(c, h * w).transpose(1, 0)
+    hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    t = np.full(h * w, REFERENCE_T_OFFSET + REFERENCE_T_OFFSET * i)
+    ids = np.stack([t, hh.ravel(), ww.ravel(), np.zeros(h * w)], axis=-1).astype(np.int32)
+    tokens = mx.broadcast_to(tokens[None], (batch, *tokens.shape))
+    mx.eval(tokens)
+    return tokens, mx.array(np.broadcast_to(ids, (batch, *ids.shape)))
+
+
 def reference_tokens(vae, images, batch, dtype):
     """Prepared reference images -> (tokens [batch, N_ref, C] float32, position ids [batch, N_ref, 4] int32), in
     the order given (Flux2Pipeline.prepare_image_latents)."""
-    tokens, ids = [], []
-    for i, image in enumerate(images):
-        latents = flux2_latents(vae, image, dtype)                  # [1, C, h, w]
-        _, c, h, w = latents.shape
-        tokens.append(latents.reshape(c, h * w).transpose(1, 0))
-        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        t = np.full(h * w, REFERENCE_T_OFFSET + REFERENCE_T_OFFSET * i)
-        ids.append(np.stack([t, hh.ravel(), ww.ravel(), np.zeros(h * w)], axis=-1))
-    tokens = mx.concatenate(tokens, axis=0)
-    tokens = mx.broadcast_to(tokens[None], (batch, *tokens.shape))
-    ids = np.concatenate(ids, axis=0).astype(np.int32)
+    pairs = [latents_reference(flux2_latents(vae, image, dtype), i, batch) for i, image in enumerate(images)]
+    tokens = mx.concatenate([t for t, _ in pairs], axis=1)
     mx.eval(tokens)
-    return tokens, mx.array(np.broadcast_to(ids, (batch, *ids.shape)))
+    return tokens, mx.concatenate([ids for _, ids in pairs], axis=1)
 
 
 def reference_token_count(images, multiple) -> int:
@@ -154,28 +165,129 @@ def flux2_img2img_start(steps, strength) -> int:
     return max(1, kept)
 
 
-# -- latent-blend inpainting (ZImageInpaintPipeline, QwenImageInpaintPipeline) ------------------------------------
-def take_mask(run):
-    """check_inputs' part: generate()'s `mask` (run.options) read and checked, only with the one init image ->
-    run.state's mask (PIL) and mask_name."""
-    if run.options["mask"] is None:
+# -- masks: inpainting and outpainting, for every family that takes a mask ----------------------------------------
+MASK_OPTIONS = {"mask": None, "mask_blur": None, "outpaint": None}     # generate()'s keywords of such a family
+
+
+def inpainting(options) -> bool:
+    """Whether generate()'s family keywords ask for inpainting: a mask, or outpainting (which makes one)."""
+    return options.get("mask") is not None or options.get("outpaint") is not None
+
+
+def take_mask(run, multiple=None):
+    """check_inputs' part for a family that takes a mask: generate()'s `mask`, `mask_blur` and `outpaint`
+    (run.options) checked, only with the one init image, before anything loads. Outpainting pads the image
+    (outpaint_canvas: run.images[0] becomes the canvas, and, given `multiple`, the output size left out is the
+    canvas's cut down to that multiple, as the inpaint pipelines cut an image's); the mask is blurred where asked
+    (blur_mask) -> run.state's mask (a PIL image), mask_name and, for a mask of another aspect ratio than the image,
+    mask_note (diffusers stretches it to the output size; so does mlxdiff)."""
+    o = run.options
+    mask, blur, pad = o.get("mask"), check_number("mask_blur", o.get("mask_blur")), check_outpaint(o.get("outpaint"))
+    if mask is None and pad is None:
+        if blur is not None:
+            raise MlxdiffError("mask_blur: blurs a mask; give mask= (--mask) or outpaint= (--outpaint) too, or leave "
+                               "it out")
         return
     if not run.images:
-        raise MlxdiffError("mask: a mask says where to repaint an image; give image= (--image) too, or leave the "
-                           "mask out")
-    names, masks = check_images(run.options["mask"])
-    if len(masks) > 1:
-        raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
-    run.state.update(mask=masks[0], mask_name=names[0])
+        what = "mask: a mask says where to repaint" if mask is not None else "outpaint: pads"
+        raise MlxdiffError(f"{what} an image; give image= (--image) too, or leave the "
+                           f"{'mask' if mask is not None else 'outpaint'} out")
+    name = None
+    if mask is not None:
+        try:
+            names, masks = check_images(mask)
+        except MlxdiffError as e:     # check_images says "image ..."; this is the mask
+            raise MlxdiffError("mask" + str(e)[len("image"):] if str(e).startswith("image") else str(e)) from None
+        if len(masks) > 1:
+            raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
+        mask, name = masks[0], names[0]
+        note = aspect_note(name, mask, run.image_names[0], run.images[0],
+                           "the output size" if pad is None else "the image's size inside the canvas")
+        if note:
+            run.state["mask_note"] = note
+    if pad is not None:
+        run.images[0], mask = outpaint_canvas(run.images[0], mask, pad)
+        border = f"the outpainted border ({', '.join(map(str, pad))} pixels left, top, right, bottom)"
+        name = border if name is None else f"{border} and {name}"
+        if multiple and run.width is None and run.height is None:
+            w, h = run.images[0].size
+            run.width, run.height = max(multiple, w // multiple * multiple), max(multiple, h // multiple * multiple)
+    if blur:
+        mask = blur_mask(mask, blur)
+    if max(mask.convert("L").getextrema()) < 128:
+        raise MlxdiffError(f"mask {name}: all black (no pixel at or above mid grey, 128): nothing to repaint; white "
+                           "marks where to repaint, or leave the mask out for image-to-image")
+    run.state.update(mask=mask, mask_name=name)
+
+
+def aspect_note(mask_name, mask, image_name, image, onto="the output size") -> str | None:
+    """A Result note when the mask's aspect ratio is not the image's (more than a pixel off at the mask's width):
+    diffusers' mask_processor resizes it to the output size all the same, stretching it; so does mlxdiff (`onto`:
+    where it goes)."""
+    (mw, mh), (iw, ih) = mask.size, image.size
+    if abs(mw * ih / iw - mh) <= 1:
+        return None
+    return (f"mask {mask_name} is {mw}x{mh} and image {image_name} {iw}x{ih}: another aspect ratio, so the mask is "
+            f"stretched to {onto} (as diffusers' mask_processor resizes it)")
+
+
+def outpaint_canvas(image, mask, pad):
+    """Outpainting's canvas and mask: `pad` = (left, top, right, bottom) pixels added to the RGB image, filled with
+    its edge pixels (each new pixel takes the nearest edge pixel's colour, numpy's pad mode "edge"); the mask white
+    over the added pixels and, inside, the given mask (resized to the image's size as diffusers resizes a mask,
+    grayscale) or black -> (canvas RGB, mask "L"). Edge pixels rather than ComfyUI's mid grey (ImagePadForOutpaint):
+    where strength < 1 the new area starts from the canvas noised, and grey would start it grey, with a seam at the
+    border; FLUX.2 klein also sees the canvas as its reference image."""
+    left, top, right, bottom = pad
+    w, h = image.size
+    width, height = w + left + right, h + top + bottom
+    if width > MAX_SIZE or height > MAX_SIZE:
+        raise MlxdiffError(f"outpaint=({left}, {top}, {right}, {bottom}): the {w}x{h} image padded is {width}x{height}"
+                           f", past {MAX_SIZE} pixels a side; pad less")
+    pixels = np.pad(np.asarray(image.convert("RGB")), ((top, bottom), (left, right), (0, 0)), mode="edge")
+    inner = PIL.Image.new("L", (w, h), 0) if mask is None else resized(mask, w, h).convert("L")
+    canvas_mask = PIL.Image.new("L", (width, height), 255)
+    canvas_mask.paste(inner, (left, top))
+    return PIL.Image.fromarray(pixels), canvas_mask
+
+
+def blur_mask(mask, radius):
+    """diffusers' VaeImageProcessor.blur(mask, blur_factor=radius): Pillow's GaussianBlur of that radius, on the
+    mask as given (before the inpaint pipeline resizes and binarizes it, so the blur moves and rounds the mask's
+    edge at 0.5; it does not make a soft blend)."""
+    return mask.filter(PIL.ImageFilter.GaussianBlur(radius))
+
+
+def binary_mask(mask, width, height) -> np.ndarray:
+    """The inpainting pipelines' mask_processor (VaeImageProcessor with do_normalize=False, do_binarize=True,
+    do_convert_grayscale=True): resized LANCZOS to the output size, then grayscale, in [0, 1], binarized at 0.5 ->
+    (height, width) float32 of 0 and 1 (1: repaint)."""
+    values = np.asarray(resized(mask, width, height).convert("L")).astype(np.float32) / 255.0
+    return (values >= 0.5).astype(np.float32)
 
 
 def latent_mask(mask, width, height, factor) -> np.ndarray:
-    """The inpainting pipelines' mask: their mask_processor (VaeImageProcessor with do_normalize=False,
-    do_binarize=True, do_convert_grayscale=True: resized LANCZOS to the output size, then grayscale, in [0, 1],
-    binarized at 0.5), then interpolate "nearest" to the latent size, which at a whole factor takes every factor-th
-    pixel -> (1, 1, height / factor, width / factor) float32 of 0 and 1 (1: repaint)."""
-    values = np.asarray(resized(mask, width, height).convert("L")).astype(np.float32) / 255.0
-    return (values >= 0.5).astype(np.float32)[None, None, ::factor, ::factor]
+    """binary_mask, then interpolate "nearest" to the latent size, which at a whole factor takes every factor-th
+    pixel -> (1, 1, height / factor, width / factor) float32 of 0 and 1 (SD3.5, FLUX.1, Z-Image, Qwen-Image)."""
+    return binary_mask(mask, width, height)[None, None, ::factor, ::factor]
+
+
+def bilinear_mask(mask, width, height, factor) -> np.ndarray:
+    """binary_mask, then interpolate "bilinear" (align_corners=False, no antialias) to (height / factor, width /
+    factor), as Flux2KleinInpaintPipeline.prepare_mask_latents: each output pixel blends the pixels around its
+    centre, so the mask's edges are 0.25, 0.5 or 0.75 -> (1, 1, h, w) float32."""
+    values = binary_mask(mask, width, height)
+
+    def along(x, axis):
+        n = x.shape[axis]
+        src = np.maximum((np.arange(n // factor, dtype=np.float32) + 0.5) * factor - 0.5, 0)
+        low = np.floor(src).astype(np.int64)
+        high, lam = np.minimum(low + 1, n - 1), (src - low).astype(np.float32)
+        shape = [1, 1]
+        shape[axis] = -1
+        lam = lam.reshape(shape)
+        return (1 - lam) * np.take(x, low, axis=axis) + lam * np.take(x, high, axis=axis)
+    return along(along(values, 0), 1).astype(np.float32)[None, None]
 
 
 def inpaint_blend(run, i, latents):
@@ -190,13 +302,17 @@ def inpaint_blend(run, i, latents):
 
 
 def inpaint_note(run, note) -> str:
-    """images_note's line with a mask."""
-    return note if "mask" not in run.state else f"inpainting where {run.state['mask_name']} is white; {note}"
+    """images_note's line with a mask (and the mask's aspect note, where it has one)."""
+    if "mask" not in run.state:
+        return note
+    extra = f"; {run.state['mask_note']}" if "mask_note" in run.state else ""
+    return f"inpainting where {run.state['mask_name']} is white; {note}{extra}"
 
 
 class LatentInpainting:
-    """The step and note hooks of a family that inpaints by blending latents (ZImageInpaintPipeline,
-    QwenImageInpaintPipeline): after each step the kept area is the init latents at the next sigma (0: clean).
+    """The step and note hooks of a family that inpaints by blending latents (StableDiffusion3InpaintPipeline,
+    FluxInpaintPipeline, Flux2KleinInpaintPipeline, ZImageInpaintPipeline, QwenImageInpaintPipeline): after each step
+    the kept area is the init latents at the next sigma (0: clean).
     Mixed in before Pipeline; the family's encode_images puts the mask's state on the run (inpaint_blend)."""
 
     def step(self, run, i, x, prediction):

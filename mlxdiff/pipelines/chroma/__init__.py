@@ -5,6 +5,7 @@ true CFG."""
 
 from ...errors import MlxdiffError
 from ...models import chroma
+from .. import previews
 from ..family import Family
 from ...loading.component_files import FLUX1_VAE_CONFIG
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
@@ -54,6 +55,7 @@ FAMILY = Family(
     instead={"text_encoder": "give text_encoders={'t5xxl': F}",
              "tokenizer": "Chroma takes its own (or the bundled) T5 tokenizer"},
     reference="mlxdiff.reference.chroma",
+    preview=previews.FLUX1,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=chroma.is_original,
     read_file=read_file,
     file_kinds="Chroma files in their original names (distilled_guidance_layer.*, double_blocks.N.*; GGUF too)",

@@ -4,6 +4,7 @@ ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those 
 
 from ...errors import MlxdiffError
 from ...models import flux1
+from .. import previews
 from ..family import Family
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...loading.component_files import FLUX1_VAE_CONFIG
@@ -57,6 +58,7 @@ FAMILY = Family(
     instead={"text_encoder": "give text_encoders={'clip_l': F, 't5xxl': F} (either of them)",
              "tokenizer": "FLUX.1 takes its own (or the bundled) CLIP and T5 tokenizers"},
     reference="mlxdiff.reference.flux1",
+    preview=previews.FLUX1,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=flux1.is_original,
     read_file=read_file,
     file_kinds="FLUX.1 files in BFL / ComfyUI names (double_blocks.N.img_mod.*, vector_in.*; GGUF too)",

@@ -1,7 +1,8 @@
 """FLUX.1 dev, schnell and Krea, following diffusers' FluxPipeline (and FluxImg2ImgPipeline with image=),
 Kontext [dev], following FluxKontextPipeline (image= is the reference image that is edited), and Fill [dev],
 following FluxFillPipeline (image= and mask=: inpainting and outpainting), and Depth / Canny [dev], following
-FluxControlPipeline (image= is the control image: a depth map or an edge map).
+FluxControlPipeline (image= is the control image: a depth map or an edge map). dev, schnell and Krea with image= and
+mask= (or outpaint=) inpaint by blending latents, following FluxInpaintPipeline.
 
     encode:  CLIP-L (CLIPTextModel: its pooled vector, 77 tokens) then T5-XXL (its last hidden state, 512 tokens
              with a guidance-distilled transformer, 256 without: BFL's lengths for dev and schnell), each freed
@@ -11,7 +12,11 @@ FluxControlPipeline (image= is the control image: a depth map or an edge map).
              latent mean packed into tokens with position ids (1, row, col) beside the noise tokens (0, row, col);
              Fill: the image with the mask's area blanked, VAE-encoded (a posterior sample), packed, and the mask
              folded into 8 x 8 pixel patches, both joined to every noise token's channels; Control: the control
-             image, VAE-encoded (a posterior sample), packed and joined to the noise tokens' channels
+             image, VAE-encoded (a posterior sample), packed and joined to the noise tokens' channels;
+             latent inpainting: img2img's start, and the mask (binarized at the output size, taken at every 8th
+             pixel, repeated over the channels and packed) blends the init latents noised to the next sigma back
+             into the kept area after each step (clean after the last); diffusers' masked_image_latents are only
+             computed there, never read by its 64-channel loop, so not here
     denoise: FLUX.1 DiT + flow-match Euler; sigmas linspace(1, 1/N, N), shifted by mu from the token count where the
              scheduler uses dynamic shifting (dev), unshifted otherwise (schnell); dev embeds `guidance`; true CFG
              against a negative prompt with true_cfg_scale > 1, as diffusers
@@ -26,7 +31,7 @@ from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from ... import schedulers
-from ...arguments import check_generate, check_images
+from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import report_truncation, tokenize
 from .. import image_inputs
@@ -45,25 +50,28 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class Flux1Pipeline(Pipeline):
+class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
     """`generate(..., guidance=)`: the embedded guidance of a guidance-distilled model (dev: 3.5 by default; schnell
     has none and ignores it). `true_cfg_scale` (> 1) with a `negative_prompt`: true classifier-free guidance, two
     forwards a step, as diffusers' FluxPipeline. `max_sequence_length`: T5's tokens (default 512 for dev, 256 for
     schnell). `latents`: the noise in diffusers' packed layout (batch, (H/16) * (W/16), 4 * latent channels).
-    `image=` with `strength` (default 0.6): image-to-image as FluxImg2ImgPipeline. Kontext (a FluxKontextPipeline
+    `image=` with `strength` (default 0.6): image-to-image as FluxImg2ImgPipeline; with `mask=` too (white
+    repaints, black keeps, any size: resized to the output's; `mask_blur` blurs it first) or `outpaint=(left, top,
+    right, bottom)` (the image padded, the border repainted; the output size defaults to the canvas's) inpainting as
+    FluxInpaintPipeline (strength default 0.6, as there). Kontext (a FluxKontextPipeline
     folder, or a transformer file whose name says kontext): `image=` is the one reference image, and, as in
     diffusers, the output size is scaled to an area of `max_area` pixels (default 1024 x 1024) at the requested
     aspect; `auto_resize=False` keeps the reference at its own size (cut down to a multiple of 16) instead of the
     preferred Kontext resolution. Fill (a FluxFillPipeline folder, or a transformer taking 384 input channels):
-    `image=` and `mask=` (white: repaint, black: keep; a PIL image or file of the image's size) inpaint, or
-    outpaint where the image was padded and the mask covers the pad; the output size defaults to the image's (cut
+    `image=` and `mask=` (white: repaint, black: keep; a PIL image or file, resized to the output size) inpaint, and
+    `outpaint=` pads the image and repaints the border; the output size defaults to the image's (cut
     to a multiple of 16); `image_noise`: the masked image's VAE posterior noise (default: from the seed). Depth /
     Canny (a FluxControlPipeline folder, or a transformer taking 8 x the latent channels: 128): `image=` is the one
     control image, resized to the output size; `image_noise` its posterior noise."""
     family = "flux1"
     patch_size = 2      # 2x2 latent patches per token
     OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
-               "auto_resize": None, "mask": None}
+               "auto_resize": None, **image_inputs.MASK_OPTIONS}
     KONTEXT_ONLY = ("max_area", "auto_resize")
     IMG2IMG_STRENGTH = 0.6
     KONTEXT_MAX_AREA = 1024 ** 2         # FluxKontextPipeline's max_area default
@@ -179,25 +187,22 @@ class Flux1Pipeline(Pipeline):
                                                         self.vae_scale_factor() * 2) for im in run.images]
 
     def take_mask(self, run):
-        """Fill's mask: required with its image, one image of the image's size; refused by the other variants."""
-        mask = run.options["mask"]
-        if not self.fill:
-            if mask is not None:
-                raise MlxdiffError("mask: FLUX.1 Fill's (FluxFillPipeline: inpainting and outpainting); this FLUX.1 "
-                                   "model is not Fill: give a FLUX.1 Fill model, or leave --mask out")
+        """The mask, its blur and outpainting (image_inputs.take_mask): Fill's required with its image; dev's,
+        schnell's and Krea's optional (latent inpainting); refused by Kontext and Depth / Canny."""
+        o = run.options
+        if self.kontext or self.control:
+            given = next((name for name in image_inputs.MASK_OPTIONS if o[name] is not None), None)
+            if given:
+                raise MlxdiffError(f"{given}: this FLUX.1 {'Kontext' if self.kontext else 'Depth / Canny'} model "
+                                   "takes no mask (mlxdiff follows FluxKontextPipeline / FluxControlPipeline); use "
+                                   f"FLUX.1 Fill or dev for inpainting, or leave --{given.replace('_', '-')} out")
             return
-        if not run.images or mask is None:
+        if self.fill and (not run.images or not image_inputs.inpainting(o)):
             raise MlxdiffError("FLUX.1 Fill repaints an image where a mask says: give both --image and --mask "
-                               "(image= and mask=; white repaints, black keeps)")
-        names, masks = check_images(mask)
-        if len(masks) > 1:
-            raise MlxdiffError(f"mask: {len(masks)} masks; give one mask for the one image")
-        if masks[0].size != run.images[0].size:
-            raise MlxdiffError(f"mask {names[0]}: {masks[0].size[0]}x{masks[0].size[1]}, but image "
-                               f"{run.image_names[0]} is {run.images[0].size[0]}x{run.images[0].size[1]}; the mask "
-                               "must have the image's size")
-        run.state["mask"] = masks[0]
-        self.size_of_image(run)
+                               "(image= and mask=; white repaints, black keeps), or --image and --outpaint")
+        image_inputs.take_mask(run, self.vae_scale_factor() * self.patch_size)
+        if self.fill:
+            self.size_of_image(run)
 
     def size_of_image(self, run):
         """Fill's and Control's output size when none is given: the image's, cut to a multiple of 16."""
@@ -283,7 +288,13 @@ class Flux1Pipeline(Pipeline):
         shape = run.state["shape"]
         init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                              self.posterior_noise(run, shape))
-        x = run.sampler.add_noise(mx.broadcast_to(pack_2x2(init), x.shape), x, run.start)
+        init = mx.broadcast_to(pack_2x2(init), x.shape)
+        if "mask" in run.state:     # FluxInpaintPipeline's blend: the noise, the init latents, the mask, all packed
+            mask = mx.array(image_inputs.latent_mask(run.state["mask"], run.width, run.height,
+                                                     self.vae_scale_factor()))
+            run.state.update(noise=x, image_latents=init, latent_mask=pack_2x2(
+                mx.broadcast_to(mask, (1, shape[1], *mask.shape[2:]))))
+        x = run.sampler.add_noise(init, x, run.start)
         mx.eval(x)
         return x
 
@@ -370,10 +381,9 @@ def kontext_reference(image, auto_resize, multiple):
 
 
 def fill_mask(mask, width, height) -> np.ndarray:
-    """FluxFillPipeline's mask_processor: grayscale, resized (LANCZOS) to the output size, in [0, 1], binarized at
-    0.5 -> (height, width) float32 of 0 and 1."""
-    values = np.asarray(image_inputs.resized(mask.convert("L"), width, height)).astype(np.float32) / 255.0
-    return (values >= 0.5).astype(np.float32)
+    """FluxFillPipeline's mask_processor (VaeImageProcessor: resized LANCZOS to the output size, then grayscale,
+    binarized at 0.5) -> (height, width) float32 of 0 and 1 (image_inputs.binary_mask)."""
+    return image_inputs.binary_mask(mask, width, height)
 
 
 def latent_ids(h, w):

@@ -2,6 +2,7 @@
 text encoder and VAE files alone (ComfyUI's)."""
 
 from ...models import flux2, text_llm
+from .. import previews
 from ..family import Family
 from .files import flux2_files
 from .folder import flux2_folder
@@ -37,6 +38,7 @@ FAMILY = Family(
               "vae": "a VAE file replacing the model's", "tokenizer": "a FLUX.2 model's tokenizer folder"},
     instead={"text_encoders": "give its one encoder file as text_encoder=FILE"},
     reference="mlxdiff.reference.flux2",
+    preview=previews.FLUX2,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     part_of=part_of,
     read_files_alone=read_files_alone,
     files_alone_kinds="a FLUX.2 file in BFL / ComfyUI names (double_blocks.N.*, single_blocks.N.*)",

@@ -4,6 +4,13 @@
              loading only the layers up to the deepest tap -> prompt_embeds (B, 512, 3 * hidden)
     reference (only with image=): the VAE encodes the reference images into extra tokens (editing) or the init
              image of img2img (image_inputs.py), and is freed before the transformer loads
+    inpainting (klein; image= and mask=, or outpaint=), following Flux2KleinInpaintPipeline: the image scaled to at
+             most 1024 x 1024 pixels in area (aspect kept) and resized to the output size (the image's, cut to a
+             multiple of 16, by default), its latent mean patchified and bn-normalised, noised to the first step
+             run (get_timesteps: SD3's img2img), and, clean, a reference image of the editing path (t = 10) beside
+             the noise tokens in every pass; the mask binarized at the output size and interpolated bilinearly to
+             the token grid (soft at its edges); after each step the kept area is the init latents noised to the next
+             sigma (clean after the last). FLUX.2 dev has no inpaint pipeline in diffusers: it refuses a mask
     denoise: FLUX.2 DiT + flow-match Euler with the empirical mu; dev: embedded guidance;
              klein base: true CFG against ""; klein distilled: no CFG
     decode:  unpack, batch-norm de-normalise, unpatchify, FLUX.2 VAE
@@ -32,34 +39,43 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class Flux2Pipeline(Pipeline):
+class Flux2Pipeline(image_inputs.LatentInpainting, Pipeline):
     """`generate(..., image=)`: a PIL image, an image file or a list of them. Without `strength` they are reference
     images (editing, as diffusers' FLUX.2 pipelines; the output size defaults to the first one's prepared size);
     with `strength` (0 < strength <= 1) the one image is the init image of image-to-image, by mflux's recipe
     (image_inputs.flux2_img2img_start: strength keeps diffusers' sense, mflux's image strength is 1 - strength).
-    `latents`: the noise (img2img: the noise mixed into the init image)."""
+    `latents`: the noise (img2img: the noise mixed into the init image). klein with `mask=` (white repaints, black
+    keeps, any size: resized to the output's; `mask_blur` blurs it first) or `outpaint=(left, top, right, bottom)`
+    (the image padded, the border repainted): inpainting as Flux2KleinInpaintPipeline (strength default 0.8, as
+    there; the output size defaults to the image's, or the canvas's, at most 1024 x 1024 in area, cut to a multiple
+    of 16)."""
     family = "flux2"
     patch_size = 2      # the latents are patchified 2x2 before the transformer
-    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "text_encoder_out_layers": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "text_encoder_out_layers": None,
+               **image_inputs.MASK_OPTIONS}
+    INPAINT_STRENGTH = 0.8    # Flux2KleinInpaintPipeline's
     REFERENCE_MIN_SIDE = 64   # reference images: diffusers' Flux2ImageProcessor.check_image_input
     REFERENCE_MAX_ASPECT = 8
 
     def check_images(self, names, images, strength):
-        """With `strength` one init image (img2img); without it 1 to arguments.MAX_REFERENCES reference images of
-        at least REFERENCE_MIN_SIDE pixels a side and an aspect ratio up to 8:1 (as diffusers checks them)."""
+        """With `strength` one init image (img2img); without it 1 to arguments.MAX_REFERENCES reference images (their
+        sizes checked by check_references, once check_inputs knows that no mask makes the image an init image)."""
         if strength is not None and len(images) > 1:
             raise MlxdiffError(f"strength={strength:g} with {len(images)} images: image-to-image starts from one "
                                "image; give one --image, or leave --strength out to use the images as references")
-        if strength is None:
-            for name, im in zip(names, images):
-                w, h = im.size
-                if min(w, h) < self.REFERENCE_MIN_SIDE:
-                    raise MlxdiffError(f"image {name}: {w}x{h} is too small for a FLUX.2 reference image; both sides "
-                                       f"must be at least {self.REFERENCE_MIN_SIDE} pixels (as in diffusers)")
-                if max(w / h, h / w) > self.REFERENCE_MAX_ASPECT:
-                    raise MlxdiffError(f"image {name}: {w}x{h} has an aspect ratio of {max(w / h, h / w):.1f}:1; a "
-                                       f"FLUX.2 reference image may be at most {self.REFERENCE_MAX_ASPECT}:1 (as in "
-                                       "diffusers)")
+
+    def check_references(self, names, images):
+        """Reference images of at least REFERENCE_MIN_SIDE pixels a side and an aspect ratio up to 8:1 (as diffusers
+        checks them)."""
+        for name, im in zip(names, images):
+            w, h = im.size
+            if min(w, h) < self.REFERENCE_MIN_SIDE:
+                raise MlxdiffError(f"image {name}: {w}x{h} is too small for a FLUX.2 reference image; both sides "
+                                   f"must be at least {self.REFERENCE_MIN_SIDE} pixels (as in diffusers)")
+            if max(w / h, h / w) > self.REFERENCE_MAX_ASPECT:
+                raise MlxdiffError(f"image {name}: {w}x{h} has an aspect ratio of {max(w / h, h / w):.1f}:1; a "
+                                   f"FLUX.2 reference image may be at most {self.REFERENCE_MAX_ASPECT}:1 (as in "
+                                   "diffusers)")
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)
@@ -111,13 +127,45 @@ class Flux2Pipeline(Pipeline):
     def uses_cfg(self, run):
         return self.is_klein and not self.is_distilled and run.guidance > 1
 
+    def default_strength(self, options):
+        return self.INPAINT_STRENGTH if image_inputs.inpainting(options) else self.IMG2IMG_STRENGTH
+
     def check_inputs(self, run):
         multiple = self.vae_scale_factor() * self.patch_size
+        if self.take_mask(run, multiple):
+            run.state["references"] = []
+            return
+        if not run.img2img:
+            self.check_references(run.image_names, run.images)
         refs = [] if run.img2img else [image_inputs.flux2_reference(im, multiple) for im in run.images]
         run.state["references"] = refs
         if refs:     # the output size defaults to the first reference's
             run.width = refs[0].width if run.width is None else run.width
             run.height = refs[0].height if run.height is None else run.height
+
+    def take_mask(self, run, multiple) -> bool:
+        """klein's mask, its blur and outpainting (image_inputs.take_mask): the image (or canvas) scaled to at most
+        REFERENCE_MAX_AREA pixels, the output size left out its size cut to `multiple` (Flux2KleinInpaintPipeline's
+        preprocessing). Whether the run inpaints."""
+        given = next((name for name in image_inputs.MASK_OPTIONS if run.options[name] is not None), None)
+        if given and not self.is_klein:
+            raise MlxdiffError(f"{given}: FLUX.2 dev has no inpainting (diffusers' Flux2KleinInpaintPipeline is "
+                               f"klein's); use a FLUX.2 klein model, or leave --{given.replace('_', '-')} out")
+        if given and len(run.images) > 1:
+            raise MlxdiffError(f"{given}: inpainting repaints one image, and {len(run.images)} were given; give one "
+                               "--image (reference images beside a mask are not taken)")
+        image_inputs.take_mask(run)
+        if "mask" not in run.state:
+            return False
+        image = run.images[0]
+        w, h = image.size
+        if w * h > image_inputs.REFERENCE_MAX_AREA:
+            scale = (image_inputs.REFERENCE_MAX_AREA / (w * h)) ** 0.5
+            image = run.images[0] = image_inputs.resized(image, int(w * scale), int(h * scale))
+        if run.width is None and run.height is None:
+            run.width = max(multiple, image.width // multiple * multiple)
+            run.height = max(multiple, image.height // multiple * multiple)
+        return True
 
     def encode(self, run):
         return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
@@ -147,6 +195,8 @@ class Flux2Pipeline(Pipeline):
         return pack(x)
 
     def encode_images(self, run, vae, x):
+        if "mask" in run.state:
+            return self.encode_inpaint(run, vae, x)
         if not run.img2img:
             tokens, ids = image_inputs.reference_tokens(vae, run.state["references"], run.batch, self.dtype)
             run.state.update(ref_tokens=tokens, img_ids=mx.concatenate([run.state["img_ids"], ids], axis=1))
@@ -154,6 +204,22 @@ class Flux2Pipeline(Pipeline):
         init = image_inputs.resized(image_inputs.over_white(run.images[0]), run.width, run.height)
         clean = mx.broadcast_to(image_inputs.flux2_latents(vae, init, self.dtype), run.state["shape"])
         x = run.sampler.add_noise(pack(clean), x, run.start)
+        mx.eval(x)
+        return x
+
+    def encode_inpaint(self, run, vae, x):
+        """Flux2KleinInpaintPipeline's start: the image resized to the output size (RGB), its latent mean patchified
+        and bn-normalised (Flux2Pipeline._encode_vae_image), noised to the first step run; the same latents, clean,
+        as reference tokens (t = 10) in every pass; the blend's noise, init latents and bilinear token mask."""
+        init = image_inputs.resized(run.images[0].convert("RGB"), run.width, run.height)
+        clean = image_inputs.flux2_latents(vae, init, self.dtype)                      # (1, C, h, w)
+        tokens, ids = image_inputs.latents_reference(clean, 0, run.batch)
+        clean = pack(mx.broadcast_to(clean, run.state["shape"]))
+        mask = image_inputs.bilinear_mask(run.state["mask"], run.width, run.height,
+                                          self.vae_scale_factor() * self.patch_size)
+        run.state.update(ref_tokens=tokens, img_ids=mx.concatenate([run.state["img_ids"], ids], axis=1), noise=x,
+                         image_latents=clean, latent_mask=pack(mx.array(mask)))
+        x = run.sampler.add_noise(clean, x, run.start)
         mx.eval(x)
         return x
 
@@ -167,6 +233,8 @@ class Flux2Pipeline(Pipeline):
                 f"encoded in {seconds:.2f} s ({seconds / len(refs):.2f} s each)")
 
     def check_run(self, run):
+        if "mask" in run.state:      # inpainting starts where diffusers' get_timesteps says (SD3's img2img)
+            run.start = image_inputs.sd3_start(run.steps, run.strength)
         if run.step_cache is not None and self.components["transformer"].args.num_layers == 0:
             raise MlxdiffError("cache: a first-block cache decides after the first double-stream block, and this "
                                "transformer has none; leave the cache out")

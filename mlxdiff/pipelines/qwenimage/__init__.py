@@ -7,6 +7,7 @@ models/text_llm.py (mlx-lm's Qwen2 layers; the vision tower is never read)."""
 
 from ...models import qwenimage, text_llm
 from ...errors import MlxdiffError
+from .. import previews
 from ..family import Family
 from .files import qwenimage_files
 from .folder import qwenimage_folder
@@ -54,6 +55,7 @@ FAMILY = Family(
               "tokenizer": "a Qwen-Image model's tokenizer folder (with its files)"},
     instead={"text_encoders": "give its one Qwen2.5-VL file as text_encoder=FILE"},
     reference="mlxdiff.reference.qwenimage",
+    preview=previews.WAN21,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=qwenimage.is_original,
     read_file=read_file,
     file_kinds="Qwen-Image transformer files (diffusers' names, bare or under model.diffusion_model.: txt_norm, "

@@ -99,7 +99,8 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     given, as there). `image_noise`: the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed)."""
     family = "qwenimage"
     patch_size = 2      # 2x2 latent patches per token: sizes are multiples of 16
-    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": None, "image_noise": None, "mask": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": None, "image_noise": None,
+               **image_inputs.MASK_OPTIONS}
     IMG2IMG_STRENGTH = 0.6      # QwenImageImg2ImgPipeline's strength
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
 
@@ -158,11 +159,11 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         return image_inputs.sd3_start(steps, strength)      # QwenImageImg2ImgPipeline.get_timesteps: the same
 
     def default_strength(self, options):
-        return self.INPAINT_STRENGTH if options.get("mask") is not None else self.IMG2IMG_STRENGTH
+        return self.INPAINT_STRENGTH if image_inputs.inpainting(options) else self.IMG2IMG_STRENGTH
 
     def check_inputs(self, run):
         self.take_image_noise(run)
-        image_inputs.take_mask(run)
+        image_inputs.take_mask(run, self.vae_scale_factor() * self.patch_size)     # outpainting: the canvas's size
 
     def true_cfg_scale(self, run):
         scale = run.options["true_cfg_scale"]

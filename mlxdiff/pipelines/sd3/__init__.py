@@ -5,6 +5,7 @@ from ...errors import MlxdiffError
 from ...loading.sources import check_together
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...models import mmdit
+from .. import previews
 from ..family import Family
 from .folder import sd3_folder
 from .pipeline import Conditioning, SD3Pipeline  # noqa: F401  (mlxdiff.pipelines.sd3.SD3Pipeline)
@@ -56,6 +57,7 @@ FAMILY = Family(
     instead={"text_encoder": "give text_encoders={'clip_l': F, 'clip_g': F, 't5xxl': F} (any of them)",
              "tokenizer": "SD3.5 takes its own (or the bundled) CLIP and T5 tokenizers"},
     reference="mlxdiff.reference.sd3",
+    preview=previews.SD3,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=lambda names: any(n.startswith(SINGLE_FILE_MARK) for n in names),
     read_file=read_file,
     file_kinds="SD3.5 single files (Stability's sd3.5_*.safetensors: model.diffusion_model.joint_blocks.*)",

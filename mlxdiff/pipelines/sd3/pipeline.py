@@ -3,6 +3,12 @@
     encode:  CLIP-L, CLIP-G, T5 one after another (each freed before the next) -> prompt_embeds (B, 77+T, 4096)
     reference (only with image=): img2img's init latents, VAE-encoded (image_inputs.py), as
              StableDiffusion3Img2ImgPipeline
+    inpainting (image= and mask=, or outpaint=): StableDiffusion3InpaintPipeline with SD3.5's 16-channel
+             transformer: the mask binarized at the output size and taken at every 8th pixel (image_inputs.latent_mask),
+             after each step the kept area put back as the init latents noised to the next sigma (clean after the
+             last); its masked_image_latents only reach a 33-channel transformer (none is published), so they are
+             not computed. Its decode drops the VAE's shift_factor (diffusers #13611, fixed by #14671); mlxdiff
+             decodes as every other SD3 pipeline does, (latents / scaling) + shift
     denoise: MMDiT(-X) + flow-match Euler, CFG and skip-layer guidance
     decode:  SD3 VAE
 """
@@ -31,19 +37,23 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class SD3Pipeline(Pipeline):
+class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
     """`generate(..., image=, strength=)` is image-to-image as diffusers' StableDiffusion3Img2ImgPipeline (strength
     0 < s <= 1, default 0.6 as there): the image resized to the output size (whose default is the model's, not the
     image's, as there), a sample of the VAE posterior, noised to the sigma of the first step run, steps
     int(steps - steps * strength) + 1 to `steps` run. `latents`: the noise (img2img: the noise mixed into the init
     latents, diffusers' `noise` in prepare_latents); `image_noise`: the posterior sample's standard-normal noise
     (diffusers draws it first from the generator, in vae.encode(...).latent_dist.sample), shaped like the VAE
-    latents; by default both are drawn from `seed`. The other keywords are diffusers' (OPTIONS)."""
+    latents; by default both are drawn from `seed`. `mask=` with image= (white repaints, black keeps, any size:
+    resized to the output's; `mask_blur` blurs it first) inpaints as StableDiffusion3InpaintPipeline (strength
+    default 0.6, as there); `outpaint=(left, top, right, bottom)` pads the image and repaints the border (the output
+    size defaults to the canvas's, cut to a multiple of 16). The other keywords are diffusers' (OPTIONS)."""
     family = "sd3"
     patch_size = 2
     OPTIONS = {**Pipeline.OPTIONS, "skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
-               "skip_layer_guidance_stop": 0.2, "clip_skip": None, "max_sequence_length": 256, "image_noise": None}
-    IMG2IMG_STRENGTH = 0.6        # StableDiffusion3Img2ImgPipeline's default strength
+               "skip_layer_guidance_stop": 0.2, "clip_skip": None, "max_sequence_length": 256, "image_noise": None,
+               **image_inputs.MASK_OPTIONS}
+    IMG2IMG_STRENGTH = 0.6        # StableDiffusion3Img2ImgPipeline's default strength (and the inpaint pipeline's)
 
     def defaults(self):
         return {"steps": 28, "guidance": 7.0}
@@ -51,8 +61,19 @@ class SD3Pipeline(Pipeline):
     def default_size(self):
         return self.components["transformer"].args.sample_size * self.vae_scale_factor()
 
+    def check_clip_skip(self, clip_skip):
+        """_clip reads hidden state -(clip_skip + 2) of each CLIP's L + 1: at most L - 1, from the configs."""
+        if clip_skip is None:
+            return
+        check_generate(clip_skip=clip_skip)
+        layers = min(self.components[n].args.num_hidden_layers for n in ("text_encoder", "text_encoder_2"))
+        if clip_skip > layers - 1:
+            raise MlxdiffError(f"clip_skip={clip_skip}: this model's CLIP text encoders have {layers} layers, so "
+                               f"clip_skip can be at most {layers - 1}; give a smaller --clip-skip")
+
     # -- encode ---------------------------------------------------------------------------------------------
     def _clip(self, index, prompts, clip_skip, truncated):
+        self.check_clip_skip(clip_skip)     # before the encoder loads (encode_prompt does not pass check_run)
         name, tok = ("text_encoder", "tokenizer") if index == 0 else ("text_encoder_2", "tokenizer_2")
         max_length = self.tokenizers["tokenizer"].model_max_length  # diffusers uses tokenizer 1's limit for both
         ids = tokenize(self.tokenizers[tok], prompts, max_length, truncated)
@@ -120,10 +141,12 @@ class SD3Pipeline(Pipeline):
 
     def check_inputs(self, run):
         self.take_image_noise(run)
+        image_inputs.take_mask(run, self.vae_scale_factor() * self.patch_size)
 
     def check_run(self, run):
         run.options["skip_guidance_layers"] = check_layers(
             "skip_guidance_layers", run.options["skip_guidance_layers"], self.components["transformer"].args.num_layers)
+        self.check_clip_skip(run.options["clip_skip"])
         self.check_image_noise(run)
         if run.step_cache is not None and run.cfg and self.group is not None:
             raise MlxdiffError("cache: a step cache decides once per step for both halves of a CFG batch, which "
@@ -152,9 +175,12 @@ class SD3Pipeline(Pipeline):
 
     def encode_images(self, run, vae, x):
         shape = run.state["shape"]
-        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
-                                             self.posterior_noise(run, shape))
-        x = run.sampler.add_noise(mx.broadcast_to(init, shape), x, run.start)
+        init = mx.broadcast_to(image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+                                                             self.posterior_noise(run, shape)), shape)
+        if "mask" in run.state:     # each step's blend: the noise, the init latents, the latent mask
+            run.state.update(noise=x, image_latents=init, latent_mask=mx.array(image_inputs.latent_mask(
+                run.state["mask"], run.width, run.height, self.vae_scale_factor())))
+        x = run.sampler.add_noise(init, x, run.start)
         mx.eval(x)
         return x
 

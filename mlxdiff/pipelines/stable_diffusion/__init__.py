@@ -6,8 +6,9 @@ from dataclasses import replace
 from ...loading.sources import transformer_from_file
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...models import unet
+from .. import previews
 from ..family import Family
-from .folder import LDM_SCHEDULERS, check_unet_together, sd_folder
+from .folder import LDM_SCHEDULERS, check_unet_together, read_controlnets, sd_folder
 from .pipeline import Conditioning, StableDiffusionPipeline  # noqa: F401
 from .single_file import sd_single_file
 
@@ -46,16 +47,21 @@ SD_ONLY = ("it takes its own text encoders and tokenizers (from its folder or si
 FAMILY = Family(
     name="sd", title="SD 1.x / SDXL", article="an", pipeline=StableDiffusionPipeline,
     layouts={"StableDiffusionPipeline": layout("text_encoder"),        # SD 1.x / 2.x
-             "StableDiffusionXLPipeline": layout("text_encoder", "text_encoder_2")},
+             "StableDiffusionXLPipeline": layout("text_encoder", "text_encoder_2"),
+             # the inpainting models' folders (9-channel UNets; a 4-channel one blends latents)
+             "StableDiffusionInpaintPipeline": layout("text_encoder"),
+             "StableDiffusionXLInpaintPipeline": layout("text_encoder", "text_encoder_2")},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser", "vae": "a VAE file replacing the model's",
               "prediction_type": "an SD 2.x single file's prediction (its tensors do not say)"},
     instead={"text_encoders": SD_ONLY, "text_encoder": SD_ONLY, "tokenizer": SD_ONLY},
     reference="mlxdiff.reference.stable_diffusion",
+    preview=lambda pipeline_class: previews.SDXL if "XL" in pipeline_class else previews.SD15,
     claims_file=lambda names: any(n.startswith(UNET_MARK) for n in names),
     read_file=read_file,
     file_kinds="SD 1.x / 2.x / SDXL checkpoints (model.diffusion_model.input_blocks.*, .safetensors or "
                "stable-diffusion.cpp's .gguf)",
     reference_dtypes=("bfloat16", "float32"),
     reference_file_refusal="an SD 1.x / 2.x / XL single file",
+    read_controlnets=read_controlnets,
 )

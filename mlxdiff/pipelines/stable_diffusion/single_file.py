@@ -37,7 +37,7 @@ from ...models import clip, unet, vae
 from ...tokenizers import bundled_clip_tokenizer
 from ...loading.sources import config_from_shapes, not_a_folder
 from ...loading.spec import ComponentSpec, PipelineSources
-from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
+from ...loading.vae_files import AUTOENCODER_KL, check_channels, read_vae_file
 from ..family import identify
 from .folder import check_unet_together
 
@@ -130,6 +130,7 @@ def _encoder(path, component, shapes, prefixes, kind, family) -> ComponentSpec:
 
 
 def _ldm_vae(path, names, prefix, defaults) -> ComponentSpec:
+    check_channels(path, names, "an SD")   # RGB at both ends; the latents: check_unet_together
     config = config_from_shapes(vae, lambda w: vae.config_from_ldm(w, defaults=defaults), names, path)
     rules = vae.ldm_keymap(vae.ldm_num_blocks(names))
     return ComponentSpec("vae", vae, config, [path], prefix, lambda w: remap(w, rules))

@@ -5,6 +5,7 @@ the VAE FLUX.1's AutoencoderKL, the text encoder Qwen3 through models/text_llm.p
 
 from ...errors import MlxdiffError
 from ...models import zimage
+from .. import previews
 from ..family import Family
 from ...loading.component_files import FLUX1_VAE_CONFIG
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
@@ -60,6 +61,7 @@ FAMILY = Family(
               "tokenizer": "a Z-Image model's tokenizer folder (with its files)"},
     instead={"text_encoders": "give its one Qwen3 file as text_encoder=FILE"},
     reference="mlxdiff.reference.zimage",
+    preview=previews.FLUX1,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=zimage.is_original,
     read_file=read_file,
     file_kinds="Z-Image files in their original / ComfyUI names (x_pad_token, layers.N.attention.qkv.*; GGUF too)",

@@ -61,7 +61,7 @@ class ZImagePipeline(image_inputs.LatentInpainting, Pipeline):
     init image's VAE posterior noise (B = 1, C, H/8, W/8) (default: from the seed)."""
     family = "zimage"
     patch_size = 2      # the transformer's 2x2 patches: sizes are multiples of 16
-    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "image_noise": None, "mask": None}
+    OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "image_noise": None, **image_inputs.MASK_OPTIONS}
     STEP_CACHE = False
     IMG2IMG_STRENGTH = 0.6         # ZImageImg2ImgPipeline's
     INPAINT_STRENGTH = 1.0         # ZImageInpaintPipeline's
@@ -110,7 +110,7 @@ class ZImagePipeline(image_inputs.LatentInpainting, Pipeline):
 
     # -- the template's hooks (Pipeline.generate) ---------------------------------------------------------------
     def default_strength(self, options):
-        return self.INPAINT_STRENGTH if options.get("mask") is not None else self.IMG2IMG_STRENGTH
+        return self.INPAINT_STRENGTH if image_inputs.inpainting(options) else self.IMG2IMG_STRENGTH
 
     def check_inputs(self, run):
         self.take_image_noise(run)
