@@ -20,7 +20,7 @@ from mlxdiff.errors import MlxdiffError
 from mlxdiff.generate import main as generate_main
 from mlxdiff.serve.__main__ import check_binding, main as serve_main
 from mlxdiff.serve.jobs import FINISHED, KEEP_FINISHED
-from tests.serve_helpers import call, events, running_server
+from serve_helpers import call, events, running_server
 
 PROMPT = "a small green triangle at the top on a black background"
 
