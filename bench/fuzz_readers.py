@@ -5,6 +5,7 @@
     python bench/fuzz_readers.py --format gguf-text --n 10000 --seed 1   (text-encoder metadata: fuzz_gguf_text.py)
     python bench/fuzz_readers.py --format lora --n 10000 --seed 1        (LoRA files: fuzz_lora.py)
     python bench/fuzz_readers.py --format palettized --n 10000 --seed 1  (palettized checkpoints: fuzz_palettized.py)
+    python bench/fuzz_readers.py --format unet-lora --n 3000 --seed 1    (SD 1.x UNet LoRAs: fuzz_unet_lora.py)
 
 Mutant i of a seed is a function of (seed, i) alone, so `--only i --keep DIR` writes that one file back out. The
 base files are small and valid: every safetensors dtype mlxdiff accepts (the F8 types and a zero-size tensor
@@ -61,6 +62,7 @@ from gguf_helpers import T, header_fields, random_blocks, write_gguf  # noqa: E4
 import fuzz_gguf_text as gguf_text  # noqa: E402  (--format gguf-text: text-encoder metadata mutants)
 import fuzz_lora as lora_fuzz  # noqa: E402  (--format lora: LoRA mutants against diffusers' loading)
 import fuzz_palettized as palettized_fuzz  # noqa: E402  (--format palettized: palettized checkpoint mutants)
+import fuzz_unet_lora as unet_lora_fuzz  # noqa: E402  (--format unet-lora: UNet LoRA mutants against diffusers')
 from mlxdiff.errors import MlxdiffError  # noqa: E402
 from mlxdiff.formats import open_weights  # noqa: E402
 import mlxdiff.formats.gguf  # noqa: E402,F401  (open_weights imports it lazily: once here, not in each child)
@@ -504,6 +506,8 @@ def classify(path, fmt, tables, report=lambda provisional: None):
         return lora_fuzz.classify(path, tables, report)
     if fmt == "palettized":   # `tables`: fuzz_palettized.context()'s base checkpoint and layer shapes
         return palettized_fuzz.classify(path, tables, report)
+    if fmt == "unet-lora":   # `tables`: fuzz_unet_lora.context()'s twins and base LoRA
+        return unet_lora_fuzz.classify(path, tables, report)
     if fmt == "gguf-text":   # ours: the text encoder read, built and run; the reference: bench/fuzz_gguf_text.py
         return gguf_text.classify(path)
     data = Path(path).read_bytes()
@@ -629,6 +633,10 @@ def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=
         return lora_fuzz.fuzz(n, seed, workdir, keep, only,
                               lambda path, ctx: run_one(path, fmt, ctx, timeout, memory + _virtual_size()),
                               run_mutants)
+    if fmt == "unet-lora":   # as lora: torch's address space inherited
+        return unet_lora_fuzz.fuzz(n, seed, workdir, keep, only,
+                                   lambda path, ctx: run_one(path, fmt, ctx, timeout, memory + _virtual_size()),
+                                   run_mutants)
     if fmt == "palettized":   # mutants of a converted checkpoint, made in a subprocess
         return palettized_fuzz.fuzz(n, seed, workdir, keep, only,
                                     lambda path, ctx: run_one(path, fmt, ctx, timeout, memory), run_mutants)
@@ -703,7 +711,8 @@ def table(result) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--format", choices=("safetensors", "gguf", "gguf-text", "lora", "palettized"), required=True)
+    p.add_argument("--format", choices=("safetensors", "gguf", "gguf-text", "lora", "palettized",
+                                                 "unet-lora"), required=True)
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", type=int, help="run (and report) mutant i alone")

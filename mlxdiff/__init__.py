@@ -25,4 +25,13 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
                  **({} if split is None else {"split": split}))
 
 
-__all__ = ["load", "MlxdiffError", "__version__"]
+def __getattr__(name):
+    """mlxdiff.Cancelled (what generate raises when on_step returns False or cancel() is called), imported on first
+    use so that `import mlxdiff` stays light."""
+    if name == "Cancelled":
+        from .pipelines.base import Cancelled  # heavy: pipelines.base imports MLX; `import mlxdiff` stays light
+        return Cancelled
+    raise AttributeError(f"module 'mlxdiff' has no attribute {name!r}")
+
+
+__all__ = ["load", "Cancelled", "MlxdiffError", "__version__"]

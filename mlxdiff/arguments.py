@@ -442,24 +442,26 @@ def check_controlnets(controlnets):
 def check_load(model, transformer=None, text_encoders=None, quantize=None, text_encoder=None, vae=None,
                tokenizer=None, loras=None):
     """mlxdiff.load's arguments, before anything is read (which family takes which encoder argument is checked once
-    the model is read: pipelines.detect). `model` None: FLUX.2 from its transformer, text encoder and VAE files."""
+    the model is read: pipelines.detect). `model` None: a model from its files alone (its transformer's family reads
+    them: Family.read_files_alone)."""
     if model is None and transformer is None:
         raise MlxdiffError("model=None: give a pipeline folder, a hub id (ORG/NAME, downloaded where missing) or a single "
-                           "file; or, for FLUX.2 from files alone, transformer=, text_encoder= and vae=")
+                           "file; or, for a model from its files alone, transformer= (with text_encoder= and vae=)")
     if model is not None and not _is_path(model):
         raise MlxdiffError(f"model={shown(model)}: give a pipeline folder, a hub id (ORG/NAME, downloaded where missing) "
                            "or a single file, as a str or path")
     if vae is not None and not _is_path(vae):
         raise MlxdiffError(f"vae={shown(vae)}: give the VAE file that replaces the model's (e.g. "
-                           "flux2-vae.safetensors), as a str or path")
+                           "ae.safetensors), as a str or path")
     if tokenizer is not None and not _is_path(tokenizer):
-        raise MlxdiffError(f"tokenizer={shown(tokenizer)}: give the FLUX.2 tokenizer folder, as a str or path")
+        raise MlxdiffError(f"tokenizer={shown(tokenizer)}: give the tokenizer folder that replaces the "
+                           "model's, as a str or path")
     if transformer is not None and not _is_path(transformer):
         raise MlxdiffError(f"transformer={shown(transformer)}: give the file that replaces the denoiser, as a str "
                            "or path")
     if text_encoder is not None and not _is_path(text_encoder):
-        raise MlxdiffError(f"text_encoder={shown(text_encoder)}: give the FLUX.2 text encoder file (safetensors or "
-                           "GGUF), as a str or path")
+        raise MlxdiffError(f"text_encoder={shown(text_encoder)}: give the text encoder file (safetensors or GGUF) "
+                           "that replaces the model's, as a str or path")
     check_quantize(quantize)
     check_loras(loras)
     if text_encoders is not None:

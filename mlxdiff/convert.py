@@ -27,6 +27,8 @@ from .cli import ArgumentParser, main_exit, parse_quantize, run, write_error
 from .default_model import weights_dir
 from .errors import MlxdiffError
 from .formats import format_of
+from .formats.gguf_blocks import AFFINE, REQUANTIZED
+from .formats.gguf_header import check_gguf
 
 
 def convert(source, dest, *, quantize=None, transformer=None, progress=print) -> Path:
@@ -86,6 +88,8 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
             from_gguf = any(format_of(f, header=False).kept_quantized for f in spec.files)
             if from_gguf:
                 spec = replace(spec, gguf_layout="affine")
+                if gguf_forms(spec.files):
+                    progress(f"{name}: {gguf_forms(spec.files)}")
             model = spec.build(mx.float32)
             materialize(model)
             (tmp / name).mkdir()
@@ -120,6 +124,25 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
             raise write_error(dest, e) from None
         raise
     return dest
+
+
+def gguf_forms(files) -> str | None:
+    """One line saying what convert makes of a GGUF's quantized types: a folder stores MLX's affine triplets, not
+    the file's own blocks, so each type is written in its affine form (formats/gguf_blocks.py), some not exactly."""
+    types = sorted({t.type_name for f in files if format_of(f, header=False).kept_quantized
+                    for t in check_gguf(f).tensors if t.type_name in AFFINE or t.type_name in REQUANTIZED})
+    if not types:
+        return None
+    forms = []
+    for name in types:
+        if name in REQUANTIZED:
+            _, bits, group = REQUANTIZED[name]
+            forms.append(f"{name} re-quantized to {bits}-bit g{group} from its decoded values (not exact)")
+        else:
+            _, bits, group = AFFINE[name]
+            forms.append(f"{name} as {bits}-bit g{group} ({'near-exact' if name == 'Q6_K' else 'exact'})")
+    return ("the GGUF's blocks are written in MLX's affine form (a folder has no form for the blocks "
+            "themselves): " + ", ".join(forms))
 
 
 def gguf_setting(model):

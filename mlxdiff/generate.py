@@ -73,11 +73,13 @@ def parse_args(argv=None):
                    help="outpainting: pixels added to each side of --image (filled with its edge pixels) and "
                         "repainted; the mask is white there (and --mask inside, if given)")
     p.add_argument("--controlnet", action="append", default=None, metavar="PATH[:SCALE]",
-                   help="SD 1.x / SDXL: a ControlNet (diffusers' ControlNetModel folder) at SCALE (default 1); repeat "
-                        "for several, each with its --control-image")
+                   help="a ControlNet at SCALE (default 1): SD 1.x / SDXL (a diffusers ControlNetModel folder or an "
+                        "original file), SD3.5 and FLUX.1 (diffusers folders); repeat for several, each with its "
+                        "--control-image")
     p.add_argument("--control-image", action="append", default=None, metavar="FILE",
                    help="the control image of each --controlnet, in their order (used as it is: an edge map, a depth "
-                        "map, a pose; resized to the output size, which it sets when --width / --height are left out)")
+                        "map, a pose; resized to the output size; on SD 1.x / SDXL it sets the size when --width / --height "
+                        "are left out)")
     p.add_argument("--control-start", type=float, default=None, metavar="S",
                    help="the share of the steps after which the ControlNets start acting (0 to 1, default 0)")
     p.add_argument("--control-end", type=float, default=None, metavar="E",

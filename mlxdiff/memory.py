@@ -22,7 +22,7 @@ from . import backend  # noqa: F401
 import mlx.core as mx
 
 from .errors import MlxdiffError
-from .formats import is_gguf
+from .formats import format_of
 from .policy import RunPolicy
 
 GB = 1024 ** 3
@@ -397,17 +397,23 @@ def check_fits(spec, policy: RunPolicy, compute_dtype=None):
     need = spec.loaded_nbytes(compute_dtype=compute_dtype)
     if need + whole_load_reserve(budget) <= budget:
         return spec
-    if any(is_gguf(f) for f in spec.files) and spec.gguf_layout is None:
+    if any(_kept_quantized(f) for f in spec.files) and spec.gguf_layout is None:
         raw = replace(spec, gguf_layout="raw")
         if raw.loaded_nbytes(compute_dtype=compute_dtype) + whole_load_reserve(budget) <= budget:
             return raw
     return replace(spec, stream_budget=int(budget))
 
 
+def _kept_quantized(path) -> bool:
+    """Its format's quantized tensors load as stored, in a layout a spec may choose (a GGUF: formats/table.py)."""
+    return format_of(path, header=False).kept_quantized
+
+
 def fit_hint(spec, budget) -> str:
     """What would make `spec` fit `budget` bytes, for a refusal's line."""
-    if any(is_gguf(f) for f in spec.files):
-        return "use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K) or a machine with more memory"
+    smaller = next((hint for f in spec.files if (hint := format_of(f, header=False).smaller)), None)
+    if smaller:   # its weights load as stored (a GGUF): quantize= does not shrink them
+        return f"{smaller} or a machine with more memory"
     for bits in (8, 4):
         estimate = spec.loaded_nbytes(quantize=bits)
         if estimate <= budget:

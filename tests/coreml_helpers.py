@@ -1,6 +1,16 @@
 """Core ML test pieces shared by several test modules (no test module imports another)."""
 
+import copy
+import shutil
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
 import torch
+from coremltools.models.utils import bisect_model
+from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
+
+from helpers import randomize_
 
 
 class Wrapper(torch.nn.Module):
@@ -12,3 +22,160 @@ class Wrapper(torch.nn.Module):
 
     def forward(self, x, t, c):
         return self.unet(x, t, c, return_dict=False)[0]
+
+
+class Conv1x1(torch.nn.Module):
+    """A Linear computed as a 1x1 convolution over [1, in, 1, tokens], its weight [out, in, 1, 1] under the Linear's
+    own name: how Apple's ml-stable-diffusion converts every Linear of its UNet (its load_state_dict hook reshapes
+    diffusers' weights so). Written here from that description; Apple's code is not used."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.weight = torch.nn.Parameter(linear.weight.detach()[:, :, None, None].clone())
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x):
+        lead, width = x.shape[:-1], x.shape[-1]
+        y = torch.nn.functional.conv2d(x.reshape(1, -1, width).permute(0, 2, 1).reshape(1, width, 1, -1),
+                                       self.weight, self.bias)
+        return y.reshape(1, y.shape[1], -1).permute(0, 2, 1).reshape(*lead, y.shape[1])
+
+
+class HandLayerNorm(torch.nn.Module):
+    """A LayerNorm computed by hand over the channels of a [B, C, 1, tokens] tensor, (normalised + bias / weight) *
+    weight, under the module's own parameter names: the form of Apple's LayerNormANE (as its source describes it),
+    which the converter fuses into a layer_norm op whose gamma and beta get op-made names."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.eps = norm.eps
+        self.weight = torch.nn.Parameter(norm.weight.detach().clone())
+        self.bias = torch.nn.Parameter(norm.bias.detach().clone())
+
+    def forward(self, x):
+        c = x.shape[-1]
+        x = x.transpose(1, 2).unsqueeze(2)
+        centred = x - x.mean(dim=1, keepdim=True)
+        out = centred * ((centred * centred).mean(dim=1, keepdim=True) + self.eps).rsqrt()
+        out = (out + (self.bias / self.weight).view(1, c, 1, 1)) * self.weight.view(1, c, 1, 1)
+        return out.squeeze(2).transpose(1, 2)
+
+
+class AppleStyle(torch.nn.Module):
+    """The UNet traced itself (no wrapper: names without a prefix), its Linears as Conv1x1, its LayerNorms by hand."""
+
+    def __init__(self, unet):
+        super().__init__()
+        self.model = copy.deepcopy(unet)
+        for name, module in list(self.model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(module, child_name, Conv1x1(child))
+                elif isinstance(child, torch.nn.LayerNorm):
+                    setattr(module, child_name, HandLayerNorm(child))
+
+    def forward(self, x, t, c):
+        return self.model(x, t, c, return_dict=False)[0]
+
+
+# -- Apple's folder: what ml-stable-diffusion's torch2coreml.py writes, made here with coremltools as it calls it ----
+
+# a tiny SD 1.5 whose sizes follow the released model's rules that a folder without configs is read by (norm groups
+# 32, 8 heads a level, CLIP's 64-wide heads): widths all differ (UNet 32 / 64, text 64 wide over 77 positions)
+APPLE_UNET = dict(sample_size=12, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+                  down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                  up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64, attention_head_dim=8,
+                  norm_num_groups=32)
+APPLE_VAE = dict(block_out_channels=(32, 64), layers_per_block=1, latent_channels=4, norm_num_groups=32,
+                 down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+APPLE_CLIP = dict(vocab_size=49408, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1,
+                  max_position_embeddings=77, hidden_act="quick_gelu", eos_token_id=49407, bos_token_id=49406,
+                  pad_token_id=1)
+LATENT = (12, 10)      # the shapes the packages are traced at (Apple's: the model's sample size, batch 2 for CFG)
+
+
+class TextEncoderWrapper(torch.nn.Module):
+    """torch2coreml.convert_text_encoder's wrapper: the encoder as `self.text_encoder`, its tuple output."""
+
+    def __init__(self, text_encoder):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids):
+        return self.text_encoder(input_ids, return_dict=False)
+
+
+class VAEDecoderWrapper(torch.nn.Module):
+    """convert_vae_decoder's wrapper: post_quant_conv then the decoder."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.post_quant_conv, self.decoder = vae.post_quant_conv, vae.decoder
+
+    def forward(self, z):
+        return self.decoder(self.post_quant_conv(z))
+
+
+class VAEEncoderWrapper(torch.nn.Module):
+    """convert_vae_encoder's wrapper: the encoder then quant_conv."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.quant_conv, self.encoder = vae.quant_conv, vae.encoder
+
+    def forward(self, x):
+        return self.quant_conv(self.encoder(x))
+
+
+def convert(module, inputs: dict, outputs, target=None):
+    """torch.jit.trace + ct.convert as torch2coreml._convert_to_coreml calls it: mlprogram, named float32
+    inputs and outputs, its deployment target (iOS 16 by default)."""
+    traced = torch.jit.trace(module.eval(), tuple(inputs.values()), check_trace=False)
+    return ct.convert(traced, convert_to="mlprogram", minimum_deployment_target=target or ct.target.iOS16,
+                      inputs=[ct.TensorType(name=n, shape=v.shape, dtype=np.float32) for n, v in inputs.items()],
+                      outputs=[ct.TensorType(name=n, dtype=np.float32) for n in outputs])
+
+
+def apple_twins(seed=0):
+    """(unet, text_encoder, vae) torch twins of APPLE_*, random."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel  # heavy: diffusers, for the modules that build twins
+    from transformers import CLIPTextConfig, CLIPTextModel  # heavy: transformers, likewise
+    torch.manual_seed(seed)
+    return (randomize_(UNet2DConditionModel(**APPLE_UNET).eval(), seed=1, scale=0.1),
+            randomize_(CLIPTextModel(CLIPTextConfig(**APPLE_CLIP)).eval(), seed=3, scale=0.1),
+            randomize_(AutoencoderKL(**APPLE_VAE).eval(), seed=2, scale=0.1))
+
+
+def write_apple_folder(root, unet, text_encoder, vae, vocab, nbits=6):
+    """Apple's folder under `root`: packages/ (TextEncoder, UnetChunk1 + UnetChunk2 (coremltools' bisect_model, as
+    chunk_mlprogram.py calls it), VAEDecoder, VAEEncoder), the UNet and the text encoder palettized (`nbits`-bit
+    k-means, as the converter's --quantize-nbits), the whole Unet.mlpackage kept in root/whole/, and the tokenizer's
+    vocab.json / merges.txt (from the folder `vocab`) in compiled/ (where Apple's repositories keep them). Returns
+    {name: MLModel} of what it wrote (the UNet before chunking)."""
+    root = Path(root)
+    packages, compiled, whole = root / "packages", root / "compiled", root / "whole"
+    for d in (packages, compiled, whole):
+        d.mkdir(parents=True)
+    h, w = LATENT
+    models = {
+        "TextEncoder": convert(TextEncoderWrapper(text_encoder), {"input_ids": torch.zeros(1, 77, dtype=torch.int32)},
+                               ("last_hidden_state", "pooled_outputs")),
+        "VAEDecoder": convert(VAEDecoderWrapper(vae), {"z": torch.zeros(1, 4, h, w)}, ("image",)),
+        "VAEEncoder": convert(VAEEncoderWrapper(vae), {"x": torch.zeros(1, 3, 2 * h, 2 * w)}, ("latent",)),
+    }
+    width = unet.config.cross_attention_dim
+    unet_model = convert(AppleStyle(unet), {"sample": torch.zeros(2, 4, h, w), "timestep": torch.tensor([10.0] * 2),
+                                            "encoder_hidden_states": torch.zeros(2, 77, width)}, ("noise_pred",))
+    # torch2coreml's --quantize-nbits: k-means tables for the UNet and the text encoder, the embedding (gather) not
+    palettizing = OptimizationConfig(global_config=OpPalettizerConfig(mode="kmeans", nbits=nbits),
+                                     op_type_configs={"gather": None})
+    models["Unet"] = palettize_weights(unet_model, palettizing)
+    models["TextEncoder"] = palettize_weights(models["TextEncoder"], palettizing)
+    for name, model in models.items():
+        model.save(str((whole if name == "Unet" else packages) / f"{name}.mlpackage"))
+    bisect_model(str(whole / "Unet.mlpackage"), str(root / "bisect"), check_output_correctness=False)
+    for i in (1, 2):
+        shutil.move(str(root / "bisect" / f"Unet_chunk{i}.mlpackage"), str(packages / f"UnetChunk{i}.mlpackage"))
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(Path(vocab) / name, compiled / name)
+    return models

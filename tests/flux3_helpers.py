@@ -40,9 +40,10 @@ class Processor:
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
 
-def save_folder(kind, root):
+def save_folder(kind, root, transformer_config=TRANSFORMER):
     """A tiny FLUX 3 model of `kind` written by ModularPipeline.save_pretrained (the tokenizer saved beside it under
-    tokenizer/, as a saved AutoProcessor's files are); returns (the folder, the diffusers pipeline, run in memory)."""
+    tokenizer/, as a saved AutoProcessor's files are; `transformer_config` in place of TRANSFORMER: more blocks to
+    stream); returns (the folder, the diffusers pipeline, run in memory)."""
     import transformers
     from diffusers import Flux3Transformer2DModel
     from diffusers.modular_pipelines import Flux3AutoBlocks, Flux3DistilledAutoBlocks
@@ -51,7 +52,7 @@ def save_folder(kind, root):
     tok_dir = build_tokenizer(root / "tok_src", SPECIALS, QWEN3_TEMPLATE, "right", "<|endoftext|>", eos="<|im_end|>")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
     torch.manual_seed(0)
-    transformer = randomize_(Flux3Transformer2DModel(**TRANSFORMER, flow_map=kind == "distilled"), seed=11,
+    transformer = randomize_(Flux3Transformer2DModel(**transformer_config, flow_map=kind == "distilled"), seed=11,
                              scale=0.15).eval()
     vae = make_flux2_twin(dict(block_out_channels=(8, 12), layers_per_block=1, latent_channels=Z,
                                norm_num_groups=4), 7)

@@ -11,6 +11,7 @@ weight change each reader makes of them, shared by tests/test_bad_lora.py and be
 """
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -330,3 +331,79 @@ def dequantized_twin(twin, model):
                 continue
             out.get_submodule(path).weight.copy_(torch.from_numpy(np.array(w)))
     return out
+
+
+# -- LyCORIS's own math as the reference: its functional code (pip lycoris-lora), tests/test_lycoris_tucker.py -----
+
+def lycoris_factors(form, weight, rank, generator, scale=0.2) -> dict:
+    """Seeded random factors of one LyCORIS form for a torch layer weight (out, in[, kh, kw]), in the shapes
+    LyCORIS's modules save them ({role: tensor}, the file's `<layer>.<role>` names):
+    - "LoCon Tucker" (lycoris/modules/locon.py LoConModule, use_tucker): lora_down (r, in, 1, 1), lora_mid
+      (r, r, kh, kw), lora_up (out, r, 1, 1); "LoRA": lora_down (r, in[, kh, kw]), lora_up (out, r[, 1, 1]);
+    - "LoHa Tucker" (modules/loha.py LohaModule, use_tucker): hada_w{1,2}_a (r, out), hada_w{1,2}_b (r, in),
+      hada_t{1,2} (r, r, kh, kw);
+    - "LoKr Tucker" (modules/lokr.py LokrModule, use_tucker): lokr_w1 (a, c), lokr_w2_a (r, b), lokr_w2_b (r, d),
+      lokr_t2 (r, r, kh, kw), out = a b and in = c d as LyCORIS's functional/general.py factorization splits them;
+      "LoKr": lokr_w1 (a, c), lokr_w2_a (b, r), lokr_w2_b (r, d [x kh x kw])."""
+    import torch
+    from lycoris.functional.general import factorization
+    out, ins, *k = weight.shape
+
+    def r(*shape):
+        return torch.randn(*shape, generator=generator) * scale
+    ones = [1] * len(k)
+    if form == "LoCon Tucker":
+        return {"lora_down.weight": r(rank, ins, 1, 1), "lora_mid.weight": r(rank, rank, *k),
+                "lora_up.weight": r(out, rank, 1, 1)}
+    if form == "LoRA":
+        return {"lora_down.weight": r(rank, ins, *k), "lora_up.weight": r(out, rank, *ones)}
+    if form == "LoHa Tucker":
+        return {f"hada_{n}": r(*shape) for n, shape in (
+            ("w1_a", (rank, out)), ("w1_b", (rank, ins)), ("t1", (rank, rank, *k)),
+            ("w2_a", (rank, out)), ("w2_b", (rank, ins)), ("t2", (rank, rank, *k)))}
+    (a, b), (c, d) = factorization(out, -1), factorization(ins, -1)
+    w1 = torch.randn(a, c, generator=generator)        # the kron's small factor, O(1) as LyCORIS's init
+    if form == "LoKr Tucker":
+        return {"lokr_w1": w1, "lokr_w2_a": r(rank, b), "lokr_w2_b": r(rank, d), "lokr_t2": r(rank, rank, *k)}
+    assert form == "LoKr", form
+    return {"lokr_w1": w1, "lokr_w2_a": r(b, rank), "lokr_w2_b": r(rank, d * (math.prod(k) if k else 1))}
+
+
+def lycoris_delta(form, f, gamma):
+    """The weight change LyCORIS computes for `form`'s factors `f` (lycoris_factors) at scale gamma (alpha / rank):
+    its functional code, eager torch (backend="torch"): functional/locon.py diff_weight, functional/loha.py
+    diff_weight, functional/lokr.py kron_weight (LokrModule.get_weight's call: the scale given, not re-read from the
+    factors' shapes)."""
+    from lycoris.functional import locon, loha, lokr
+    if form in ("LoCon Tucker", "LoRA"):
+        return locon.diff_weight(f["lora_down.weight"], f["lora_up.weight"], f.get("lora_mid.weight"), gamma=gamma,
+                                 backend="torch")
+    if form == "LoHa Tucker":
+        return loha.diff_weight(f["hada_w1_b"], f["hada_w1_a"], f["hada_w2_b"], f["hada_w2_a"], f["hada_t1"],
+                                f["hada_t2"], gamma=gamma, backend="torch")
+    return lokr.kron_weight(f["lokr_w1"], None, None, None, f["lokr_w2_a"], f["lokr_w2_b"], f.get("lokr_t2"),
+                            scale=gamma, backend="torch")
+
+
+def lycoris_dora_scale(weight, wd_on_out, generator):
+    """A trained-looking LyCORIS dora_scale of a torch layer weight: the norms LyCORIS starts it from (per output
+    row, (out, 1[, 1, 1]), or with wd_on_out=False per input column, (1, in[, 1, 1]): LoConModule.__init__) times
+    noise, so that the factor is not 1."""
+    import torch
+    w = weight.detach().float()
+    tail = [1] * (w.dim() - 1)
+    if wd_on_out:
+        norm = w.reshape(w.shape[0], -1).norm(dim=1).reshape(w.shape[0], *tail)
+    else:
+        norm = w.transpose(0, 1).reshape(w.shape[1], -1).norm(dim=1).reshape(w.shape[1], *tail).transpose(0, 1)
+    return norm * (1 + 0.3 * torch.randn(norm.shape, generator=generator))
+
+
+def lycoris_merged(weight, delta, dora_scale=None, wd_on_out=True):
+    """The layer weight LyCORIS merges at multiplier 1 (get_merged_weight): W + dW, or with a dora_scale its
+    functional/general.py weight_decompose (eager torch) of W + dW."""
+    from lycoris.functional.general import weight_decompose
+    merged = weight.detach().float() + delta.reshape(weight.shape)
+    if dora_scale is None:
+        return merged
+    return weight_decompose(merged, dora_scale, 1, wd_on_out, backend="torch")

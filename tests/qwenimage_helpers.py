@@ -2,7 +2,10 @@
 fixture and its reference runs (tests/test_qwenimage_pipeline.py), the tiny transformer twin and its forwards
 (tests/test_qwenimage_transformer.py), and the VAE's diffusers -> Wan name map (tests/test_vae_qwenimage.py)."""
 
+import contextlib
+import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -197,3 +200,145 @@ def to_original(name, num_res_blocks):
         n = int(m.group(1)) * (num_res_blocks + 2) + num_res_blocks + 1
         return f"decoder.upsamples.{n}.{m.group(2)}"
     raise AssertionError(name)
+
+
+# -- the tiny Qwen-Image-Edit pipelines (tests/test_qwenimage_edit.py) -------------------------------------------------
+
+# the vision tower: 2 blocks (block 0 windowed, block 1 full), heads of 8 (the 2-D RoPE's 4 + 4), 24 wide, MLP 44;
+# windows of 16 px = 2 x 2 merged tokens of 2 x 2 patches of 4 px; out 40 = the language model's width
+EDIT_VISION = dict(depth=2, hidden_size=24, intermediate_size=44, num_heads=3, out_hidden_size=TEXT["hidden_size"],
+                   patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                   fullatt_block_indexes=[1])
+# the processor: patches of 4 px merged 2 x 2 (a multiple of 8 px), at most 48 x 64 px (12 x 16 patches) an image
+EDIT_PROCESSOR = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16 * 16, max_pixels=48 * 64)
+EDIT_Z = 6                 # VAE latent channels (the transformer takes 4 x 6 = 24); factor 8 (3 downsamples)
+EDIT_H, EDIT_W = 64, 96    # the output size the parity runs ask for (tokens 4 x 6); the inputs are ~1 MP
+EDIT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>",
+                 "<|vision_end|>"]
+
+
+def edit_image(seed, size):
+    """A smooth colour image (gradients and a few blobs) of `size` (w, h): resampling keeps its content."""
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    w, h = size
+    y, x = np.mgrid[0:h, 0:w] / max(w, h)
+    channels = [np.sin(2 * np.pi * (rng.uniform(0.5, 2) * x + rng.uniform(0.5, 2) * y + rng.uniform()))
+                for _ in range(3)]
+    pixels = (np.stack(channels, axis=-1) * 0.5 + 0.5) * 255
+    return Image.fromarray(pixels.clip(0, 255).astype(np.uint8))
+
+
+def image_only_processor(tokenizer):
+    """transformers' Qwen2VLProcessor over the PIL image processor, without its video processor (which needs
+    torchvision, not installed here); diffusers' Edit pipelines call it on images only."""
+    import transformers
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnly(transformers.Qwen2VLProcessor):
+        def check_argument_for_proper_class(self, name, arg):
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+    return ImageOnly(image_processor=Qwen2VLImageProcessorPil(**EDIT_PROCESSOR), tokenizer=tokenizer)
+
+
+def save_edit_pipelines(root):
+    """The tiny QwenImageEditPipeline and QwenImageEditPlusPipeline (the same components) saved under `root` ->
+    {"edit" / "plus": (the folder, the diffusers pipeline)}. The processor
+    cannot be saved without its video processor, so processor/ is written as Qwen/Qwen-Image-Edit's is: the
+    tokenizer's files and preprocessor_config.json."""
+    import transformers
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
+                           QwenImageEditPlusPipeline, QwenImageTransformer2DModel)
+    tok_dir = build_tokenizer(root / "tok_src", EDIT_SPECIALS, None, "right", "<|endoftext|>", eos="<|im_end|>")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in EDIT_SPECIALS[3:]}
+    config = transformers.Qwen2_5_VLConfig(text_config=TEXT, vision_config=EDIT_VISION, tie_word_embeddings=False,
+                                           image_token_id=ids["<|image_pad|>"],
+                                           vision_start_token_id=ids["<|vision_start|>"],
+                                           vision_end_token_id=ids["<|vision_end|>"])
+    encoder = randomize_(transformers.Qwen2_5_VLForConditionalGeneration(config).eval(), 6, 0.2)
+    torch.manual_seed(0)
+    transformer = QwenImageTransformer2DModel(patch_size=2, in_channels=4 * EDIT_Z, out_channels=EDIT_Z,
+                                              num_layers=2, attention_head_dim=32, num_attention_heads=3,
+                                              joint_attention_dim=TEXT["hidden_size"], axes_dims_rope=(6, 12, 14))
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=EDIT_Z, dim_mult=[1, 2, 2, 3], num_res_blocks=1, attn_scales=[],
+                                 temperal_downsample=[False, True, True],
+                                 latents_mean=[0.3, -0.2, 0.1, 0.5, -0.4, 0.2],
+                                 latents_std=[1.5, 0.7, 2.1, 1.1, 0.9, 1.3])
+    randomize_(transformer, seed=12, scale=0.15)
+    randomize_(vae, seed=13, scale=0.15)
+    with torch.no_grad():      # RMS gammas around 1 (randomize_ centres only *norm.weight on 1)
+        for name, p in vae.named_parameters():
+            if name.endswith("gamma"):
+                p.add_(1.0)
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.eval(), text_encoder=encoder.eval(),
+                 tokenizer=tokenizer, processor=None, transformer=transformer.eval())
+    edit = _save_edit_folder(root / "edit", QwenImageEditPipeline(**parts), tokenizer)
+    plus = QwenImageEditPlusPipeline(**{**parts, "processor": edit[1].processor})
+    shutil.copytree(edit[0], root / "plus")
+    index = json.loads((root / "plus" / "model_index.json").read_text())
+    (root / "plus" / "model_index.json").write_text(json.dumps({**index, "_class_name": "QwenImageEditPlusPipeline"}))
+    return {"edit": edit, "plus": (root / "plus", plus)}
+
+
+def _save_edit_folder(folder, pipe, tokenizer):
+    pipe.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder / "processor"))
+    (folder / "processor" / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor", **EDIT_PROCESSOR,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "do_convert_rgb": True, "resample": 3}))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "processor": ["transformers", "Qwen2VLProcessor"]}))
+    pipe.processor = image_only_processor(tokenizer)
+    return folder, pipe
+
+
+def edit_noise(seed=3, height=EDIT_H, width=EDIT_W):
+    return np.random.default_rng(seed).standard_normal((1, (height // 16) * (width // 16), 4 * EDIT_Z)).astype(
+        np.float32)
+
+
+def edit_reference(pipe, height=EDIT_H, width=EDIT_W, default_size=False, **kwargs):
+    """One diffusers Edit run from edit_noise at height x width (`default_size`: not passed, the pipeline's default
+    must be it): (its final latents unpacked to the VAE's layout, its image)."""
+    size = {} if default_size else dict(height=height, width=width)
+    latents, image = reference(pipe, latents=torch.from_numpy(edit_noise(height=height, width=width)), **size,
+                               **kwargs)
+    assert image.shape[:2] == (height, width)
+    return pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)[:, :, 0].numpy(), image
+
+
+# diffusers' Edit sizes (about 1 MP for the VAE, 384 x 384 px for the vision tower in Plus) scaled by AREA_SCALE on
+# both sides: the same rule at 1/64 of the area (inputs of ~128 x 128 px), so that a run takes seconds
+AREA_SCALE = 1 / 64
+
+
+@contextlib.contextmanager
+def scaled_areas():
+    """diffusers' calculate_dimensions (Edit's and Plus's) with its target area scaled by AREA_SCALE."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit, pipeline_qwenimage_edit_plus as plus
+    originals = edit.calculate_dimensions, plus.calculate_dimensions
+    edit.calculate_dimensions = lambda area, ratio: originals[0](area * AREA_SCALE, ratio)
+    plus.calculate_dimensions = lambda area, ratio: originals[1](area * AREA_SCALE, ratio)
+    try:
+        yield
+    finally:
+        edit.calculate_dimensions, plus.calculate_dimensions = originals
+
+
+def load_scaled_edit(folder):
+    """mlxdiff's Edit pipeline of `folder`, its areas scaled as scaled_areas() scales diffusers'."""
+    pipe = mlxdiff.load(str(folder), dtype="float32")
+    pipe.VAE_AREA, pipe.CONDITION_AREA = pipe.VAE_AREA * AREA_SCALE, pipe.CONDITION_AREA * AREA_SCALE
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def qwen_edit_tiny(tmp_path_factory):
+    """{"edit" / "plus": (folder, diffusers pipeline, mlxdiff pipeline with scaled areas)}: a tiny Qwen2.5-VL
+    (qwen_tiny's language model widths, a 2-block vision tower of EDIT_VISION), a transformer 96 wide over 6
+    latent channels, a 4-level VAE (factor 8); one set of components, saved as each pipeline class."""
+    saved = save_edit_pipelines(tmp_path_factory.mktemp("qwenimage_edit"))
+    return {name: (folder, pipe, load_scaled_edit(folder)) for name, (folder, pipe) in saved.items()}

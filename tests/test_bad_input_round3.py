@@ -18,7 +18,7 @@ nothing partial, no image), and a streamed run never draws from a changed file. 
    setting is accepted);
 10. SGM single files whose first level (no attention) is 32 wide are read (only attention needs 64-wide heads),
     and the UNet matches diffusers';
-11. Apple's chunked Core ML UNets (one chunk, or the folder of both) are named for what they are;
+11. Apple's chunked Core ML UNets (one chunk, or the folder of both) that are not one model's halves say so;
 12. forged GGUF text-encoder hyperparameters (arrays, other types) refused naming the key.
 Plus the seeded share of the palettized-checkpoint fuzzer (bench/fuzz_palettized.py).
 
@@ -668,21 +668,23 @@ def chunk_folder(package, tmp_path):
 
 
 def test_chunked_core_ml_unets_are_named(package, tmp_path):
-    """UnetChunk1.mlpackage read, and the folder holding both chunks named as a file: one line saying what they
-    are and that chunked UNets are not read yet (it said "is a folder; the transformer file must be one
-    .safetensors or .gguf file", or "model_index.json is missing"; --transformer FOLDER: test_command_line)."""
+    """Two copies of one whole UNet package named UnetChunk1 / UnetChunk2 (not the halves of one model; issue 46
+    joins real halves: tests/test_coreml_apple.py): one line saying so. The folder holding them given as a file
+    stands for its first chunk; as the model itself, one line saying what it is and what is missing (it said "is a
+    folder; the transformer file must be one .safetensors or .gguf file", or "model_index.json is missing";
+    --transformer FOLDER: test_command_line)."""
     from mlxdiff.loading.sources import not_a_folder
     folder = chunk_folder(package, tmp_path)
     with pytest.raises(MlxdiffError) as e:
         coreml.read(folder / "UnetChunk1.mlpackage")
-    one_line(e, "chunked Core ML UNet", "UnetChunk1.mlpackage:", "not read yet")
+    one_line(e, "UnetChunk2.mlpackage", "chunks of two models")
+    assert not_a_folder(folder, "transformer file") == folder / "UnetChunk1.mlpackage"
     with pytest.raises(MlxdiffError) as e:
-        not_a_folder(folder, "transformer file")
-    one_line(e, "UnetChunk1.mlpackage, UnetChunk2.mlpackage", "not read yet")
-    for model in (folder / "UnetChunk1.mlpackage", folder):     # as the model itself
-        with pytest.raises(MlxdiffError) as e:
-            mlxdiff.load(str(model))
-        one_line(e, "Apple's chunked Core ML UNet", "not read yet")
+        mlxdiff.load(str(folder / "UnetChunk1.mlpackage"))
+    one_line(e, "Apple's chunked Core ML UNet", "without the rest of Apple's folder")
+    with pytest.raises(MlxdiffError) as e:
+        mlxdiff.load(str(folder))
+    one_line(e, "Apple's Core ML folder without its TextEncoder.mlpackage")
 
 
 # -- 12. forged GGUF text-encoder hyperparameters --------------------------------------------------------------------
@@ -778,7 +780,7 @@ def test_command_line(sd, palettized_default, package, tmp_path, monkeypatch, ca
         (argv(palette), [f"{layer}.lut has 16 entries"]),
         (argv(sd["sd15"][0], "--vae", str(rgba)), [str(rgba), "4 channels"]),
         (argv(streamed, "--memory-limit", "0.012"), [str(weights), "was replaced by another file"]),
-        (argv(sd["sd15"][0], "--transformer", str(chunks)), ["UnetChunk1.mlpackage, UnetChunk2.mlpackage"]),
+        (argv(sd["sd15"][0], "--transformer", str(chunks)), ["UnetChunk2.mlpackage", "chunks of two models"]),
     ]
     for args, needles in cases:
         capsys.readouterr()

@@ -27,7 +27,7 @@ from helpers import max_rel_err
 import fixture_guard
 from ldm_helpers import reference, sd15_components, showing_moves
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
-from coreml_helpers import Wrapper
+from coreml_helpers import AppleStyle, Wrapper
 
 warnings.filterwarnings("ignore")
 
@@ -56,61 +56,6 @@ def _convert(module, example, names):
     traced = torch.jit.trace(module.eval(), example, check_trace=False)
     return ct.convert(traced, inputs=[ct.TensorType(name=n, shape=e.shape) for n, e in zip(names, example)],
                       convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18)
-
-
-class Conv1x1(torch.nn.Module):
-    """A Linear computed as a 1x1 convolution over [1, in, 1, tokens], its weight [out, in, 1, 1] under the Linear's
-    own name: how Apple's ml-stable-diffusion converts every Linear of its UNet (its load_state_dict hook reshapes
-    diffusers' weights so). Written here from that description; Apple's code is not used."""
-
-    def __init__(self, linear):
-        super().__init__()
-        self.weight = torch.nn.Parameter(linear.weight.detach()[:, :, None, None].clone())
-        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach().clone())
-
-    def forward(self, x):
-        lead, width = x.shape[:-1], x.shape[-1]
-        y = torch.nn.functional.conv2d(x.reshape(1, -1, width).permute(0, 2, 1).reshape(1, width, 1, -1),
-                                       self.weight, self.bias)
-        return y.reshape(1, y.shape[1], -1).permute(0, 2, 1).reshape(*lead, y.shape[1])
-
-
-class HandLayerNorm(torch.nn.Module):
-    """A LayerNorm computed by hand over the channels of a [B, C, 1, tokens] tensor, (normalised + bias / weight) *
-    weight, under the module's own parameter names: the form of Apple's LayerNormANE (as its source describes it),
-    which the converter fuses into a layer_norm op whose gamma and beta get op-made names."""
-
-    def __init__(self, norm):
-        super().__init__()
-        self.eps = norm.eps
-        self.weight = torch.nn.Parameter(norm.weight.detach().clone())
-        self.bias = torch.nn.Parameter(norm.bias.detach().clone())
-
-    def forward(self, x):
-        c = x.shape[-1]
-        x = x.transpose(1, 2).unsqueeze(2)
-        centred = x - x.mean(dim=1, keepdim=True)
-        out = centred * ((centred * centred).mean(dim=1, keepdim=True) + self.eps).rsqrt()
-        out = (out + (self.bias / self.weight).view(1, c, 1, 1)) * self.weight.view(1, c, 1, 1)
-        return out.squeeze(2).transpose(1, 2)
-
-
-class AppleStyle(torch.nn.Module):
-    """The UNet traced itself (no wrapper: names without a prefix), its Linears as Conv1x1, its LayerNorms by hand."""
-
-    def __init__(self, unet):
-        super().__init__()
-        import copy
-        self.model = copy.deepcopy(unet)
-        for name, module in list(self.model.named_modules()):
-            for child_name, child in list(module.named_children()):
-                if isinstance(child, torch.nn.Linear):
-                    setattr(module, child_name, Conv1x1(child))
-                elif isinstance(child, torch.nn.LayerNorm):
-                    setattr(module, child_name, HandLayerNorm(child))
-
-    def forward(self, x, t, c):
-        return self.model(x, t, c, return_dict=False)[0]
 
 
 def _coreml_unet(tmp_path_factory, style):

@@ -6,8 +6,6 @@ the negative prompt each move diffusers' output past the tolerances) and without
 and distilled); a Q8_0 GGUF transformer in krea-ai's original names (kept quantized) against diffusers on the file's
 decoded values; bad input."""
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -15,31 +13,11 @@ import torch
 import mlxdiff
 import parity
 from gguf_helpers import dequantized, write_q8_0_gguf
-from helpers import max_rel_err, randomize_
+from helpers import max_rel_err
 from mlxdiff.errors import MlxdiffError
-from krea2_helpers import to_original
-from twins import build_tokenizer
+from krea2_helpers import H, SCHEDULER, SEQ, TAPS, TRANSFORMER, W, Z, save_pipeline, to_original
 import fixture_guard
 
-H, W = 32, 48      # multiples of 4 (the VAE) x 2 (the patches): latents 8 x 12, 4 x 6 tokens
-Z = 5              # VAE latent channels: the transformer takes 4 x 5 = 20
-# the stand-in tokenizer spends 116 tokens on the template's prefix (Qwen's real one 34): the fixed length must hold
-# it and the prompt
-SEQ = 120
-TAPS = (1, 2, 3)   # hidden states 1 and 2 and the last (final-normed) one
-TEXT = dict(vocab_size=301, hidden_size=40, intermediate_size=72, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=10, max_position_embeddings=512, rms_norm_eps=1e-6,
-            rope_parameters=dict(rope_type="default", rope_theta=5e5, mrope_section=[2, 2, 1], mrope_interleaved=True))
-VISION = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=40, patch_size=4,
-              spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0])
-TRANSFORMER = dict(in_channels=4 * Z, num_layers=2, attention_head_dim=24, num_attention_heads=4,
-                   num_key_value_heads=2, intermediate_size=136, timestep_embed_dim=44,
-                   text_hidden_dim=TEXT["hidden_size"], num_text_layers=len(TAPS), text_num_attention_heads=5,
-                   text_num_key_value_heads=1, text_intermediate_size=52, num_layerwise_text_blocks=1,
-                   num_refiner_text_blocks=1, axes_dims_rope=(4, 10, 10))
-# the Krea2Pipeline docstring's scheduler settings
-SCHEDULER = dict(num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                 base_image_seq_len=256, max_image_seq_len=6400, time_shift_type="exponential")
 PROMPT, OTHER, NEGATIVE = "a red fox sitting in the snow at dawn", "a watercolor painting of a lighthouse", "blurry"
 STEPS = 2
 
@@ -52,36 +30,8 @@ def _shared_fixtures_unchanged(request):
 
 @pytest.fixture(scope="module")
 def krea_tiny(tmp_path_factory):
-    """A tiny Krea2Pipeline: Qwen3-VL 40 wide (3 layers, heads of 10, a 1-block vision tower never read), a
-    transformer 96 wide (4 heads of 24, 2 key/value heads, RoPE axes 4, 10, 10; 2 blocks; a text fusion over 3
-    taps) over 5 latent channels, a 3-level Qwen-Image VAE (factor 4) with its own latents_mean / latents_std;
-    saved, and read back by mlxdiff.load."""
-    import transformers
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, \
-        Krea2Transformer2DModel
-    from transformers import AutoTokenizer
-    root = tmp_path_factory.mktemp("krea2")
-    config = transformers.Qwen3VLConfig(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False)
-    encoder = randomize_(transformers.Qwen3VLModel(config).eval(), 5, 0.2)
-    tok_dir = build_tokenizer(root / "tok_src", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "right",
-                              "<|endoftext|>", eos="<|im_end|>")
-    torch.manual_seed(0)
-    transformer = randomize_(Krea2Transformer2DModel(**TRANSFORMER), seed=10, scale=0.15).eval()
-    vae = randomize_(AutoencoderKLQwenImage(base_dim=6, z_dim=Z, dim_mult=[1, 2, 3], num_res_blocks=1, attn_scales=[],
-                                            temperal_downsample=[False, True],
-                                            latents_mean=[0.3, -0.2, 0.1, 0.5, -0.4],
-                                            latents_std=[1.5, 0.7, 2.1, 1.1, 0.9]), seed=11, scale=0.15)
-    with torch.no_grad():      # RMS gammas around 1 (randomize_ centres only *norm.weight on 1)
-        for name, p in vae.named_parameters():
-            if name.endswith("gamma"):
-                p.add_(1.0)
-    pipe = Krea2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae.eval(),
-                         text_encoder=encoder.float().eval(), tokenizer=AutoTokenizer.from_pretrained(str(tok_dir)),
-                         transformer=transformer, text_encoder_select_layers=TAPS)
-    folder = root / "pipeline"
-    pipe.save_pretrained(str(folder))
-    index = json.loads((folder / "model_index.json").read_text())
-    assert index["text_encoder_select_layers"] == list(TAPS) and index["is_distilled"] is False
+    """The tiny Krea2Pipeline (krea2_helpers.save_pipeline), saved, and read back by mlxdiff.load."""
+    folder, pipe = save_pipeline(tmp_path_factory.mktemp("krea2"))
     return folder, pipe, mlxdiff.load(str(folder), dtype="float32")
 
 

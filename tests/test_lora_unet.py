@@ -320,10 +320,10 @@ def test_refusals_are_one_line(bases, tmp_path):
     wrong = save(tmp_path / "linear_on_conv.safetensors", {
         "lora_unet_conv_in.lora_down.weight": torch.randn(2, 4), "lora_unet_conv_in.lora_up.weight": b[:32, :2]})
     assert "do not fit" in refusal(bases, "sd15", "unet", wrong)
-    # LoCon's Tucker form
+    # LoCon's Tucker form is read (tests/test_lycoris_tucker.py); one whose core is not rank x rank is not
     tucker = save(tmp_path / "tucker.safetensors", {
         "lora_unet_conv_in.lora_down.weight": torch.randn(2, 4, 1, 1),
-        "lora_unet_conv_in.lora_mid.weight": torch.randn(2, 2, 3, 3),
+        "lora_unet_conv_in.lora_mid.weight": torch.randn(3, 2, 3, 3),
         "lora_unet_conv_in.lora_up.weight": torch.randn(32, 2, 1, 1)})
     assert "Tucker" in refusal(bases, "sd15", "unet", tucker)
 

@@ -9,7 +9,8 @@ merged into the diffusers twin, float32:
   layers, as a GGUF file loads), whose reference is the twin holding the quantized layers' dequantized weights;
 - LoHa / LoKr on the tiny SD 1.5 UNet's convolutions and linear layers, against PEFT's merge the same way;
 - bad input in one line: a LoKr whose kron product does not fit its layer, LoKr / LoHa factors that are no pair, a
-  dora_scale of the wrong shape (and LyCORIS's wd_on_out=False form), a Tucker LoHa.
+  dora_scale of the wrong shape (per row and per column), a LoHa with one Tucker core of two, a lokr_t1 (a form
+  LyCORIS names but never writes). The Tucker forms and per-column / convolution DoRA: tests/test_lycoris_tucker.py.
 """
 
 import copy
@@ -173,12 +174,15 @@ BAD = {
     "LoHa missing": ({".hada_w1_a": _r(64, 4), ".hada_w1_b": _r(4, 64), ".hada_w2_a": _r(64, 4)}, "not a LoHa"),
     "LoHa ranks": ({".hada_w1_a": _r(64, 4), ".hada_w1_b": _r(3, 64), ".hada_w2_a": _r(64, 4),
                     ".hada_w2_b": _r(4, 64)}, "not a LoHa"),
-    "LoHa Tucker": ({".hada_w1_a": _r(64, 4), ".hada_w1_b": _r(4, 64), ".hada_w2_a": _r(64, 4),
-                     ".hada_w2_b": _r(4, 64), ".hada_t1": _r(4, 4, 1, 1)}, "Tucker"),
+    "LoHa Tucker half": ({".hada_w1_a": _r(64, 4), ".hada_w1_b": _r(4, 64), ".hada_w2_a": _r(64, 4),
+                          ".hada_w2_b": _r(4, 64), ".hada_t1": _r(4, 4, 1, 1)}, "Tucker"),
+    "lokr_t1": ({".lokr_w1": _r(8, 8), ".lokr_w2": _r(8, 8), ".lokr_t1": _r(2, 2, 1, 1)}, "'" + LAYER + ".lokr_t1'"),
     "dora_scale rows": ({".lora_down.weight": _r(4, 64), ".lora_up.weight": _r(64, 4),
                          ".dora_scale": _r(63, 1) + 1}, "is not the DoRA magnitude"),
+    # a per-column dora_scale (LyCORIS's wd_on_out=False) is read (tests/test_lycoris_tucker.py); one of another
+    # width is not
     "dora_scale columns": ({".lora_down.weight": _r(4, 64), ".lora_up.weight": _r(64, 4),
-                            ".dora_scale": _r(1, 64) + 1}, "wd_on_out"),
+                            ".dora_scale": _r(1, 63) + 1}, "wd_on_out=False"),
     "two magnitudes": ({".lora_down.weight": _r(4, 64), ".lora_up.weight": _r(64, 4),
                         ".dora_scale": _r(64, 1) + 1, ".lora_magnitude_vector": _r(64) + 1}, "both DoRA"),
     "LoHa and LoRA": ({".hada_w1_a": _r(64, 4), ".hada_w1_b": _r(4, 64), ".hada_w2_a": _r(64, 4),

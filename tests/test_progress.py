@@ -98,7 +98,7 @@ def test_false_stops_between_steps(pipe):
         pipe.generate(PROMPT, seed=3, steps=4, progress_bar=False,
                       on_step=lambda s: calls.append(s.index) or s.index < 1)
     assert calls == [0, 1]
-    assert issubclass(Cancelled, MlxdiffError)
+    assert issubclass(Cancelled, MlxdiffError) and mlxdiff.Cancelled is Cancelled     # exported as mlxdiff.Cancelled
     # keep="auto": the components stay loaded, and the next run is unharmed (the same image as from a fresh pipeline)
     assert {key[0] for key in pipe.residency.models} == {"text_encoder", "transformer", "vae"}
     again = pipe.generate(PROMPT, seed=3, steps=2, progress_bar=False).image

@@ -26,7 +26,8 @@ _ONE_FILE = " or ".join(FILE_SUFFIXES)        # ".safetensors or .gguf", as the 
 
 
 def is_gguf(path) -> bool:
-    """By the path alone (pipelines/ and memory.py ask it): format_of(path, header=False) is GGUF."""
+    """By the path alone: format_of(path, header=False) is GGUF (what only GGUF files are: llama.cpp-named T5
+    encoders, encoders without a tekken vocabulary: loading/component_files.py)."""
     return format_of(path, header=False) is GGUF
 
 
@@ -47,7 +48,7 @@ def check_weight_file(path, what="weights file") -> Path:
         raise MlxdiffError(f"{path}: cannot read the {what} ({e.strerror or e})") from None
     fmt = format_of(path, header=False)
     if fmt.folder:
-        if what not in fmt.only_as:
+        if what not in fmt.only_as:   # the Core ML packages of diffusion models are SD UNets (Apple's converter's)
             raise MlxdiffError(f"{path}: a Core ML package is read only as an SD 1.x / SDXL UNet (transformer=); "
                                f"the {what} must be one {_ONE_FILE} file")
         if kind != "a folder":

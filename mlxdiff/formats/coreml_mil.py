@@ -30,8 +30,8 @@ MODEL_PROGRAM = 502      # Model.mlProgram
 MODEL_VERSION = 1        # Model.specificationVersion
 # MIL.proto field numbers, per message
 PROGRAM = dict(functions=2)
-FUNCTION = dict(opset=2, blocks=3)
-BLOCK = dict(operations=3)
+FUNCTION = dict(inputs=1, opset=2, blocks=3)
+BLOCK = dict(outputs=2, operations=3)
 OPERATION = dict(type=1, inputs=2, outputs=3, blocks=4, attributes=5)
 NAMED_TYPE = dict(name=1, type=2)
 VALUE = dict(type=2, immediate=3, blob=5)
@@ -212,16 +212,33 @@ class _Value:
         self.buf = buf
 
 
+def named_type(buf, span):
+    """A NamedValueType (a function's input, an op's output): (name, (dtype code, shape with None for a dynamic
+    dimension)); a non-tensor type is (name, (None, None))."""
+    nt = _fields(buf, span)
+    name = _text(buf, _one(nt, NAMED_TYPE["name"], (0, 0)))
+    vtype = _fields(buf, _one(nt, NAMED_TYPE["type"], (0, 0)))
+    if 1 not in vtype:
+        return name, (None, None)
+    tt = _fields(buf, vtype[1][-1])
+    dims = []
+    for d in tt.get(3, ()):
+        dim = _fields(buf, d)
+        dims.append(_one(_fields(buf, dim[1][-1]), 1, 0) if 1 in dim else None)
+    return name, (_one(tt, 1, 0), tuple(dims))
+
+
 class _Op:
     def __init__(self, buf, span):
         f = _fields(buf, span)
         self.type = _text(buf, _one(f, OPERATION["type"], (0, 0)))
         self.inputs = _map(buf, f.get(OPERATION["inputs"]), lambda s: self._bindings(buf, s))
         self.attributes = _map(buf, f.get(OPERATION["attributes"]), lambda s: _Value(buf, s))
-        self.outputs = []
+        self.outputs, self.output_types = [], []
         for o in f.get(OPERATION["outputs"], ()):
-            nt = _fields(buf, o)
-            self.outputs.append(_text(buf, _one(nt, NAMED_TYPE["name"], (0, 0))))
+            name, kind = named_type(buf, o)
+            self.outputs.append(name)
+            self.output_types.append(kind)
         self.blocks = f.get(OPERATION["blocks"], [])
 
     @staticmethod
@@ -241,24 +258,61 @@ def _operations(buf, block_span):
             yield from _operations(buf, inner)
 
 
-CHUNK = re.compile(r"(?i).*chunk\d+\.mlpackage")   # Apple's ml-stable-diffusion --chunk-unet: UnetChunk1/2.mlpackage
+# Apple's ml-stable-diffusion --chunk-unet (coremltools' bisect_model): one UNet split in two packages at an op
+# near half its weights, the first's outputs the second's inputs of the same names. Named UnetChunk1/2 (the
+# Resources / Apple's repositories), <converter name>_unet_chunk1/2 or <name>_chunk1/2 (bisect_model's).
+CHUNK = re.compile(r"(?i)(.*?)_?chunk([12])\.mlpackage")
 
 
-def chunked_unet(path: Path):
-    """The one line for Apple's chunked Core ML UNet (UnetChunk1.mlpackage, UnetChunk2.mlpackage), given as one chunk
-    or as the folder holding them; None for anything else."""
+def chunk_pairs(folder: Path) -> dict:
+    """{stem: [first, second]} of the chunk packages in `folder` ("Unet", "ControlledUnet", ...; a lone chunk's
+    list holds None where its other half is missing)."""
+    pairs = {}
+    for p in sorted(folder.iterdir()):
+        m = CHUNK.fullmatch(p.name)
+        if m:
+            pairs.setdefault(m.group(1), [None, None])[int(m.group(2)) - 1] = p
+    return pairs
+
+
+def chunked_unet(path: Path, stem: str | None = None):
+    """The first package of Apple's chunked Core ML UNet that `path` names (a folder holding both chunks, or one of
+    the two packages), which formats/coreml reads together with its second half beside it; None when `path` is not
+    a chunk nor a folder of them. A missing half, or a folder of several chunked models, is one line. `stem`: the
+    chunk pair's stem to pick in a folder ("Unet" in Apple's folder, beside "ControlledUnet")."""
     path = Path(path)
     try:
-        chunks = [path] if CHUNK.fullmatch(path.name) else sorted(
-            p for p in path.iterdir() if CHUNK.fullmatch(p.name)) if path.is_dir() else []
+        m = CHUNK.fullmatch(path.name)
+        if m:
+            folder, stem = path.parent, m.group(1)
+        elif path.is_dir() and path.suffix != ".mlpackage":
+            folder = path
+        else:
+            return None
+        pairs = chunk_pairs(folder)
     except OSError:                                       # unreadable: the caller's own check says so
-        chunks = []
-    if not chunks:
         return None
-    shown = ", ".join(p.name for p in chunks)
-    return (f"{path}: Apple's chunked Core ML UNet ({shown}: ml-stable-diffusion's --chunk-unet splits one UNet in "
-            "two packages, each half of its layers); chunked UNets are not read yet, give the one-package UNet "
-            "(Unet.mlpackage, converted without --chunk-unet) or the model's safetensors")
+    if stem is not None:
+        pairs = {k: v for k, v in pairs.items() if k.lower() == stem.lower()}
+    if not pairs:
+        return None
+    if len(pairs) > 1:
+        raise MlxdiffError(f"{folder}: holds the chunks of {len(pairs)} chunked Core ML models ("
+                           + ", ".join(f"{k or '?'}Chunk1/2" for k in pairs) + "); give the UNet's first chunk "
+                           "(its UnetChunk1.mlpackage) itself")
+    (stem, (first, second)), = pairs.items()
+    if first is None or second is None:
+        have, lack = (first, 2) if second is None else (second, 1)
+        raise MlxdiffError(f"{have}: one half of Apple's chunked Core ML UNet, and its chunk {lack} is not beside it "
+                           f"in {folder}; ml-stable-diffusion's --chunk-unet writes two packages, give the folder "
+                           "holding both")
+    return first
+
+
+def chunk_partner(first: Path) -> Path:
+    """The second half of the chunked UNet whose first package is `first` (chunked_unet's answer)."""
+    m = CHUNK.fullmatch(first.name)
+    return chunk_pairs(first.parent)[m.group(1)][1]
 
 
 def package_roots(path: Path) -> list:
@@ -293,9 +347,6 @@ def _model_file(path: Path) -> Path:
     if path.suffix == ".mlmodelc" or (path / "model.mil").exists():
         raise MlxdiffError(f"{path}: a compiled Core ML model (.mlmodelc) is not read; use the .mlpackage it was "
                            "compiled from (Apple's repositories ship both)")
-    hint = chunked_unet(path)
-    if hint:
-        raise MlxdiffError(hint)
     if not path.is_dir():
         raise MlxdiffError(f"{path}: not a Core ML package (expected an .mlpackage folder with "
                            "Data/com.apple.CoreML/model.mlmodel)")

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MlxdiffError
-from .coreml_mil import (DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, PROGRAM, SIGNED_SUB_BYTE, _Bad, _Blobs,
+from .coreml_mil import (BLOCK, DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, PROGRAM, SIGNED_SUB_BYTE, _Bad, _Blobs,
                          _fields, _guard, _map, _model_file, _one, _operations, _text, _Value, _varint,
-                         inside_package, unpack_bits)
+                         inside_package, named_type, unpack_bits)
 from .palettized import palettized
 
 
@@ -165,6 +165,11 @@ class _Program:
         self.opset = opset
         self.ops = list(_operations(buf, blocks[opset]))
         self.producer = {name: op for op in self.ops for name in op.outputs}
+        # the program's inputs and outputs {name: (dtype, shape)}: how two chunks of one UNet join (coreml.py)
+        self.inputs = dict(named_type(buf, s) for s in function.get(FUNCTION["inputs"], ()))
+        types = {n: t for op in self.ops for n, t in zip(op.outputs, op.output_types)}
+        self.outputs = {n: types.get(n, (None, None))
+                        for n in (_text(buf, s) for s in _fields(buf, blocks[opset]).get(BLOCK["outputs"], ()))}
         self.consumers = {}
         for op in self.ops:
             for key, bindings in op.inputs.items():

@@ -5,8 +5,9 @@ file's checked header (`claims`). It gives its readers, each called with the pat
 reads one, that checked header (read once per call: the readers never parse it again), and what the rest of the
 package asks of a file's format instead of testing its type: whether a Core ML package stands for the file
 (`folder`, `only_as`), whether its names are a traced program's (`targets`), whether opening it reads and converts
-(`converts`), whether its quantized tensors load as stored (`kept_quantized`), whether a text encoder of it shards,
-its metadata, how its streamed blocks reuse its parsed headers. Adding a format: its reader file and one row here.
+(`converts`), whether its quantized tensors load as stored (`kept_quantized`) and what then makes it smaller
+(`smaller`), whether a text encoder of it shards, its metadata, how its streamed blocks reuse its parsed headers.
+Adding a format: its reader file and one row here.
 
 formats.gguf is imported only when a GGUF row calls it: it imports gguf-py, heavy at import.
 """
@@ -42,6 +43,8 @@ class WeightFormat:
                                            # are checked as they are read and built, not before
     kept_quantized: bool = False           # its quantized tensors load as stored, in a layout (ComponentSpec's
                                            # gguf_layout): the loaded size is the header's, whatever quantize= says
+    smaller: str = ""                      # with kept_quantized: what makes a component of it fit where
+                                           # quantize= cannot (memory.fit_hint's refusal)
     shards: bool = True                    # a text encoder in it splits over the ranks of a tensor-parallel run
     metadata: Callable | None = None       # (path) -> its header's metadata, for a config read off it; None: none
     reuse_headers: Callable | None = None  # (cache) -> a context in which its parsed headers are kept in `cache`
@@ -150,6 +153,7 @@ GGUF = WeightFormat(
     ranges=lambda path: {t.name: (t.offset, t.nbytes) for t in _gguf_tensors(path)},
     open=_gguf_reader("load_gguf"), standins=_gguf_reader("standins"), loaded_nbytes=_gguf_reader("loaded_nbytes"),
     converts=True, kept_quantized=True,
+    smaller="use a GGUF file of a smaller quantization type (e.g. Q3_K_M or Q2_K)",
     shards=False,   # a GGUF text encoder's split is not tested yet: it stays whole
     metadata=_gguf_metadata, reuse_headers=_gguf_reuse_headers)
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import tokenizers
 from ..errors import MlxdiffError
-from ..formats import check_weight_file, is_gguf, safetensors as st, tensor_shapes
+from ..formats import WEIGHT_SUFFIXES, check_weight_file, is_gguf, safetensors as st, tensor_shapes
 from ..formats.keymaps import remap
 from ..models import clip, t5, vae
 from ..tokenizers import MAX_TOKENIZER_BYTES
@@ -19,9 +19,6 @@ from .spec import ComponentSpec
 # BFL's ae.safetensors: SD3's VAE layout with FLUX.1's latent scaling (FLUX.1-dev vae/config.json)
 FLUX1_VAE_CONFIG = {**vae.SD3_CONFIG, "scaling_factor": 0.3611, "shift_factor": 0.1159}
 FLUX1_VAE_PATTERNS = ("ae.safetensors", "flux1*vae*.safetensors", "flux_ae*.safetensors")
-# the end of text_llm's message for an encoder file whose config its shapes cannot say; a family without a folder
-# replaces it with its own advice
-FOLDER_CONFIG_HINT = "put the model's config.json in the pipeline folder's text_encoder/"
 TEKKEN_KEY = "tekken_model"                      # ComfyUI's Mistral file: the tekken JSON as a uint8 tensor
 
 TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "incl_clips" file, glob beside it)
@@ -29,6 +26,13 @@ TEXT_ENCODER_FILES = {  # single-file name -> (component, key prefix inside an "
     "clip_g": ("text_encoder_2", "text_encoders.clip_g.transformer.", "clip_g*.safetensors"),
     "t5xxl": ("text_encoder_3", "text_encoders.t5xxl.transformer.", "t5xxl*.safetensors"),
 }
+
+
+def encoder_globs(short) -> tuple:
+    """The names the `short` encoder's file is looked for by beside a transformer: its glob in each file format the
+    formats table reads (formats.WEIGHT_SUFFIXES: safetensors, then GGUF)."""
+    stem = Path(TEXT_ENCODER_FILES[short][2]).stem
+    return tuple(stem + suffix for suffix in WEIGHT_SUFFIXES)
 
 
 # the config keys a file's shapes give (config_from_weights); the others are the single-file defaults, or, when the
@@ -47,8 +51,8 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
     file = Path(file)
     if not not_a_folder(file, f"{short} text encoder file").is_file():
         raise MlxdiffError(f"{file}: {short} text encoder file not found")
-    gguf = is_gguf(file) and short == "t5xxl"   # city96's T5 encoder GGUFs
-    if file.suffix != ".safetensors" and not gguf:
+    gguf = is_gguf(file)   # city96's T5 encoder GGUFs (llama.cpp's names: t5.GGUF_KEYMAP); no CLIP GGUF is read
+    if file.suffix not in WEIGHT_SUFFIXES or (gguf and short != "t5xxl"):
         raise MlxdiffError(f"{file}: expected a .safetensors {short} text encoder file"
                            + (" (or a T5 .gguf)" if short == "t5xxl" else ""))
     if gguf:
@@ -73,6 +77,13 @@ def text_encoder_file(short, file, prefix="", base_config=None) -> ComponentSpec
     if short == "clip_l":
         spec.extra = clip.sd3_clip_l_extras(config)
     return spec
+
+
+def without_folder(folder) -> str:
+    """text_llm.config_from_file's advice (`config_hint`) for an encoder file read without a pipeline folder, whose
+    shapes cannot say its settings: `folder`, the folder to give as the model instead."""
+    return (f"give {folder} as the model (its text_encoder/config.json says them) or a GGUF of the encoder (its "
+            "metadata says them)")
 
 
 def file_tokenizer(folder, encoder_file, encoder_args):

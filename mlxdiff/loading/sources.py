@@ -67,6 +67,7 @@ def transformer_from_file(path, arch, base_config=None, base_where=None) -> Comp
     `model.diffusion_model.` prefix, or with diffusers names. The config comes from the file's shapes
     (arch.config_from_original), plus the few values shapes cannot give (arch.FROM_BASE_CONFIG) from the pipeline
     folder's transformer config (`base_where` names it); diffusers-named files need that folder config."""
+    path = not_a_folder(path, "transformer file")   # a folder of Apple's UNet chunks: its first package
     if format_of(path, header=False).targets:   # a Core ML package (formats/coreml.py): an SD UNet from coremltools
         return coreml_component(check_weight_file(path, "transformer file"), arch, base_config, base_where)
     path = check_weight_file(not_a_folder(path, "transformer file"), "transformer file")
@@ -93,19 +94,21 @@ def transformer_from_file(path, arch, base_config=None, base_where=None) -> Comp
 
 
 def text_encoder_from_file(path, taps, base_config=None, base_where=None, explicit_taps=False,
-                          expected=None) -> ComponentSpec:
-    """A FLUX.2 text encoder given as one file (text_encoder=FILE): safetensors in transformers or ComfyUI names
-    (pruned or whole), or a llama.cpp GGUF (kept quantized; llama-arch q/k rows put back in order). The config comes
+                          expected=None, words=None) -> ComponentSpec:
+    """An LLM text encoder (models/text_llm.py) given as one file (text_encoder=FILE): safetensors in transformers or
+    ComfyUI names (pruned or whole), or a llama.cpp GGUF (kept quantized; llama-arch q/k rows put back in order). The config comes
     from the file's shapes (text_llm.config_from_file), with what shapes cannot give from the GGUF metadata, the
     folder's text_encoder/config.json (`base_config`, read from `base_where`) or the known models' values; checked
-    against `taps` here, before anything is read."""
+    against `taps` here, before anything is read. `words`: text_llm.config_from_file's `kind` and `config_hint` (the
+    encoder's name and the advice where its shapes cannot say its settings) for a reader that words its refusals
+    otherwise (files without a folder)."""
     path = check_weight_file(not_a_folder(path, "text encoder file"), "text encoder file")
     shapes = tensor_shapes(path)
     fmt = format_of(path, header=False)
     # a GGUF's metadata: its hyperparameters, read typed and bounded by text_llm.gguf_values
     metadata = fmt.metadata(path) if fmt.metadata else None
     try:
-        config = text_llm.config_from_file(shapes, metadata, base_config, expected)
+        config = text_llm.config_from_file(shapes, metadata, base_config, expected, **(words or {}))
     except MlxdiffError as e:   # the inference knows tensors, not files
         raise MlxdiffError(f"{path}: {e}") from None
     config["taps"] = list(taps)
@@ -127,8 +130,9 @@ def text_encoder_from_file(path, taps, base_config=None, base_where=None, explic
 def not_a_folder(path, what) -> Path:
     """A path given as a file must not be a folder (check_weight_file would only say "not found")."""
     path = Path(path)
-    if path.is_dir() and chunked_unet(path):    # Apple's chunked Core ML UNet: say what it is
-        raise MlxdiffError(chunked_unet(path))
+    first = chunked_unet(path) if path.is_dir() else None
+    if first is not None:    # a folder of Apple's chunked Core ML UNet: its first package (read with the second)
+        return first
     fmt = format_of(path, header=False)
     if path.is_dir() and not (fmt.folder and what in fmt.only_as):   # a Core ML package is a folder
         raise MlxdiffError(f"{path}: is a folder; the {what} must be one .safetensors or .gguf file")
@@ -236,7 +240,8 @@ def resolve_path(model, hub_request=None, reads=None) -> Path:
         return path
     if hub.looks_like_hub_id(model):
         return hub.fetch(model, hub_request, reads or (lambda root: {}))
-    raise MlxdiffError(f"{model}: no such file or folder")
+    raise MlxdiffError(f"{model}: not a local path (no such file or folder) nor a hub id (ORG/NAME, e.g. "
+                       "black-forest-labs/FLUX.2-klein-4B); give an existing folder or file, or a hub id")
 
 
 def _entry_class(where, name, entry, optional):
@@ -269,8 +274,9 @@ def read_pipeline_folder(root: Path, layouts: dict):
     the components that may be null)}), and each component it needs is a ["library", "class"] entry naming a
     class that component may be."""
     where = root / "model_index.json"
-    if not where.exists() and chunked_unet(root):   # Apple's chunked Core ML UNet: say what it is
-        raise MlxdiffError(chunked_unet(root))
+    if not where.exists() and chunked_unet(root) is not None:   # Apple's chunked Core ML UNet: say what it is
+        raise MlxdiffError(f"{root}: Apple's chunked Core ML UNet (UnetChunk1 + UnetChunk2) without the rest of "
+                           "Apple's folder; give it as transformer= of the model's folder, or Apple's folder whole")
     where = index_file(root)
     index = read_json(where, where.name, root)
     pipeline_class = index.get("_class_name")

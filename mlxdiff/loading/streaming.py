@@ -261,6 +261,8 @@ class FileIdentity:
                          f"{st.st_size} bytes"
             elif st.st_mtime_ns != self.mtime_ns:
                 reason = "was rewritten in place (its modification time changed)"
+            elif not os.access(self.path, os.R_OK, effective_ids=os.access in os.supports_effective_ids):
+                reason = "can no longer be read (its permissions changed)"
             elif _header_digest(self.path, self.header_end) != self.header_digest:
                 reason = "was rewritten in place (its header changed)"
         if reason:
@@ -366,7 +368,8 @@ class BlockStream:
         for key, value in flat.items():
             local = key[skip:]
             layer, _, leaf = local.rpartition(".")
-            out[f"{layer}.base.{leaf}" if layer in wrapped else local] = value
+            # a group that is one LoRA-wrapped layer (Qwen-Image 2.1's modulation.1): its own path is ""
+            out[f"{layer}.base.{leaf}".lstrip(".") if layer in wrapped else local] = value
         return out
 
     def load(self, group, block):

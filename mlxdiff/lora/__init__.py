@@ -28,13 +28,18 @@ Formats (what the tools write), told apart by their names:
   `LoRALinear.rows` (formats/quantized.linear_rows). FLUX.1's linear1 is q, k, v and the MLP in mlxdiff (models/
   flux1.py): its lora_B's rows go to the four layers (the MLP's four widths together).
 - DoRA as PEFT saves it (use_dora=True: a `<module>.lora_magnitude_vector` beside lora_A / lora_B), on linear
-  layers of any base form: each layer's m / ||W + scale B A|| (the norm of every output row of the changed weight,
-  W read off the base as base(I) - bias) scales what the layer gives and the LoRA's term, as PEFT's DoraLinearLayer
-  does. LyCORIS's / kohya's DoRA (`<module>.dora_scale` beside lora_down / lora_up or LoHa / LoKr factors) is the
-  same magnitude, read as LyCORIS's wd_on_out (its default) stores it: (out, 1) (a convolution's (out, 1, 1, 1)); a
-  per-input-column dora_scale (wd_on_out=False, (1, in)) is refused. At user scale 1 this is LyCORIS's
-  apply_weight_decompose (lycoris/modules/lokr.py, loha.py; its + eps on the norm aside); at other scales mlxdiff
-  keeps PEFT's rule (the norm of W + scale dW), where LyCORIS and ComfyUI blend the decomposed weight linearly.
+  layers of any base form and on convolutions (PEFT's DoraConv2dLayer): each layer's m / ||W + scale B A|| (the
+  norm of every output row of the changed weight, a convolution's over its kh x kw x in kernel; W read off the base
+  as base(I) - bias, a convolution's decoded kernel) scales what the layer gives and the LoRA's term, as PEFT's
+  DoraLinearLayer does. LyCORIS's / kohya's DoRA (`<module>.dora_scale` beside lora_down / lora_up or LoHa / LoKr
+  factors) is the same magnitude; its shape tells its side, as LyCORIS's wd_on_out option makes it
+  (lycoris/functional/general.py _weight_decompose, modules/locon.py LoConModule.__init__): (out, 1) (a
+  convolution's (out, 1, 1, 1)) per output row (wd_on_out, its default), or (1, in) ((1, in, 1, 1)) per input
+  column / channel (wd_on_out=False), W' = (W + scale dW) diag(m / its column norms): the layer's input scaled by
+  that factor, then the layer and the LoRA's term; a fused original layer's parts (FLUX.1's qkv, linear1) share its
+  columns, whose norms are taken over all of their rows. At user scale 1 this is LyCORIS's apply_weight_decompose
+  (its + eps on the norm aside) and ComfyUI's weight_adapter/base.py weight_decompose; at other scales mlxdiff keeps
+  PEFT's rule (the norm of W + scale dW), where LyCORIS and ComfyUI blend the decomposed weight linearly.
   Nothing is fused into the weights, so a quantized / GGUF / fp8 base stays as it is: its W is read once through
   the layer itself (base(I) - bias) for the norm.
 - LyCORIS's LoHa (`hada_w1_a`, `hada_w1_b`, `hada_w2_a`, `hada_w2_b`) and LoKr (`lokr_w1` or `lokr_w1_a` /
@@ -42,7 +47,10 @@ Formats (what the tools write), told apart by their names:
   LoHaConfig / LoKrConfig write the same factor names): each layer's factors become one exact low-rank pair (A, B)
   with B A = the layer's weight change (`_lycoris` says the math and its sources), then go the LoRA path, on any
   base and on the UNet's convolutions (their w1_b / w2_b flattened as PyTorch's (rows, in x kh x kw)). Their Tucker
-  forms (`hada_t1` / `hada_t2`, `lokr_t2`) are refused in one line.
+  forms on a kh x kw convolution (LyCORIS's use_tucker) too: LoHa's `hada_t1` / `hada_t2` cores (with hada_wN_a
+  (r, out), hada_wN_b (r, in)), LoKr's `lokr_t2` (with lokr_w2_a (r, out / a), lokr_w2_b (r, in / c)), and LoCon's
+  `lora_mid` (r, r, kh, kw) between a 1x1 lora_down and lora_up, which with lora_down is one kh x kw down
+  convolution (`_tucker_locon`).
 - XLabs (x-flux, FLUX.1): `double_blocks.N.processor.qkv_lora1|proj_lora1|qkv_lora2|proj_lora2.down|up.weight`
   (1: the image stream, 2: the text stream) and `single_blocks.N.processor.qkv_lora|proj_lora`, no alpha (scale 1),
   through models/flux1.py's table.
@@ -59,24 +67,25 @@ and T5; SDXL's CLIP-L and CLIP-G; their module paths are transformers' names); t
 component it has layers for (Pipeline.load_lora).
 
 Refused, each in one line naming the file and the key: a name that reaches no layer of its component, a shape that
-does not fit the layer, a LoRA of another architecture (SD3 on FLUX.2, FLUX.1, an SD/SDXL UNet), text-encoder
-LoRAs for FLUX.2's LLM encoders, DoRA on a convolution, LyCORIS's Tucker forms (lora_mid, hada_t1, lokr_t2),
-LoHa / LoKr factors that are no pair or whose product does not fit the layer, LoRA biases; one layer reached twice
-from one file (two namings
-of the same layer), and a component's layers named two ways in one file (prefixes or lora_A / lora_down styles
-mixed: each tool reads such a file its own way); factors stored other than float32 / float16 / bfloat16; a tensor
-holding NaN or infinity, or factors and scale whose product leaves the compute dtype's range (every LoRA tensor is
-read whole when the file is checked: they are the file's own bytes); an .alpha that is not one positive number;
-PEFT metadata of the wrong types, or that disagrees with the tensors (its ranks, the layers it names), or that asks
-for what mlxdiff does not apply (PiSSA-style inits that change the base weights, layer replication, ...); alpha
-given twice (.alpha tensors and metadata); a path that is not a regular .safetensors file. With PEFT metadata the
-file is read as PEFT's LoraConfig reads it (defaults r = 8, lora_alpha = 8, rank_pattern / alpha_pattern matched as
-PEFT matches them); without, alpha = rank unless .alpha tensors say otherwise.
+does not fit the layer, a LoRA of another architecture (SD3 on FLUX.2, FLUX.1, an SD/SDXL UNet), text-encoder LoRAs
+for FLUX.2's LLM encoders, a Tucker core on LoKr's first factor (lokr_t1: LyCORIS never writes one), Tucker cores of
+another rank than their factors, LoHa / LoKr factors that are no pair or whose product does not fit the layer, LoRA
+biases; one layer reached twice from one file (two namings of the same layer), and a component's layers named two
+ways in one file (prefixes or lora_A / lora_down styles mixed: each tool reads such a file its own way); factors
+stored other than float32 / float16 / bfloat16; a tensor holding NaN or infinity, or factors and scale whose product
+leaves the compute dtype's range (every LoRA tensor is read whole when the file is checked: they are the file's own
+bytes); an .alpha that is not one positive number; PEFT metadata of the wrong types, or that disagrees with the
+tensors (its ranks, the layers it names), or that asks for what mlxdiff does not apply (PiSSA-style inits that
+change the base weights, layer replication, ...); alpha given twice (.alpha tensors and metadata); a path that is
+not a regular .safetensors file. With PEFT metadata the file is read as PEFT's LoraConfig reads it (defaults r = 8,
+lora_alpha = 8, rank_pattern / alpha_pattern matched as PEFT matches them); without, alpha = rank unless .alpha
+tensors say otherwise.
 """
 
 # The package's modules, by job: layers (the wrappers), files (reading, value checks), peft (PEFT's LoraConfig),
-# lycoris (LoHa / LoKr as a low-rank pair), names (naming detection, ARCHITECTURES, original-name rules), apply
-# (plan, check, apply, remove, describe). The public names are all here; private ones are imported from their module.
+# lycoris (LoHa / LoKr / Tucker forms as a low-rank pair), names (naming detection, ARCHITECTURES, original-name
+# rules), apply (plan, check, apply, remove, describe). The public names are all here; private ones are imported
+# from their module.
 from ..formats.quantized import linear_dims, linear_rows, split_rows
 from .apply import apply_loras, check, components, describe, lora_nbytes, plan, remove_loras
 from .files import ALPHA_DTYPES, FACTOR_DTYPES

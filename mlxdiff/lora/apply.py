@@ -47,8 +47,9 @@ def components(path) -> list:
 
 
 def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
-    """[(mlxdiff layer path, A, B, scale, DoRA magnitude or None)] for the `component` part of one LoRA file on
-    `model` (that component:
+    """[(mlxdiff layer path, A, B, scale, DoRA magnitude or None, its side ("out": per output row, "in": per input
+    column), the file's key of A (the parts of one fused layer share it))] for the `component` part of one LoRA file
+    on `model` (that component:
     an mlxdiff transformer, or a CLIP / T5 encoder, of `arch`), every tensor checked: its layer exists and is
     linear, no layer is reached twice, the shapes fit, the metadata agrees, and every value is finite and keeps the
     layer's weight change within `dtype` (float32 when not given). The LoRA's tensors are read; the model's are not."""
@@ -73,10 +74,13 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
         what = f"{component} ({TEXT_ENCODERS[arch.__name__]})"
     layers = _Layers(model, arch)
     planned, reached = [], {}   # reached: mlxdiff layer -> the lora_A key that reaches it
+    forms = {}                  # a UNet's layer names: diffusers' (True) or the original SGM / ldm ones (False)
     for (_, kind, module), slot in entries.items():
         key_a, a = slot["A"]
         key_b, b = slot["B"]
         targets = layers.resolve(kind, module)
+        if component == "unet" and targets:   # in mlxdiff's (diffusers') module names, or the original model's
+            forms.setdefault(module in layers.modules or module in layers.folded, key_a)
         if not targets and unmapped and not layers.rules and unmapped[0].search(module):
             raise MlxdiffError(f"{path}: {_short(key_a)!r} {unmapped[1]}")
         if not targets:
@@ -109,24 +113,31 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
             raise MlxdiffError(f"{path}: {_short(key_b)!r} has {b.shape[0]} rows; its layer {_short(module)!r} is "
                                f"{parts} layers here, which it cannot be split into")
         pieces = split_rows(b, parts) if parts > 1 else [b]
-        magnitude = slot.get("m", (None, None))[1]   # DoRA: one magnitude per output row, split as B's rows
+        # DoRA: one magnitude per output row, split as B's rows (PEFT's lora_magnitude_vector, LyCORIS's dora_scale
+        # (out, 1[, 1, 1]): wd_on_out, its default), or one per input column / channel, shared by a fused layer's
+        # parts (a dora_scale (1, in[, 1, 1]): wd_on_out=False): the shape tells which, as LyCORIS's
+        # functional/general.py _weight_decompose makes it
+        magnitude, side = slot.get("m", (None, None))[1], "out"
         if magnitude is not None:
-            if slot["m"][0].endswith((".dora_scale", ".dora_scale.weight")) and magnitude.ndim >= 2 and \
-                    magnitude.shape[0] == 1 < magnitude.shape[1]:
-                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r} {tuple(magnitude.shape)} is not one magnitude "
-                                   f"per output row ({b.shape[0]} x 1: LyCORIS's wd_on_out, its default); a dora_scale "
-                                   "per input column (wd_on_out=False) is not applied: re-train with wd_on_out")
+            key_m, shape_m = slot["m"][0], tuple(magnitude.shape)
+            if key_m.endswith((".dora_scale", ".dora_scale.weight")) and magnitude.ndim >= 2 and \
+                    shape_m[0] == 1 < shape_m[1] and set(shape_m[2:]) <= {1}:
+                side = "in"
+            # PEFT's own shapes (DoraLinearLayer: (out,); DoraConv2dLayer: (1, out, 1, 1)): what PEFT loads
+            peft_shape = (1, b.shape[0], 1, 1) if a.ndim == 4 else (b.shape[0],)
+            if key_m.endswith(".lora_magnitude_vector") and "factors" not in slot and shape_m != peft_shape:
+                raise MlxdiffError(f"{path}: {_short(key_m)!r} {shape_m} is not the DoRA magnitude of "
+                                   f"{_short(key_b)!r} (PEFT's is {peft_shape}); re-save the LoRA with PEFT")
             magnitude = magnitude.reshape(-1)
-            if magnitude.shape[0] != b.shape[0] or stored[slot["m"][0]] not in FACTOR_DTYPES:
-                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r} {tuple(slot['m'][1].shape)} is not the DoRA "
-                                   f"magnitude of {_short(key_b)!r} (one float per its {b.shape[0]} output rows)")
-            if a.ndim == 4:
-                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r}: DoRA on a convolution; mlxdiff applies DoRA "
-                                   "to linear layers only: use the LoRA without its magnitude vectors")
+            if stored[key_m] not in FACTOR_DTYPES or (side == "out" and magnitude.shape[0] != b.shape[0]):
+                lycoris = ": LyCORIS's wd_on_out" if key_m.endswith((".dora_scale", ".dora_scale.weight")) else ""
+                raise MlxdiffError(f"{path}: {_short(key_m)!r} {shape_m} is not the DoRA magnitude of "
+                                   f"{_short(key_b)!r} (one float per its {b.shape[0]} output rows{lycoris})")
         if config is not None and config.get("use_dora") and magnitude is None:
             raise MlxdiffError(f"{path}: {_short(key_a)!r} has no lora_magnitude_vector, but the file's metadata says "
                                "use_dora; the file is incomplete")
-        m_pieces = (split_rows(magnitude, parts) if parts > 1 else [magnitude]) if magnitude is not None else None
+        m_pieces = None if magnitude is None else [magnitude] * parts if side == "in" else \
+            split_rows(magnitude, parts) if parts > 1 else [magnitude]
         # a layer named by several consecutive parts takes their rows together (FLUX.1's linear1: q, k, v, then the
         # MLP's four widths)
         grouped = {}
@@ -165,13 +176,27 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
                     f"layer {target!r} ({dims[0]} in, {dims[1] * parts // len(indices)} out{kernel}); the LoRA is for "
                     "another model size")
             s = scale * _scale(path, slot, config, target, rank)
-            m = None if m_pieces is None else m_pieces[indices[0]] if len(indices) == 1 else \
+            m = None if m_pieces is None else m_pieces[indices[0]] if len(indices) == 1 or side == "in" else \
                 mx.concatenate([m_pieces[j] for j in indices])
-            planned.append((target, key_a, key_b, factor, b, piece, s, m))
+            if m is not None and side == "in" and m.shape[0] != dims[0]:
+                raise MlxdiffError(f"{path}: {_short(slot['m'][0])!r} {tuple(slot['m'][1].shape)} is not the DoRA "
+                                   f"magnitude of layer {target!r} per input {'channel' if conv else 'column'} "
+                                   f"(LyCORIS's wd_on_out=False: 1 x its {dims[0]} inputs)")
+            planned.append((target, key_a, key_b, factor, b, piece, s, m, side))
     namings = {}
     for slot in entries.values():
         for role in ("A", "B"):
             namings.setdefault(_naming(slot[role][0]), slot[role][0])
+        key_m = slot.get("m", ("",))[0]
+        if key_m.endswith((".lora_magnitude_vector", ".lora_magnitude_vector.weight")) and \
+                _naming(slot["A"][0])[1] != 0:   # PEFT's DoRA name beside kohya's factors (diffusers refuses it)
+            raise MlxdiffError(f"{path}: {_short(key_m)!r} is PEFT's DoRA magnitude beside {_short(slot['A'][0])!r}"
+                               ", another tool's naming (kohya's and LyCORIS's is .dora_scale); re-save it in one "
+                               "naming")
+    if len(forms) > 1:     # diffusers reads one of the two and drops the other's layers
+        raise MlxdiffError(f"{path}: names its {component} LoRA layers two ways (diffusers' module names, "
+                           f"{_short(forms[True])!r}, and the original model's, {_short(forms[False])!r}); re-save "
+                           "it in one naming")
     if len(namings) > 1:   # each tool reads such a file its own way (diffusers keeps one naming, drops the other)
         first, second = list(namings.values())[:2]
         raise MlxdiffError(f"{path}: names its {component} LoRA layers two ways ({_short(first)!r}, "
@@ -179,7 +204,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
     if config is not None:
         _coverage(path, config, layers, reached, component)
     _check_values(path, planned, dtype or mx.float32)
-    return [(target, a, piece, s, m) for target, _, _, a, _, piece, s, m in planned]
+    return [(target, a, piece, s, m, side, key_a) for target, key_a, _, a, _, piece, s, m, side in planned]
 
 
 def lora_nbytes(path) -> int:
@@ -213,16 +238,21 @@ def apply_loras(model, arch, loras, compute_dtype=None, component="transformer")
     arrays = []
     modules = dict(model.named_modules())
     for planned in plans:
-        cast = {}
-        wrapped = {}
-        for target, a, b, s, m in planned:
+        cast, wrapped, adds = {}, {}, []
+        squares = {}   # a per-column DoRA's column norms (squared) over all the parts of its original layer
+        for target, a, b, s, m, side, source in planned:
             a = cast.setdefault(id(a), _cast(a, dtype))     # a fused layer's A is one array for its parts
             b = _cast(b, dtype)
             arrays += [a, b]
             layer = wrapped.get(target, modules[target])
             if not isinstance(layer, LoRALinear):
                 layer = wrapped[target] = (LoRAConv if a.ndim == 4 else LoRALinear)(layer)
-            layer.add(a, b, s, None if m is None else layer.dora_factor(a, b, s, m))
+            if m is not None and side == "in":
+                part = layer.dora_squares(a, b, s, "in")
+                squares[source] = part if source not in squares else squares[source] + part
+            adds.append((layer, a, b, s, m, side, source))
+        for layer, a, b, s, m, side, source in adds:
+            layer.add(a, b, s, None if m is None else layer.dora_factor(a, b, s, m, side, squares.get(source)), side)
             if m is not None:
                 arrays.append(layer.lora_dora[-1])
         for target, layer in wrapped.items():

@@ -77,7 +77,7 @@ def _check_values(path, planned, dtype):
     """Every factor finite and within `dtype`, and |scale| x rank x max|A| x max|B| (a bound on each element of the
     layer's weight change) too: a LoRA that passes cannot make a layer's output NaN or infinite by itself."""
     arrays = {}
-    for _, key_a, key_b, a, b, _, _, _ in planned:   # B whole (a fused layer's parts are row ranges of it)
+    for _, key_a, key_b, a, b, *_ in planned:   # B whole (a fused layer's parts are row ranges of it)
         arrays.setdefault(key_a, a)
         arrays.setdefault(key_b, b)
     mags = _magnitudes(arrays.items())
@@ -91,7 +91,7 @@ def _check_values(path, planned, dtype):
         if m > top:
             raise MlxdiffError(f"{path}: LoRA tensor {_short(key)!r} has values beyond {name}'s range (|x| up to "
                                f"{m:.3g}); compute in float32 or bfloat16 (--dtype), or use another LoRA file")
-    for target, key_a, key_b, a, _, _, s, _ in planned:
+    for target, key_a, key_b, a, _, _, s, *_ in planned:
         bound = abs(s) * a.shape[0] * mags[key_a] * mags[key_b]
         if not bound <= top:
             raise MlxdiffError(f"{path}: layer {target!r}: scale {s:.3g} x {_short(key_a)!r} x {_short(key_b)!r} can "

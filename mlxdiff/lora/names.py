@@ -6,7 +6,7 @@ import re
 
 from ..errors import MlxdiffError
 from .files import _short
-from .lycoris import LYCORIS_FACTORS, _lycoris
+from .lycoris import LYCORIS_FACTORS, _lycoris, _tucker_locon
 
 
 # tensor name ending -> role ("A": down / input side, "B": up / output side, "alpha")
@@ -17,6 +17,7 @@ ROLES = (
     (".lora_linear_layer.down.weight", "A"), (".lora_linear_layer.up.weight", "B"),
     (".alpha", "alpha"),
     (".lora_magnitude_vector.weight", "m"), (".lora_magnitude_vector", "m"),   # PEFT's DoRA (use_dora=True)
+    (".lora_mid.weight", "mid"),                # LyCORIS's LoCon in Tucker form (lycoris.py _tucker_locon)
 )
 # XLabs' FLUX.1 LoRAs: <block>.processor.{qkv,proj}_lora[12].{down,up}.weight, no alpha (scale 1); read only on
 # such module names, the endings being too common otherwise
@@ -27,11 +28,11 @@ LYCORIS_ROLES = tuple((f".{f}{w}", f) for f in LYCORIS_FACTORS for w in (".weigh
 XLABS_MODULE = re.compile(r".*\.processor\.(qkv|proj)_lora[12]?$")
 # what a tensor name says the file is when it is not a plain LoRA
 NOT_LORA = (
-    (re.compile(r".*\.(hada_t[12]|lokr_t[12])(\.weight)?$"), "a LyCORIS LoHa/LoKr in Tucker form (hada_t1 / lokr_t2)"),
+    # (LyCORIS lists lokr_t1 among LoKr's names but never makes one; nor does ComfyUI read it)
+    (re.compile(r".*\.lokr_t1(\.weight)?$"), "a LyCORIS LoKr with a Tucker core on its first factor (lokr_t1)"),
     (re.compile(r".*\.lycoris_.*|^lycoris_.*"), "a LyCORIS (lycoris_ names)"),
     (re.compile(r".*\.(lora_[AB]|lora_up|lora_down)\.bias$"), "a LoRA with bias terms"),
     (re.compile(r".*\.diff(_b)?$"), "a full weight difference"),
-    (re.compile(r".*\.lora_mid\.weight$"), "a LyCORIS LoCon in Tucker form (lora_mid)"),
 )
 # name prefix -> (the pipeline component it is for, how its layers are named): "any" (mlxdiff's = diffusers' /
 # transformers' module names, else the original ones), "kohya" (the same with dots written as underscores). The
@@ -128,7 +129,8 @@ def _entries(path, tensors):
         for pattern, what in NOT_LORA:
             if pattern.match(name):
                 raise MlxdiffError(f"{path}: {what} file (tensor {_short(name)!r}); mlxdiff applies plain LoRAs "
-                                   "(lora_A/lora_B or lora_down/lora_up), LoHa and LoKr (without Tucker) only")
+                                   "(lora_A/lora_B or lora_down/lora_up), LyCORIS's LoCon, LoHa and LoKr (Tucker "
+                                   "forms too) and DoRA only")
         parsed = _split_name(name)
         if parsed is None:
             raise MlxdiffError(f"{path}: tensor {_short(name)!r} is not a LoRA tensor (expected <module>.lora_A.weight"
@@ -140,6 +142,11 @@ def _entries(path, tensors):
                                f"layer {_short(module)!r} in two namings; keep one")
         slot[role] = (name, tensors[name])
     for slot in entries.values():
+        if "mid" in slot:
+            if any(role in slot for role in LYCORIS_FACTORS) or "A" not in slot or "B" not in slot:
+                raise MlxdiffError(f"{path}: {_short(slot['mid'][0])!r}: a LoCon's Tucker core needs its layer's "
+                                   "lora_down and lora_up (and no LoHa / LoKr factors); the file is incomplete")
+            _tucker_locon(path, slot)
         if any(role in slot for role in LYCORIS_FACTORS):
             _lycoris(path, slot)
         if "dora" in slot:

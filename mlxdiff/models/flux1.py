@@ -206,6 +206,12 @@ class SingleTransformerBlock(nn.Module):
         return clip_fp16(gated_residual(h, gate, self.proj_out(mx.concatenate([attn, mlp], axis=-1))))
 
 
+def controlnet_index(index_block, blocks, samples, repeat=False) -> int:
+    """The ControlNet residual block `index_block` (of `blocks`) adds: diffusers' index // ceil(blocks / samples),
+    or index % samples for XLabs' repeated residuals."""
+    return index_block % samples if repeat else index_block // -(-blocks // samples)
+
+
 # embedders, the modulations and the output layers stay in full precision (loading/quantize.py)
 FULL_PRECISION = re.compile(r"(x_embedder|context_embedder|time_text_embed\..*|.*norm1(_context)?\.linear|"
                             r"single_transformer_blocks\.\d+\.norm\.linear|norm_out\.linear|proj_out)")
@@ -247,9 +253,13 @@ class Model(nn.Module):
         return cached_rope(self, img_ids, txt_ids, self.args.axes_dims_rope, ROPE_THETA)
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, img_ids, txt_ids,
-                 guidance=None, after_block=None, step_cache=None, stream_dtype=None):
+                 guidance=None, after_block=None, step_cache=None, stream_dtype=None, controlnet_block_samples=None,
+                 controlnet_single_block_samples=None, controlnet_blocks_repeat=False):
         """step_cache: a pipelines/step_cache.BlockResiduals that may skip the blocks after the first (it decides).
-        stream_dtype: the residual streams' dtype when wider than the compute dtype (backend.stream_dtype)."""
+        stream_dtype: the residual streams' dtype when wider than the compute dtype (backend.stream_dtype).
+        controlnet_block_samples / controlnet_single_block_samples: a FLUX.1 ControlNet's residuals
+        (models/controlnet_flux1.py), added to the image stream after each block as diffusers spreads them
+        (controlnet_blocks_repeat: XLabs' i % N over the double blocks)."""
         dtype = self.compute_dtype
         stream = stream_dtype or dtype
         n_img, n_txt = hidden_states.shape[1], encoder_hidden_states.shape[1]
@@ -263,13 +273,19 @@ class Model(nn.Module):
                                     pooled_projections.astype(dtype))
         x = self.x_embedder(hidden_states.astype(dtype)).astype(stream)
         context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
+        double, single = controlnet_block_samples, controlnet_single_block_samples
+        residual = None if not double else lambda i: double[controlnet_index(
+            i, len(self.transformer_blocks), len(double), controlnet_blocks_repeat)]
         context, x, x_head, reused = double_stream(self.transformer_blocks, x, context, lambda i: (temb, cos, sin),
-                                                   after_block, step_cache)
+                                                   after_block, step_cache, residual)
         if reused is not None:
             return self.proj_out(self.norm_out(x + reused, temb))
         h = mx.concatenate([context, x], axis=1)
-        for block in self.single_transformer_blocks:
+        for i, block in enumerate(self.single_transformer_blocks):
             h = compiled_block(block, h, temb, cos, sin)
+            if single:
+                r = single[controlnet_index(i, len(self.single_transformer_blocks), len(single))]
+                h = mx.concatenate([h[:, :n_txt], h[:, n_txt:] + r.astype(h.dtype)], axis=1)
             if after_block:
                 after_block(h)
         if step_cache is not None:

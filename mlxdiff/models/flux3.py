@@ -310,8 +310,10 @@ def _check(weights):
 
 
 def original_to_diffusers(weights: dict) -> dict:
-    """A file's names -> diffusers' (the same: the prefix is stripped; lazy, nothing is read)."""
-    return remap(_check(weights), _ORIGINAL_RULES)
+    """A file's names -> diffusers' (the same: the prefix is stripped; lazy, nothing is read). Unchecked: the whole
+    file was claimed by is_original before this key map is attached, and a streamed block's group
+    (loading/streaming.py) holds its own names only."""
+    return remap(under_prefix_if_present(weights, ORIGINAL_PREFIX), _ORIGINAL_RULES)
 
 
 def _count(weights, pattern, what):

@@ -81,9 +81,10 @@ def compiled_block(block, *args):
 
 
 
-def double_stream(blocks, x, context, args_of, after_block=None, step_cache=None):
+def double_stream(blocks, x, context, args_of, after_block=None, step_cache=None, residual=None):
     """The double-stream blocks in order, `context, x = block(x, context, *args_of(i))` each through
-    compiled_block, with after_block(context, x) after each and the first-block cache's decision after the first
+    compiled_block (then x + residual(i), a ControlNet's, where given), with after_block(context, x) after each and
+    the first-block cache's decision after the first
     (pipelines/step_cache.py). Returns (context, x, head, reused): `reused` is the cached residual of the rest of the
     model when the cache reuses it (x is then the first block's output and no later block ran), else None; `head`
     is the image stream after the first block, which step_cache.remember subtracts."""
@@ -91,6 +92,8 @@ def double_stream(blocks, x, context, args_of, after_block=None, step_cache=None
     for i, block in enumerate(blocks):
         x_in = x
         context, x = compiled_block(block, x, context, *args_of(i))
+        if residual is not None:
+            x = x + residual(i).astype(x.dtype)
         if after_block:
             after_block(context, x)
         if i == 0 and step_cache is not None:

@@ -386,12 +386,10 @@ def is_original(names) -> bool:
 
 
 def original_to_diffusers(weights: dict) -> dict:
-    """A file's names -> diffusers' (lazy; diffusers' names pass through, the prefix stripped)."""
-    weights = under_prefix_if_present(weights, ORIGINAL_PREFIX)
-    if not is_original(weights):
-        raise MlxdiffError("not a Krea 2 transformer checkpoint: no txtfusion.projector.weight (krea-ai's names) or "
-                           "text_fusion.projector.weight (diffusers')")
-    return remap(weights, _ORIGINAL_RULES)
+    """A file's names -> diffusers' (lazy; diffusers' names pass through, the prefix stripped). Unchecked: the
+    whole file was claimed by is_original before this key map is attached, and a streamed block's group
+    (loading/streaming.py) holds its own names only."""
+    return remap(under_prefix_if_present(weights, ORIGINAL_PREFIX), _ORIGINAL_RULES)
 
 
 def _rope_axes(head_dim: int) -> list:
@@ -405,6 +403,9 @@ def _rope_axes(head_dim: int) -> list:
 def config_from_original(weights: dict) -> dict:
     """The diffusers config of a Krea 2 file from its shapes (either naming): widths, heads (q/k norm lengths),
     blocks, the text fusion's; axes_dims_rope as Krea 2 splits its heads when no folder gives it."""
+    if not is_original(weights):
+        raise MlxdiffError("not a Krea 2 transformer checkpoint: no txtfusion.projector.weight (krea-ai's names) or "
+                           "text_fusion.projector.weight (diffusers')")
     w = original_to_diffusers(weights)
     what = "Krea 2 transformer"
 

@@ -306,8 +306,10 @@ class Model(nn.Module):
         self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * args.out_channels)
 
     def __call__(self, hidden_states, encoder_hidden_states, pooled_projections, timestep, skip_layers=None,
-                 after_block=None, step_cache=None, stream_dtype=None):
-        """skip_layers: blocks left out (skip-layer guidance). after_block(*outputs): called after each block (the
+                 after_block=None, step_cache=None, stream_dtype=None, block_controlnet_hidden_states=None):
+        """skip_layers: blocks left out (skip-layer guidance). block_controlnet_hidden_states: an SD3 ControlNet's
+        residuals (models/controlnet_sd3.py), one added to the image stream after each block but the last, as
+        diffusers spreads them. after_block(*outputs): called after each block (the
         caller's memory policy). step_cache: a pipelines/step_cache.BlockResiduals that may skip the blocks after the
         first (it decides). stream_dtype: the residual streams' dtype when wider than the compute dtype
         (backend.stream_dtype); attention and feed-forward still run in the compute dtype."""
@@ -321,10 +323,13 @@ class Model(nn.Module):
                                     pooled_projections.astype(dtype))
         context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
         skip = set(skip_layers or ())
+        controls = block_controlnet_hidden_states
         for i, block in enumerate(self.transformer_blocks):
             x_in = x
             if i not in skip:  # a skipped block changes neither stream
                 context, x = compiled_block(block, x, context, temb)
+                if controls and i < len(self.transformer_blocks) - 1:    # the last block is context_pre_only
+                    x = x + controls[int(i / (len(self.transformer_blocks) / len(controls)))].astype(x.dtype)
                 if after_block:
                     after_block(context, x)
             if i == 0 and step_cache is not None:

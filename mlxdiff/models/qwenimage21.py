@@ -419,7 +419,8 @@ class Model(nn.Module):
             if cached:
                 kv = kv_cache.layers[i]
             elif n_pre:
-                prefix, kv = through(block, type(block).prefix, prefix, mod_prefix, cos_p, sin_p, mask_p)
+                # the class's method, not type(block)'s: a streamed block is a StreamedBlock wrapping one
+                prefix, kv = through(block, TransformerBlock.prefix, prefix, mod_prefix, cos_p, sin_p, mask_p)
                 if kv_cache is not None:
                     kv_cache.layers.append(kv)
             else:
@@ -437,6 +438,11 @@ class Model(nn.Module):
         if step_cache is not None:
             step_cache.remember(h - head)
         return self.proj_out(self.norm_out(h, temb[:b]))
+
+    def resident_blocks(self) -> tuple:
+        """loading/streaming.plan: the shared modulation's linear ("modulation.1", indexed like a block) is one
+        layer run before the blocks, never streamed (a LoRA on it wraps the layer itself)."""
+        return ("modulation.1",)
 
     def quant_predicate(self, path, module) -> bool:
         """Which layers may be quantized: not the embedders, the shared modulation or the output layers."""
@@ -468,9 +474,9 @@ def is_original(names) -> bool:
 
 
 def original_to_diffusers(weights: dict) -> dict:
-    """A file's names -> diffusers' (lazy; the fused gate_up split by rows)."""
-    if not is_original(weights):
-        raise MlxdiffError("not a Qwen-Image 2.1 transformer checkpoint: no txt_in.text_norm.weight")
+    """A file's names -> diffusers' (lazy; the fused gate_up split by rows). Unchecked: the whole file was claimed
+    by is_original before this key map is attached, and a streamed block's group (loading/streaming.py) holds its
+    own names only."""
     return remap(weights, _ORIGINAL_RULES)
 
 

@@ -324,8 +324,9 @@ class Model(nn.Module):
     """embed_tokens + layers[:max(taps)] (+ the final norm when a tap is the last layer) of the mlx-lm model.
 
     __call__(input_ids (B, L), attention_mask (B, L) or None, position_ids (B, L) or None: each token's RoPE
-    position, 0 .. L-1 when None) -> prompt_embeds (B, L, len(taps) * hidden) in compute_dtype: diffusers' stacked
-    hidden states, per token [tap0 | tap1 | ...]."""
+    position, 0 .. L-1 when None; inputs_embeds (B, L, hidden) or None: the embeddings to run instead of
+    input_ids' (Qwen-Image-Edit's, with the vision tower's features at the image tokens)) -> prompt_embeds (B, L,
+    len(taps) * hidden) in compute_dtype: diffusers' stacked hidden states, per token [tap0 | tap1 | ...]."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -370,7 +371,7 @@ class Model(nn.Module):
         formats/fp8.Fp8Embedding, MLX's QuantizedEmbedding)."""
         return {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None):
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, inputs_embeds=None):
         if not isinstance(input_ids, mx.array):
             input_ids = mx.array(np.asarray(input_ids), dtype=mx.int32)
         batch, length = input_ids.shape
@@ -396,7 +397,7 @@ class Model(nn.Module):
             blind = ~visible.any(axis=-1)                                   # (B, 1, L)
             masks[window] = (mx.array(visible), mx.array(blind.reshape(batch, length, 1)) if blind.any() else None)
 
-        h = self.embed_tokens(input_ids).astype(self.compute_dtype)
+        h = (self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds).astype(self.compute_dtype)
         states = {0: h}
         for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
             mask, blind = masks[window]
@@ -508,17 +509,24 @@ def _gguf_agrees(meta, arch, shape_values) -> None:
                                "not describe these tensors; re-download or re-convert the file")
 
 
-def config_from_file(shapes: dict, metadata=None, base=None, expected=None) -> dict:
+# what config_from_file's refusal advises where the shapes cannot say the settings (a reader of files without a
+# pipeline folder gives its own advice)
+FOLDER_CONFIG_HINT = "put the model's config.json in the pipeline folder's text_encoder/"
+
+
+def config_from_file(shapes: dict, metadata=None, base=None, expected=None, kind="FLUX.2",
+                     config_hint=FOLDER_CONFIG_HINT) -> dict:
     """A text encoder config (as text_encoder/config.json has it, plus file_layers) from one file's tensor shapes
     ({stored name: shape-like}), in transformers / ComfyUI or llama.cpp names. Widths, layers, heads and (Qwen3)
     head_dim come from the shapes; the rest from the GGUF `metadata`, the folder's config `base` (when it is the same
-    kind of model), else KNOWN_MODELS. `expected`: the class the pipeline's text encoder must be. Errors name no
-    file (the caller does)."""
+    kind of model), else KNOWN_MODELS. `expected`: the class the pipeline's text encoder must be. `kind`: the
+    encoder's name in the refusal of a file that is none; `config_hint`: what gives the settings its shapes cannot (a
+    reader without a pipeline folder says its own). Errors name no file (the caller does)."""
     mapped = remap(shapes, KEYMAP)
     layers = sorted({int(k.split(".")[1]) for k in mapped if k.startswith("layers.")})
     if "embed_tokens.weight" not in mapped or not layers:
         names = ", ".join(sorted(shapes)[:4]) or "no tensors"
-        raise MlxdiffError(f"not a FLUX.2 text encoder in a naming mlxdiff reads (transformers / ComfyUI "
+        raise MlxdiffError(f"not a {kind} text encoder in a naming mlxdiff reads (transformers / ComfyUI "
                            f"'model.embed_tokens.weight', 'model.layers.N.*', or llama.cpp's 'token_embd.weight', "
                            f"'blk.N.*'); its tensors are {names}")
     count = layers[-1] + 1
@@ -581,8 +589,8 @@ def config_from_file(shapes: dict, metadata=None, base=None, expected=None) -> d
                     "rms_norm_eps": ("attention.layer_norm_rms_epsilon",)}
             note = " (the GGUF metadata has no " + " or ".join(f"{arch}.{k}" for m in missing for k in keys[m]) + ")"
         raise MlxdiffError(f"its shapes ({'Qwen3' if qwen else 'Mistral'}: hidden {hidden}, vocab {vocab}, {count} "
-                           f"layers) fit no known model ({kinds}), so {', '.join(missing)} cannot be told{note}; put "
-                           "the model's config.json in the pipeline folder's text_encoder/")
+                           f"layers) fit no known model ({kinds}), so {', '.join(missing)} cannot be told{note}; "
+                           + config_hint)
     head_dim = text["head_dim"]
     source = f" (from {head_source})" if head_source else ""
     if q_out % head_dim or kv_out % head_dim or (q_out // head_dim) % (kv_out // head_dim):

@@ -42,9 +42,13 @@ def detect(model, request: LoadRequest, hub: HubRequest | None = None) -> Pipeli
         return _files_alone(request)
     path = resolve_path(model, hub, lambda root: hub_reads(root, request))
     if path.is_dir():
+        claimant = next((f for f in FAMILIES if f.claims_folder is not None and f.claims_folder(path)), None)
+        if claimant is not None:   # a folder without a diffusers index that a family reads (Apple's Core ML)
+            claimant.check_keywords(path, request)
+            return claimant.read_claimed_folder(path, request)
         if request.prediction_type is not None:
-            raise MlxdiffError(f"prediction_type=: for SD 2.x single files (their tensors do not say); {path} is a "
-                               "folder, whose scheduler_config.json says it")
+            takes = " or ".join(f.keywords["prediction_type"] for f in FAMILIES if "prediction_type" in f.keywords)
+            raise MlxdiffError(f"prediction_type=: {takes}; {path} is a folder, whose scheduler_config.json says it")
         owners = by_pipeline_class()
         index, pipeline_class, components = read_pipeline_folder(
             path, {cls: (f.layouts[cls], f.optional) for cls, f in owners.items()})
@@ -140,8 +144,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     and VAE whole; mlxdiff/distributed.py).
     `download`: False reads a hub id from the local Hugging Face cache only. `revision`: a hub id's branch, tag or
     commit (default main). `variant`: diffusers' weight variant of a hub id's files ("fp16", ...) where it has them.
-    `controlnets`: [(folder or file, scale), ...] (or paths, scale 1): ControlNets for the denoiser (SD 1.x / SDXL:
-    diffusers' ControlNetModel folders, or the original files in ldm names), components like the others (loaded in
+    `controlnets`: [(folder or file, scale), ...] (or paths, scale 1): ControlNets for the denoiser (each family that
+    takes them reads its own: diffusers' ControlNet folders, and for SD 1.x / SDXL the original files), components like the others (loaded in
     the denoise phase, quantizable as "controlnet", "controlnet_2", ...); generate(control_images=[...]) gives one
     control image each, and its control_scales= replace these scales.
     """
@@ -185,7 +189,8 @@ def add_controlnets(found: PipelineSources, controlnets) -> None:
         return
     family = family_named(found.family)
     if family.read_controlnets is None:
-        takes = " and ".join(f.title for f in FAMILIES if f.read_controlnets is not None)
+        titles = [f.title for f in FAMILIES if f.read_controlnets is not None]
+        takes = ", ".join(titles[:-1]) + " and " + titles[-1] if len(titles) > 1 else titles[0]
         raise MlxdiffError(f"controlnets=: mlxdiff runs ControlNets with {takes} models; this is {family.article} "
                            f"{family.title} model; leave controlnets= (--controlnet) out")
     family.read_controlnets(found, controlnets)

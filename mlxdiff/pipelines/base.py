@@ -381,7 +381,7 @@ class Pipeline:
             # 5. latents: the noise (and the family's packing, position ids, schedule)
             x = self.prepare_latents(run, latents)
             # 6. reference phase: the VAE encodes the input images, and is freed before the transformer loads
-            if images:
+            if self.reference_phase(run):
                 with phase("reference"), self.use(self.components["vae"], run.result) as vae:
                     x = self.encode_images(run, vae, x)
                 run.result.notes.append(self.images_note(run, run.result.timings["reference"]))
@@ -491,6 +491,11 @@ class Pipeline:
     def check_inputs(self, run):
         """Step 1: the family's keywords and images, before the request (may set run.state, and run.width/height
         where the caller gave none)."""
+
+    def reference_phase(self, run) -> bool:
+        """Whether step 6 runs: input images (init or reference), or what else the family's VAE encodes first (a
+        ControlNet's control images: pipelines/controls.py)."""
+        return bool(run.images)
 
     def img2img_start(self, steps, strength) -> int:
         """The index of the first step image-to-image runs."""

@@ -44,6 +44,9 @@ class Family:
     reference: str              # its diffusers reference module (footprint compare): "mlxdiff.reference.sd3"
     optional: frozenset = frozenset()     # components a folder may set to [null, null]
     claims_file: Callable | None = None   # (tensor names) -> bool: one file holding a whole model of this family
+    claims_folder: Callable | None = None  # (folder) -> bool: a folder without model_index.json it reads
+                                          # (SD's: Apple's Core ML folders)
+    read_claimed_folder: Callable | None = None   # (folder, request) -> PipelineSources for one it claims
     read_file: Callable | None = None     # (path, request) -> PipelineSources for a file it claims
     file_kinds: str = ""                  # what single files it reads, for the line that refuses an unclaimed one
     part_of: Callable | None = None       # (tensor names) -> a hint when a file is only a part of this family's

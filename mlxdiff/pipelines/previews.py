@@ -59,8 +59,15 @@ def load_tiny_vae(path, latent_channels=None) -> taesd.Model:
     """A TAESD-family decoder file (diffusers' AutoencoderTiny or madebyollin's *_decoder.safetensors), checked
     against the model's VAE latent channels where they are known, loaded whole (a few MB)."""
     path = check_weight_file(path, "tiny VAE (TAESD) file")
-    weights = taesd.Model.sanitize(open_weights(path))
-    args = taesd.ModelArgs.from_dict(taesd.config_from_weights(weights), where=str(path))
+    stored = open_weights(path)    # (its own errors name the file)
+    try:   # another model's file: names that are no decoder's (int() of a name, a missing level's conv)
+        weights = taesd.Model.sanitize(stored)
+        config = taesd.config_from_weights(weights)
+    except (MlxdiffError, ValueError, KeyError, IndexError) as e:
+        reason = str(e) if isinstance(e, MlxdiffError) else f"its tensor names ({e}) are no tiny VAE decoder's"
+        raise MlxdiffError(f"{path}: {reason}; give a TAESD-family decoder file (TAESD, TAESDXL, "
+                           "TAESD3, TAEF1, TAEF2: diffusers' AutoencoderTiny or madebyollin's *_decoder)") from None
+    args = taesd.ModelArgs.from_dict(config, where=str(path))
     if latent_channels is not None and args.latent_channels != latent_channels:
         raise MlxdiffError(f"{path}: a tiny VAE for {args.latent_channels}-channel latents, but this model's VAE has "
                            f"{latent_channels}; give the TAESD of this model's family (TAESD, TAESDXL, TAESD3, TAEF1, "

@@ -5,13 +5,15 @@ one named, before a job exists, and /docs shows the OpenAPI schema for free; uvi
                                 and mlxdiff's own fields (negative_prompt, steps, guidance, cache, the family's
                                 generate() options); waits for the images
   POST /v1/images/edits         multipart: image, mask (inpainting families), prompt, strength, ...
-  GET  /v1/models               the loaded model
-  POST /v1/jobs, GET /v1/jobs, GET /v1/jobs/{id}, POST /v1/jobs/{id}/cancel, GET /v1/jobs/{id}/events (server-sent
-                                events), GET /v1/jobs/{id}/images/{k}.png
+  GET  /v1/models               the loaded model, with what its family takes (image, mask, LoRAs, options)
+  POST /v1/jobs, POST /v1/jobs/edits (multipart, as /v1/images/edits), GET /v1/jobs, GET /v1/jobs/{id},
+                                POST /v1/jobs/{id}/cancel, GET /v1/jobs/{id}/events (server-sent events),
+                                GET /v1/jobs/{id}/images/{k}.png
   GET  /                        the web page (static/)
 
 Every error is JSON: {"error": {"message", "field", "param" (OpenAI's name for the field), "type"}}, 4xx for the
-request's fault (an MlxdiffError from the pipeline: 400 with its line), 5xx for the server's.
+request's fault (an MlxdiffError from the pipeline: 400 with its line; a body past its route's size cap: 413),
+5xx for the server's.
 """
 
 import asyncio
@@ -24,19 +26,26 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
 
-from fastapi import Depends, FastAPI, File, Form, HTTPException, Request, UploadFile
+from fastapi import Depends, FastAPI, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
-from pydantic import BaseModel, ConfigDict, Field
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..arguments import MAX_SEED, check_generate, check_images
+from ..arguments import MAX_SEED, check_generate, check_images, check_number
 from ..errors import MlxdiffError
+from ..pipelines.image_inputs import aspect_note
 from .jobs import Job, JobQueue, QueueFull
 
 STATIC = Path(__file__).parent / "static"
 MAX_N = 16                      # images in one request (OpenAI's API allows 10)
-UPLOAD_BYTES = 32 << 20         # an uploaded image or mask at most
+MAX_UPLOAD_MB = 64              # a multipart request (image and mask) at most, by default: a 4096x4096 PNG is ~50 MB
+JSON_BYTES = 1 << 20            # a JSON request at most: prompts and numbers, a few kB
+MAX_LORAS = 8                   # LoRAs in one request
+UPLOAD_ROUTES = ("/v1/images/edits", "/v1/jobs/edits")     # capped at --max-upload-mb; the rest at JSON_BYTES
 NOT_JSON_OPTIONS = ("mask", "image_noise")    # a file or an array: the edits endpoint uploads a mask; no noise
 EVENT_POLL = 0.05               # seconds between looks at a job's events
 
@@ -45,6 +54,16 @@ class FieldError(Exception):
     def __init__(self, field, message, status=400):
         super().__init__(message)
         self.field, self.status = field, status
+
+
+class LoraChoice(BaseModel):
+    """One of the server's LoRAs (python -m mlxdiff.serve --lora FILE: named by the file's stem) at a scale."""
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    scale: float = 1.0
+
+
+LORA_LIST = TypeAdapter(list[LoraChoice])
 
 
 class GenerationRequest(BaseModel):
@@ -60,7 +79,8 @@ class GenerationRequest(BaseModel):
     steps: int | None = None
     guidance: float | None = None
     cache: str | None = None
-    model: str | None = None      # accepted as OpenAI clients send it; the server has one model
+    loras: list[LoraChoice] | None = Field(None, max_length=MAX_LORAS)
+    model: str | None = None      # OpenAI clients send it: the served model's id (GET /v1/models), or left out
     user: str | None = None
     quality: str | None = None
     style: str | None = None
@@ -70,17 +90,84 @@ def error_body(message, field=None, kind="invalid_request_error") -> dict:
     return {"error": {"message": message, "field": field, "param": field, "type": kind}}
 
 
-def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
-    """The app over a loaded pipeline (kept loaded between requests as its `keep` says) and its job queue."""
+class BodyTooLarge(StarletteHTTPException):
+    """A request body past its route's cap (an HTTPException, so that FastAPI's body parsing passes it on)."""
+    def __init__(self, limit, path):
+        how = ("start the server with a larger --max-upload-mb" if path in UPLOAD_ROUTES else
+               "send images as multipart uploads (/v1/images/edits)")
+        super().__init__(413, f"body: the request is larger than this server's limit of {limit / (1 << 20):g} MB "
+                              f"for {path}; send less, or {how}")
+
+
+class BodyCap:
+    """ASGI middleware: a body past its route's cap refused with a JSON 413, on its declared length before any of
+    it is read (a client waiting for 100 Continue sends none), else once the bytes read pass the cap. (Starlette's
+    RequestBodyLimitMiddleware answers a declared length in plain text, replacing any JSON error, hence this.)"""
+
+    def __init__(self, app, upload_bytes):
+        self.app, self.upload_bytes = app, upload_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.upload_bytes if scope["path"] in UPLOAD_ROUTES else JSON_BYTES
+        length = Headers(scope=scope).get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            exc = BodyTooLarge(limit, scope["path"])
+            response = JSONResponse(error_body(exc.detail, "body"), status_code=413, headers={"Connection": "close"})
+            return await response(scope, receive, send)
+        read = 0
+
+        async def counted():
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > limit:
+                raise BodyTooLarge(limit, scope["path"])
+            return message
+        await self.app(scope, counted, send)
+
+
+def takes_image(pipe) -> bool:
+    """Whether the family takes an image (an init image with a strength, or references without): its own
+    check_images asked, so no family is named here."""
+    probe = [Image.new("RGB", (64, 64))]
+    for strength in (None, 0.5):
+        try:
+            pipe.check_images(["image"], probe, strength)
+            return True
+        except MlxdiffError:
+            pass
+    return False
+
+
+def family_takes(pipe, loras) -> dict:
+    """What a request may give this model: from the pipeline's OPTIONS and hooks (the page shows these inputs)."""
+    return {"image": takes_image(pipe), "mask": "mask" in pipe.OPTIONS, "loras": sorted(loras),
+            "options": [o for o in pipe.OPTIONS if o not in NOT_JSON_OPTIONS]}
+
+
+def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | None = None,
+               max_upload_mb: float = MAX_UPLOAD_MB) -> FastAPI:
+    """The app over a loaded pipeline (kept loaded between requests as its `keep` says) and its job queue.
+    `loras`: {name: file} the requests may choose from (checked against the model by the caller); `max_upload_mb`:
+    the size cap of a multipart request (a JSON one is capped at JSON_BYTES)."""
     queue = JobQueue(pipe, model_name)
+    loras = dict(loras or {})
+    upload_bytes = int(max_upload_mb * (1 << 20))
+    takes = family_takes(pipe, loras)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        queue.stop()
+        await asyncio.to_thread(queue.stop)
+        # FastAPI keeps each app's endpoints (closures over the pipeline) in a process-wide cache, so an app outlives
+        # its server: what the pipeline kept loaded is freed here instead of with it
+        queue.pipe.release()
 
     app = FastAPI(title="mlxdiff", description="MLX-native image generation: OpenAI's images API and a job API",
                   lifespan=lifespan)
+    app.add_middleware(BodyCap, upload_bytes=upload_bytes)
     app.state.queue = queue
 
     def authorized(request: Request):
@@ -103,18 +190,29 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
     async def field_error(request, exc):
         return JSONResponse(error_body(str(exc), exc.field), status_code=exc.status)
 
-    @app.exception_handler(HTTPException)
+    @app.exception_handler(StarletteHTTPException)    # FastAPI's and Starlette's (a 404, BodyTooLarge)
     async def http_error(request, exc):
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+        if isinstance(exc, BodyTooLarge):
+            return JSONResponse(error_body(str(exc.detail), "body"), status_code=413)
+        if exc.status_code == 400:       # FastAPI's and Starlette's body parsing (not JSON text, a broken form)
+            form = request.url.path in UPLOAD_ROUTES
+            return JSONResponse(error_body(f"body: {exc.detail}; send {'a multipart form' if form else 'a JSON object'}"
+                                           f" of this route's fields (/docs)", "body"), status_code=400)
+        return JSONResponse(error_body(f"{request.method} {request.url.path}: {exc.detail}"),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def server_error(request, exc):
         return JSONResponse(error_body(f"{type(exc).__name__}: {exc}", kind="server_error"), status_code=500)
 
-    def make_job(body: dict, images=None, mask=None, strength=None) -> Job:
+    def make_job(body: dict, images=None, mask=None, strength=None, names=()) -> Job:
         """A checked job from a request's fields: each one against mlxdiff's own rules (arguments.RULES, the
         family's OPTIONS and sizes), so that a bad one is refused with its name before it is queued."""
         extras = {k: v for k, v in body.pop("extras").items()}
+        if body.get("model") not in (None, model_name):
+            raise FieldError("model", f"model {body['model']!r}: this server serves {model_name!r} only (GET "
+                                      "/v1/models); give that or leave the model out")
+        chosen = choose_loras(body.get("loras"))
         width, height = parse_size(body["size"])
         fields = {"prompt": body["prompt"], "negative_prompt": body["negative_prompt"], "steps": body["steps"],
                   "guidance": body["guidance"], "seed": body["seed"], "width": width, "height": height}
@@ -125,7 +223,8 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
                 raise FieldError("size" if name in ("width", "height") else name, str(e)) from None
         for name in extras:
             if name not in pipe.OPTIONS or name in NOT_JSON_OPTIONS:
-                raise FieldError(name, f"{name}: not a field of this API for {pipe.title} models (its options: "
+                shown = name if name.isidentifier() else repr(name)
+                raise FieldError(name, f"{shown}: not a field of this API for {pipe.title} models (its options: "
                                        f"{', '.join(o for o in pipe.OPTIONS if o not in NOT_JSON_OPTIONS)})")
         try:
             width, height, steps, guidance = pipe.request(width, height, body["steps"], body["guidance"])
@@ -151,8 +250,25 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
                 options.update(width=None if body["size"] in (None, "auto") else width,
                                height=None if body["size"] in (None, "auto") else height)
         parameters = {"negative_prompt": body["negative_prompt"] or "", "model": model_name, "steps": steps,
-                      "guidance": guidance, **{k: v for k, v in extras.items()}, "generator": "mlxdiff server"}
-        return Job(body["prompt"], [seed + k for k in range(body["n"])], options, parameters)
+                      "guidance": guidance, **{k: v for k, v in extras.items()},
+                      **({"loras": ", ".join(f"{c['name']}:{c['scale']:g}" for c in body["loras"])} if chosen else {}),
+                      **dict(zip(("image", "mask"), names)), **({"strength": strength} if strength is not None else {}),
+                      "generator": "mlxdiff server"}
+        return Job(body["prompt"], [seed + k for k in range(body["n"])], options, parameters,
+                   loras=tuple((loras[c["name"]], c["scale"]) for c in body["loras"] or ()), given=tuple(extras))
+
+    def choose_loras(chosen) -> bool:
+        """The request's LoRAs: names the server offers, scales by mlxdiff's rule (arguments.RULES)."""
+        for choice in chosen or ():
+            if choice["name"] not in loras:
+                offered = ", ".join(sorted(loras)) or "none"
+                raise FieldError("loras", f"loras: no LoRA named {choice['name']!r} on this server (it offers: "
+                                          f"{offered}); start it with --lora FILE to offer one")
+            try:
+                check_number("lora_scale", choice["scale"])
+            except MlxdiffError as e:
+                raise FieldError("loras", f"loras: {choice['name']}: {e}") from None
+        return bool(chosen)
 
     def submit(job: Job) -> Job:
         try:
@@ -170,9 +286,7 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
         await asyncio.wrap_future(job.finished)
         if job.status != "done":
             error = job.error or {"message": f"job {job.id} was cancelled", "status": 409}
-            named = [n for n in ("prompt", "negative_prompt", "image", "mask", "strength", *job.options)
-                     if error["message"].startswith(n)]      # a pipeline's line starts with what it refuses
-            raise FieldError(error.get("field") or (named[0] if named else None), error["message"], error["status"])
+            raise FieldError(error.get("field"), error["message"], error["status"])
         data = [{"b64_json": base64.b64encode(png).decode()} if response_format == "b64_json" else
                 {"url": f"/v1/jobs/{job.id}/images/{k}.png"} for k, png in enumerate(job.images)]
         for item, seed in zip(data, job.seeds):
@@ -180,10 +294,10 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
         return {"created": int(job.created), "data": data}
 
     def request_fields(req: GenerationRequest) -> dict:
-        body = req.model_dump(exclude={"model", "user", "quality", "style"})
-        body["extras"] = dict(req.model_extra or {})
-        for name in list(body["extras"]):
-            body.pop(name, None)
+        """The declared fields, and under "extras" the others (the family's options, or unknown: make_job says)."""
+        extras = dict(req.model_extra or {})
+        body = req.model_dump(exclude={"user", "quality", "style", *extras})
+        body["extras"] = extras
         return body
 
     @app.post("/v1/images/generations", dependencies=v1)
@@ -191,34 +305,66 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
         job = submit(make_job(request_fields(req)))
         return await images_response(job, req.response_format)
 
-    @app.post("/v1/images/edits", dependencies=v1)
-    async def edits(image: UploadFile = File(...), prompt: str = Form(..., min_length=1),
-                    mask: UploadFile | None = File(None), n: int = Form(1, ge=1, le=MAX_N),
-                    size: str | None = Form(None, pattern=r"^(auto|\d{1,6}x\d{1,6})$"),
-                    response_format: Literal["b64_json", "url"] = Form("b64_json"),
-                    seed: int | None = Form(None, ge=0, le=MAX_SEED), negative_prompt: str | None = Form(None),
-                    steps: int | None = Form(None), guidance: float | None = Form(None),
-                    strength: float | None = Form(None), model: str | None = Form(None)):
+    async def edit_job(image: UploadFile = File(...), prompt: str = Form(..., min_length=1),
+                       mask: UploadFile | None = File(None), n: int = Form(1, ge=1, le=MAX_N),
+                       size: str | None = Form(None, pattern=r"^(auto|\d{1,6}x\d{1,6})$"),
+                       response_format: Literal["b64_json", "url"] = Form("b64_json"),
+                       seed: int | None = Form(None, ge=0, le=MAX_SEED), negative_prompt: str | None = Form(None),
+                       steps: int | None = Form(None), guidance: float | None = Form(None),
+                       strength: float | None = Form(None), model: str | None = Form(None),
+                       loras: str | None = Form(None, description='JSON: [{"name": ..., "scale": ...}]')):
+        """The edits form (OpenAI's multipart fields and mlxdiff's) -> (a checked, submitted job, response_format)."""
+        if not takes["image"]:
+            raise FieldError("image", f"image: {pipe.title} models take no image (text-to-image only); use "
+                                      "/v1/images/generations")
+        if mask is not None and not takes["mask"]:
+            raise FieldError("mask", f"mask: {pipe.title} models do not inpaint; leave the mask out")
+        try:
+            check_number("strength", strength)
+        except MlxdiffError as e:
+            raise FieldError("strength", str(e)) from None
+        chosen = None
+        if loras:
+            try:
+                chosen = [c.model_dump() for c in LORA_LIST.validate_json(loras)]
+            except ValidationError as e:
+                raise FieldError("loras", f"loras: {e.errors()[0]['msg']}; give a JSON list of "
+                                          '{"name": ..., "scale": ...}') from None
+            if len(chosen) > MAX_LORAS:
+                raise FieldError("loras", f"loras: {len(chosen)} LoRAs; give at most {MAX_LORAS}")
         with tempfile.TemporaryDirectory(prefix="mlxdiff-serve-") as folder:
             images = await uploaded("image", image, folder, strength)
             masks = await uploaded("mask", mask, folder, None, alpha_mask=True) if mask is not None else None
-        if masks is not None and "mask" not in pipe.OPTIONS:
-            raise FieldError("mask", f"mask: {pipe.title} models do not inpaint; leave the mask out")
+        if masks is not None:
+            note = aspect_note(mask.filename or "mask", masks[0], image.filename or "image", images[0])
+            if note:       # the library stretches it (as diffusers); OpenAI's API wants the image's dimensions
+                raise FieldError("mask", note.split(":")[0] + ": another aspect ratio than the image; give a mask "
+                                 "of the image's size")
         try:
             pipe.check_images(["image"], images, strength)
         except MlxdiffError as e:
             raise FieldError("image", str(e)) from None
         body = {"prompt": prompt, "n": n, "size": size, "seed": seed, "negative_prompt": negative_prompt,
-                "steps": steps, "guidance": guidance, "cache": None, "extras": {}}
+                "steps": steps, "guidance": guidance, "cache": None, "model": model, "loras": chosen, "extras": {}}
         if strength is None and images:
             strength = pipe.default_strength({"mask": masks[0]} if masks else {})
-        job = submit(make_job(body, images, masks[0] if masks else None, strength))
+        names = [image.filename or "image"] + ([mask.filename or "mask"] if masks else [])
+        return submit(make_job(body, images, masks[0] if masks else None, strength, names)), response_format
+
+    @app.post("/v1/images/edits", dependencies=v1)
+    async def edits(edit=Depends(edit_job)):
+        job, response_format = edit
         return await images_response(job, response_format)
+
+    @app.post("/v1/jobs/edits", dependencies=v1, status_code=202)
+    async def create_edit_job(edit=Depends(edit_job)):
+        """The page's edits: the job at once, as POST /v1/jobs."""
+        return edit[0].public()
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "mlxdiff", "family": pipe.title}]}
+                                            "owned_by": "mlxdiff", "family": pipe.title, "takes": takes}]}
 
     @app.post("/v1/jobs", dependencies=v1, status_code=202)
     async def create_job(req: GenerationRequest):
@@ -269,7 +415,8 @@ def create_app(pipe, model_name: str, api_key: str | None = None) -> FastAPI:
         steps_guidance = pipe.defaults()
         return {"model": model_name, "family": pipe.title, "size": pipe.default_size(),
                 "steps": steps_guidance["steps"], "guidance": steps_guidance["guidance"],
-                "api_key": api_key is not None, "inpaints": "mask" in pipe.OPTIONS}
+                "api_key": api_key is not None, "inpaints": takes["mask"], "takes": takes,
+                "max_upload_mb": upload_bytes / (1 << 20)}
 
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     return app
@@ -284,11 +431,10 @@ def parse_size(size):
 
 
 async def uploaded(name, upload: UploadFile, folder, strength, alpha_mask=False) -> list:
-    """An uploaded image, through mlxdiff's own image checks (arguments.check_images: a bounded read, the decoded
-    size bounded); an OpenAI mask's transparent pixels (where to edit) become white (mlxdiff's: repaint)."""
-    data = await upload.read(UPLOAD_BYTES + 1)
-    if len(data) > UPLOAD_BYTES:
-        raise FieldError(name, f"{name}: more than {UPLOAD_BYTES >> 20} MB")
+    """An uploaded image (its size bounded by the route's body limit), through mlxdiff's own image checks
+    (arguments.check_images: the decoded size bounded); an OpenAI mask's transparent pixels (where to edit) become
+    white (mlxdiff's: repaint)."""
+    data = await upload.read()
     path = Path(folder) / f"{name}.upload"
     path.write_bytes(data)
     try:

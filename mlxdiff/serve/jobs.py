@@ -41,6 +41,8 @@ class Job:
     seeds: list
     options: dict                 # generate()'s keywords besides the prompt and seed, checked by the app
     parameters: dict              # what the job reports and its PNGs record (the seed and size added per image)
+    loras: tuple = ()             # ((file, scale), ...) on the pipeline while the job runs
+    given: tuple = ()             # the family options the request gave (the names of some of options' keys)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
     created: float = field(default_factory=time.time)
     status: str = "queued"        # queued, running, done, error, cancelled
@@ -80,6 +82,7 @@ class JobQueue:
         self.running = None
         self.counter = itertools.count()
         self.stopped = False
+        self.loras = ()                  # the LoRAs on the pipeline now (the last job's)
         self.worker = threading.Thread(target=self.work, name="mlxdiff-serve-worker", daemon=True)
         self.worker.start()
 
@@ -113,10 +116,19 @@ class JobQueue:
                 self.pipe.cancel()
         return job
 
-    def stop(self):
+    def stop(self, wait: float = 30.0):
+        """No job runs after the server stops: queued ones end cancelled, the running one after its current step,
+        and the worker is joined (a daemon thread left computing would hold the pipeline and its memory)."""
         with self.lock:
             self.stopped = True
+            for job in self.waiting:
+                self._finish(job, "cancelled")
+            self.waiting.clear()
+            if self.running is not None:
+                self.running.cancel_requested = True
+                self.pipe.cancel()
             self.ready.notify()
+        self.worker.join(wait)
 
     def work(self):
         while True:
@@ -136,6 +148,10 @@ class JobQueue:
     def run(self, job: Job):
         """(status, error): the job's images made one seed at a time; the worker survives whatever a job raises."""
         try:
+            try:
+                self.use_loras(job.loras)
+            except MlxdiffError as e:
+                return "error", {"message": f"loras: {e}", "field": "loras", "status": 400}
             for k, seed in enumerate(job.seeds):
                 job.image, job.step = k, 0
                 result = self.pipe.generate(job.prompt, seed=seed, progress_bar=False,
@@ -147,12 +163,22 @@ class JobQueue:
         except Cancelled:
             return "cancelled", None
         except MlxdiffError as e:
-            return "error", {"message": str(e), "field": None, "status": 400}
+            return "error", {"message": str(e), "field": refused_field(job, str(e)), "status": 400}
         except MemoryError as e:
             return "error", {"message": f"out of memory ({e}); use a smaller size or fewer images, or start the "
                                         "server with a larger --memory-limit", "field": None, "status": 507}
         except Exception as e:          # noqa: BLE001  (a bug must not take the server down: the job says it)
             return "error", {"message": f"{type(e).__name__}: {e}", "field": None, "status": 500}
+
+    def use_loras(self, loras):
+        """The job's LoRAs on the pipeline (kept components changed in place), unless they are on already."""
+        if loras == self.loras:
+            return
+        self.loras = None                # unknown until every one is on
+        self.pipe.unload_loras()
+        for file, scale in loras:
+            self.pipe.load_lora(file, scale)
+        self.loras = loras
 
     def on_step(self, job: Job, k: int, step):
         job.step, job.total = step.index + 1, step.total
@@ -175,6 +201,16 @@ class JobQueue:
         done = [j for j in self.jobs.values() if j.status in FINISHED]
         for old in done[:max(0, len(done) - KEEP_FINISHED)]:
             del self.jobs[old.id]
+
+
+def refused_field(job: Job, message: str) -> str | None:
+    """The field a run's refusal is about: the one its line starts with (a pipeline's line starts with what it
+    refuses), else, where the request gave one family option, that one (the other fields were checked before the job
+    was queued, so the option is what the pipeline found wrong: FLUX.2 refuses text_encoder_out_layers=[] as
+    "FLUX.2 text encoder config: taps is []"); None where neither says."""
+    named = [n for n in ("prompt", "negative_prompt", "image", "mask", "strength", *job.options)
+             if message.startswith(n)]
+    return named[0] if named else job.given[0] if len(job.given) == 1 else None
 
 
 class QueueFull(Exception):

@@ -14,7 +14,7 @@ from ...loading.sources import files_beside, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import chroma
 from ...tokenizers import bundled_t5_tokenizer
-from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, TEXT_ENCODER_FILES, text_encoder_file
+from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, encoder_globs, text_encoder_file
 from ..flux1.files import SCHEDULERS
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .folder import check_components
@@ -31,8 +31,7 @@ def chroma_files(transformer, text_encoders=None, vae_file=None) -> PipelineSour
     if given.get("t5xxl"):
         t5_file = Path(given["t5xxl"])
     else:
-        pattern = TEXT_ENCODER_FILES["t5xxl"][2]
-        found = files_beside(transformer, "encoders", (pattern, pattern.replace(".safetensors", ".gguf")))
+        found = files_beside(transformer, "encoders", encoder_globs("t5xxl"))
         if not found:
             raise MlxdiffError(f"{transformer}: no t5xxl text encoder found (looked beside it and in text_encoders/, "
                                "../text_encoders/, ../clip/); pass it with text_encoders={'t5xxl': FILE} "

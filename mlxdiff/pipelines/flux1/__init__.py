@@ -9,7 +9,7 @@ from ..family import Family
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...loading.component_files import FLUX1_VAE_CONFIG
 from .files import flux1_files
-from .folder import check_latents, flux1_folder
+from .folder import check_latents, flux1_folder, read_controlnets
 from .pipeline import Conditioning, Flux1Pipeline  # noqa: F401  (mlxdiff.pipelines.flux1.Flux1Pipeline)
 
 SCHEDULER = ("FlowMatchEulerDiscreteScheduler",)
@@ -66,4 +66,5 @@ FAMILY = Family(
     read_files_alone=read_files_alone,
     files_alone_kinds="a FLUX.1 file in BFL / ComfyUI names",
     reference_file_refusal="a FLUX.1 single file",
+    read_controlnets=read_controlnets,     # FluxControlNetModel folders (FluxControlNetPipeline)
 )

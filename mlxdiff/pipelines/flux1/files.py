@@ -17,7 +17,8 @@ from ...loading.sources import config_from_shapes, files_beside, lazy_under, tra
 from ...loading.spec import ComponentSpec, PipelineSources
 from ...models import flux1, vae
 from ...tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer
-from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, TEXT_ENCODER_FILES, text_encoder_file
+from ...loading.component_files import (FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, TEXT_ENCODER_FILES, encoder_globs,
+                                         text_encoder_file)
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .folder import check_encoders, check_latents, kind_of
 
@@ -54,13 +55,13 @@ def flux1_files(transformer, text_encoders=None, vae_file=None, bundle=None) -> 
                            "'t5xxl' (its CLIP-L and T5-XXL files)")
     specs = {"transformer": transformer_from_file(transformer, flux1)}
     for short, component in ENCODER_FILES.items():
-        _, prefix, pattern = TEXT_ENCODER_FILES[short]
+        prefix = TEXT_ENCODER_FILES[short][1]
         if given.get(short):
             file, pre = Path(given[short]), ""
         elif any(n.startswith(prefix) for n in names):
             file, pre = Path(bundle), prefix
         else:
-            found = files_beside(transformer, "encoders", (pattern, pattern.replace(".safetensors", ".gguf")))
+            found = files_beside(transformer, "encoders", encoder_globs(short))
             if not found:
                 raise MlxdiffError(f"{transformer}: no {short} text encoder found (looked beside it and in "
                                    f"text_encoders/, ../text_encoders/, ../clip/); pass it with "

@@ -10,6 +10,8 @@ from ...loading.sources import folder_component, read_scheduler_config, tokenize
 from ...loading.spec import PipelineSources
 from ...models import flux1
 from ...tokenizers import load_tokenizer
+from .. import controls
+from ..controls import refuse
 from ..family import identify
 
 ENCODERS = ("text_encoder", "text_encoder_2")     # CLIP-L (pooled), T5-XXL
@@ -96,3 +98,45 @@ def flux1_folder(root: Path, index, pipeline_class, components, transformer=None
     tokenizers = {name: load_tokenizer(tokenizer_folder(root, name), components[name])
                   for name in ("tokenizer", "tokenizer_2")}
     return PipelineSources("flux1", pipeline_class, specs, tokenizers, read_scheduler_config(root))
+
+
+# -- ControlNets (load(controlnets=)): diffusers' FluxControlNetModel folders -----------------------------------------
+CONTROLNET_CLASS = "FluxControlNetModel"
+OWN_INPUTS = ("FluxKontextPipeline", "FluxFillPipeline", "FluxControlPipeline")   # no FluxControlNetPipeline there
+
+
+def check_controlnet(where, net, specs) -> None:
+    """A FLUX.1 ControlNet fits the transformer it steers: the same packed latents as its input, the same width
+    (its residuals join the image stream), prompt and pooled widths, the depths of the ControlNets already given
+    (their residuals are summed); XLabs' conv stack must bring the control image to the tokens' grid."""
+    t, vae = specs["transformer"].args, specs["vae"].args
+    other = "a ControlNet of another family or size (FLUX.1's take 64 packed channels, 3072 wide)"
+    for what, theirs, ours in (("in_channels", net.in_channels, t.in_channels),
+                               ("width (num_attention_heads * attention_head_dim)", net.width, t.width),
+                               ("joint_attention_dim", net.joint_attention_dim, t.joint_attention_dim),
+                               ("pooled_projection_dim", net.pooled_projection_dim, t.pooled_projection_dim)):
+        if theirs != ours:
+            refuse(where, what, theirs, ours, other)
+    if net.conditioning_embedding_channels is not None:
+        factor = 2 ** (len(vae.block_out_channels) - 1) * 2          # pixels per token side
+        hint = 2 ** 3 * net.patch_size
+        if hint != factor or net.conditioning_embedding_channels * net.patch_size ** 2 != net.in_channels:
+            refuse(where, "control image factor (input_hint_block's 8 x patch_size)", hint, factor,
+                   "its control tokens must match the noise tokens")
+    first = specs.get("controlnet")
+    if first is not None:
+        for key in ("num_layers", "num_single_layers"):
+            if getattr(first.args, key) != getattr(net, key):
+                refuse(where, key, getattr(net, key), f"{getattr(first.args, key)} (the first ControlNet's)",
+                       "several ControlNets' residuals are summed block by block: give ControlNets of one depth")
+        if first.args.guidance_embeds != net.guidance_embeds:     # FluxControlNetPipeline reads the first's for all
+            refuse(where, "guidance_embeds", net.guidance_embeds, f"{first.args.guidance_embeds} (the first "
+                   "ControlNet's)", "diffusers gives every ControlNet the guidance the first one takes")
+
+
+def read_controlnets(found, controlnets) -> None:
+    """load(controlnets=[(path, scale), ...]) for a FLUX.1 dev / schnell / Krea model (pipelines/controls.py)."""
+    if found.pipeline_class in OWN_INPUTS:
+        raise MlxdiffError(f"controlnets=: this is a {found.pipeline_class} model; diffusers' FluxControlNetPipeline "
+                           "steers FLUX.1 dev, schnell or Krea (FluxPipeline): give one of those as the model")
+    controls.read_controlnets(found, controlnets, CONTROLNET_CLASS, "a FLUX.1", check_controlnet)

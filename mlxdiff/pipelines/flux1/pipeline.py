@@ -20,6 +20,15 @@ mask= (or outpaint=) inpaint by blending latents, following FluxInpaintPipeline.
     denoise: FLUX.1 DiT + flow-match Euler; sigmas linspace(1, 1/N, N), shifted by mu from the token count where the
              scheduler uses dynamic shifting (dev), unshifted otherwise (schnell); dev embeds `guidance`; true CFG
              against a negative prompt with true_cfg_scale > 1, as diffusers
+    ControlNet (load(controlnets=), generate(control_images=)): FluxControlNetPipeline (several: its
+             FluxMultiControlNetModel) on dev, schnell or Krea: each control image resized to the output size, a
+             sample of its VAE posterior, (z - shift) * scaling, packed (XLabs' layout, a ControlNet with an
+             input_hint_block: its pixels in [-1, 1] instead, its residuals repeated over the double blocks; the first
+             ControlNet's layout is read for all, as there); at each step each ControlNet within its [control_start,
+             control_end] runs once on the noise tokens, the prompt, the timestep (and the guidance where its config
+             embeds one), and the sums of its double- and single-block residuals join the transformer's image stream,
+             in the true-CFG negative forward too (the same residuals, as there). `control_modes`: a Union
+             ControlNet's mode per image (required there; refused for the others, which diffusers ignores it for)
     decode:  unpack the 2x2 patches, latents / scaling + shift, the 16-channel VAE
 """
 
@@ -35,6 +44,7 @@ from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import report_truncation, tokenize
 from .. import image_inputs
+from ..controls import CONTROL_OPTIONS, ControlNets, acting, control_latents
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 from ..patches import pack_2x2, unpack_2x2
 
@@ -50,7 +60,7 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
+class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     """`generate(..., guidance=)`: the embedded guidance of a guidance-distilled model (dev: 3.5 by default; schnell
     has none and ignores it). `true_cfg_scale` (> 1) with a `negative_prompt`: true classifier-free guidance, two
     forwards a step, as diffusers' FluxPipeline. `max_sequence_length`: T5's tokens (default 512 for dev, 256 for
@@ -67,11 +77,16 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
     `outpaint=` pads the image and repaints the border; the output size defaults to the image's (cut
     to a multiple of 16); `image_noise`: the masked image's VAE posterior noise (default: from the seed). Depth /
     Canny (a FluxControlPipeline folder, or a transformer taking 8 x the latent channels: 128): `image=` is the one
-    control image, resized to the output size; `image_noise` its posterior noise."""
+    control image, resized to the output size; `image_noise` its posterior noise. `control_images=[...]` (one per
+    ControlNet given to load), `control_scales` (replacing load's), `control_start` / `control_end` (shares of the
+    schedule), `control_noise` (each control image's VAE posterior noise; default from the seed), `control_modes` (a
+    Union ControlNet's mode per image): ControlNet as FluxControlNetPipeline."""
     family = "flux1"
     patch_size = 2      # 2x2 latent patches per token
     OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": 1.0, "image_noise": None, "max_area": None,
-               "auto_resize": None, **image_inputs.MASK_OPTIONS}
+               "auto_resize": None, **image_inputs.MASK_OPTIONS, **{name: None for name in CONTROL_OPTIONS},
+               "control_modes": None}
+    CONTROL_PIPELINE = "FluxControlNetPipeline"
     KONTEXT_ONLY = ("max_area", "auto_resize")
     IMG2IMG_STRENGTH = 0.6
     KONTEXT_MAX_AREA = 1024 ** 2         # FluxKontextPipeline's max_area default
@@ -170,6 +185,8 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
     def check_inputs(self, run):
         self.take_image_noise(run)
         self.take_mask(run)
+        self.take_controls(run)
+        self.take_control_modes(run)
         if self.control and run.images:
             self.size_of_image(run)
         given = [name for name in self.KONTEXT_ONLY if run.options[name] is not None]
@@ -185,6 +202,30 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
                 raise MlxdiffError(f"auto_resize={run.options['auto_resize']!r}: expected True or False")
             run.state["reference"] = [kontext_reference(im, run.options["auto_resize"] is not False,
                                                         self.vae_scale_factor() * 2) for im in run.images]
+
+    def take_control_modes(self, run):
+        """check_inputs' part: `control_modes`, one int (or None) per ControlNet: required for a Union ControlNet
+        (num_mode in its config), below its num_mode; refused for the others."""
+        modes = run.options["control_modes"]
+        if "controls" not in run.state:
+            if modes is not None:
+                raise MlxdiffError("control_modes: a Union ControlNet's modes; this pipeline has no ControlNet")
+            return
+        n = len(self.controlnets)
+        modes = [None] * n if modes is None else list(modes) if isinstance(modes, (list, tuple)) else [modes] * n
+        if len(modes) != n:
+            raise MlxdiffError(f"control_modes: {len(modes)} modes for {n} ControlNets; give one per ControlNet")
+        for name, mode in zip(self.controlnets, modes):
+            spec = self.components[name]
+            count = spec.args.num_mode
+            if count is None and mode is not None:
+                raise MlxdiffError(f"control_modes: ControlNet {spec.source} is no Union ControlNet (no num_mode in "
+                                   "its config), so it takes no mode; give None for it or leave control_modes out")
+            if count is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode < count):
+                raise MlxdiffError(f"control_modes: Union ControlNet {spec.source} needs the mode of its image, an "
+                                   f"integer from 0 to {count - 1} (canny, tile, depth, ... as its model card "
+                                   f"lists them); got {mode!r}")
+        run.state["controls"]["modes"] = modes
 
     def take_mask(self, run):
         """The mask, its blur and outpainting (image_inputs.take_mask): Fill's required with its image; dev's,
@@ -268,6 +309,8 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
                                "batch, (height/16) * (width/16), 4 * latent channels")
 
     def encode_images(self, run, vae, x):
+        if "controls" in run.state:
+            return self.encode_controls(run, vae, x)
         if self.control:     # FluxControlPipeline: the control image's posterior sample, scaled, packed
             pixels = image_inputs.to_array(image_inputs.resized(run.images[0].convert("RGB"), run.width, run.height))
             run.state["channels"] = self.posterior_tokens(run, vae, pixels)
@@ -329,10 +372,47 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
         mx.eval(tokens)
         return tokens
 
+    def encode_controls(self, run, vae, x):
+        """FluxControlNetPipeline's control images (the first ControlNet's layout for all, as there): packed
+        posterior latents, one row per prompt (diffusers encodes the repeated image), or XLabs' pixels."""
+        hint = self.components[self.controlnets[0]].args.conditioning_embedding_channels is not None
+        images = run.state["controls"]["images"]
+        if hint:
+            conds = [mx.array(image_inputs.to_array(image_inputs.resized(im.convert("RGB"), run.width, run.height)))
+                     for im in images]
+        else:
+            shift = vae.args.shift_factor or 0.0
+            conds = [pack_2x2(control_latents(run, vae, k, self.dtype, shift, run.batch)) for k in range(len(images))]
+        run.state.update(control_conds=conds, control_repeat=hint)
+        mx.eval(conds)
+        return x
+
+    def control_residuals(self, run, i, x, t, cond):
+        """The summed double- and single-block residuals of the ControlNets acting at schedule index i
+        (FluxMultiControlNetModel), on the positive prompt; (None, None) without."""
+        if "controls" not in run.state:
+            return None, None
+        nets, st = self.control_models(run), run.state
+        guidance = mx.full((run.batch,), run.guidance, dtype=mx.float32) if nets[0].args.guidance_embeds else None
+        double = single = None
+        for k, scale in acting(st["controls"], i, len(run.timesteps)):
+            c, mode = st["control_conds"][k], st["controls"]["modes"][k]
+            d, s = nets[k](x, mx.broadcast_to(c, (x.shape[0], *c.shape[1:])), scale, cond.prompt_embeds,
+                           cond.pooled_prompt_embeds, t, st["img_ids"], st["txt_ids"], guidance,
+                           None if mode is None else mx.full((x.shape[0],), mode, dtype=mx.int32),
+                           after_block=evaluate_each_block)
+            double = d if double is None else double if d is None else [a + b for a, b in zip(double, d)]
+            single = s if single is None else single if s is None else [a + b for a, b in zip(single, s)]
+        return double, single
+
     def velocity(self, run, transformer, i, x):
         # diffusers: t in the latents' dtype, then / 1000 (bf16 runs round it as there)
         t = mx.full((run.batch,), run.timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
         st, cond = run.state, run.conditioning
+        double, single = self.control_residuals(run, i, x.astype(self.dtype), t, cond)
+        controls = {} if double is None and single is None else dict(
+            controlnet_block_samples=double, controlnet_single_block_samples=single,
+            controlnet_blocks_repeat=st["control_repeat"])
         refs, n_img = st["ref_tokens"], x.shape[1]
         # Kontext's reference tokens ride beside the noise tokens; only the noise tokens' velocity is used
         tokens = (x if refs is None else mx.concatenate([x, refs], axis=1)).astype(self.dtype)
@@ -342,7 +422,8 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
         def forward(name, embeds, pooled):
             return lambda: run.forward(name, lambda cache: transformer(
                 tokens, embeds, pooled, t, st["img_ids"], st["txt_ids"], guidance=st["guidance"],
-                after_block=evaluate_each_block, step_cache=cache, stream_dtype=self.stream_dtype))[:, :n_img]
+                after_block=evaluate_each_block, step_cache=cache, stream_dtype=self.stream_dtype,
+                **controls))[:, :n_img]
         cond_forward = forward("cond", cond.prompt_embeds, cond.pooled_prompt_embeds)
         if not run.cfg:
             return cond_forward()
@@ -351,6 +432,8 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
         return v_neg + run.options["true_cfg_scale"] * (v - v_neg)
 
     def images_note(self, run, seconds):
+        if "controls" in run.state:
+            return self.control_note(run, seconds)
         if self.control:
             return f"control image {run.image_names[0]} at {run.width}x{run.height}, encoded in {seconds:.2f} s"
         if not self.kontext:
@@ -361,7 +444,11 @@ class Flux1Pipeline(image_inputs.LatentInpainting, Pipeline):
         return note + (f"; {run.state['size_note']}" if "size_note" in run.state else "")
 
     def unpack(self, run, x):
+        self.release_controls(run)
         return unpack_2x2(x, run.state["shape"])
+
+    def preview_layout(self, run, x):
+        return unpack_2x2(x, run.state["shape"])      # the ControlNets left in place (on_step's previews)
 
 
 # FluxKontextPipeline's PREFERRED_KONTEXT_RESOLUTIONS (width, height): the sizes Kontext was trained on

@@ -15,7 +15,7 @@ from pathlib import Path
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
 from ...models import flux2, text_llm
-from ...loading.component_files import FOLDER_CONFIG_HINT, file_tokenizer
+from ...loading.component_files import file_tokenizer, without_folder
 from ...loading.sources import not_a_folder, text_encoder_from_file, transformer_from_file
 from ...loading.spec import PipelineSources
 from ..family import identify
@@ -67,15 +67,9 @@ def flux2_files(transformer, text_encoder=None, vae_file=None, tokenizer=None) -
         raise MlxdiffError(f"{path}: {what}, given without a model folder; add " + " and ".join(missing)
                            + ", or give the pipeline folder as the model")
     taps = FLUX2_TAPS[pipeline_class]
-    try:
-        encoder_spec = text_encoder_from_file(text_encoder, taps, expected=encoder_class)
-    except MlxdiffError as e:   # no folder to put a config.json in: say what else gives the settings
-        message = str(e)
-        if message.endswith(FOLDER_CONFIG_HINT):
-            message = message[:-len(FOLDER_CONFIG_HINT)] + ("give the pipeline folder as the model (its "
-                                                            "text_encoder/config.json says them) or a GGUF of the "
-                                                            "encoder (its metadata says them)")
-        raise MlxdiffError(message) from None
+    # no folder to put a config.json in: the refusal says what else gives the settings
+    encoder_spec = text_encoder_from_file(text_encoder, taps, expected=encoder_class,
+                                          words={"config_hint": without_folder("the pipeline folder")})
     specs = {"transformer": spec, "text_encoder": encoder_spec, "vae": read_vae_file(vae_file, FLUX2_VAE, title="a FLUX.2")}
     encoder, autoencoder = specs["text_encoder"].args, specs["vae"].args
     hidden = encoder.text_config["hidden_size"]

@@ -1,9 +1,11 @@
 """Qwen-Image (Qwen/Qwen-Image): QwenImagePipeline folders (QwenImageImg2ImgPipeline's and
-QwenImageInpaintPipeline's too), text-to-image, image-to-image and inpainting; or ComfyUI's
+QwenImageInpaintPipeline's too), text-to-image, image-to-image and inpainting; QwenImageEditPipeline and
+QwenImageEditPlusPipeline folders (Qwen-Image-Edit, -2509: one and several input images; edit.py, with the Qwen2.5-VL
+vision tower of models/vision_qwen25vl.py, mlx-vlm's); or ComfyUI's
 transformer file (or a GGUF) with its qwen_2.5_vl_7b and qwen_image_vae files (beside it or given), or those files
 alone (files.py). The transformer is models/qwenimage.py, the
 VAE models/vae_qwenimage.py (Wan's causal VAE on one frame), the text encoder Qwen2.5-VL's language model through
-models/text_llm.py (mlx-lm's Qwen2 layers; the vision tower is never read)."""
+models/text_llm.py (mlx-lm's Qwen2 layers; the vision tower is read only by the Edit pipelines)."""
 
 from ...models import qwenimage, text_llm
 from ...errors import MlxdiffError
@@ -16,6 +18,8 @@ from .pipeline import Conditioning, QwenImagePipeline  # noqa: F401  (mlxdiff.pi
 COMPONENTS = {"transformer": ("QwenImageTransformer2DModel",), "vae": ("AutoencoderKLQwenImage",),
               "text_encoder": (text_llm.ARCHITECTURES["qwen2_5_vl"],), "tokenizer": None,
               "scheduler": ("FlowMatchEulerDiscreteScheduler",)}
+# the Edit pipelines tokenize with their processor (Qwen2VLProcessor: its tokenizer and image processor, processor/)
+EDIT_COMPONENTS = {**COMPONENTS, "processor": None}
 
 
 def read_folder(path, index, pipeline_class, components, request):
@@ -46,8 +50,9 @@ def part_of(names):
 
 FAMILY = Family(
     name="qwenimage", title="Qwen-Image", article="a", pipeline=QwenImagePipeline,
-    layouts={name: COMPONENTS for name in ("QwenImagePipeline", "QwenImageImg2ImgPipeline",
-                                           "QwenImageInpaintPipeline")},
+    layouts={**{name: COMPONENTS for name in ("QwenImagePipeline", "QwenImageImg2ImgPipeline",
+                                              "QwenImageInpaintPipeline")},
+             **{name: EDIT_COMPONENTS for name in QwenImagePipeline.EDIT_PIPELINES}},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser",
               "text_encoder": "Qwen-Image's Qwen2.5-VL file (with its transformer file as the model, or alone)",

@@ -1,6 +1,9 @@
 """A Qwen-Image diffusers folder (QwenImagePipeline) -> PipelineSources: the transformer, the AutoencoderKLQwenImage
 VAE, the Qwen2.5-VL text encoder's language model read up to hidden_states[-1] (every layer and the final norm; the
-vision tower is never read) and its Qwen2 tokenizer."""
+vision tower is never read) and its Qwen2 tokenizer. A QwenImageEditPipeline / QwenImageEditPlusPipeline folder
+(Qwen-Image-Edit, -2509, -2511) adds the vision tower of the same text_encoder/ files (models/vision_qwen25vl.py, the
+component "vision") and its processor/ folder: the image processor's preprocessor_config.json and the tokenizer the
+Edit pipelines tokenize with (diffusers' self.processor), whose <|image_pad|> is the config's image_token_id."""
 
 from pathlib import Path
 
@@ -9,12 +12,14 @@ from ...formats import check_weight_file, tensor_shapes
 from ...loading.sources import (ComponentSpec, folder_component, not_a_folder, read_json, read_scheduler_config,
                                 text_encoder_spec, tokenizer_folder, transformer_from_file)
 from ...loading.spec import PipelineSources
-from ...models import qwenimage, text_llm
+from ...models import qwenimage, text_llm, vision_qwen25vl
 from ...tokenizers import load_tokenizer
 from ..family import identify
+from .pipeline import EDIT_PIPELINES
 
 # the prompt template's control tokens: a tokenizer without them is not Qwen's
 TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>")
+EDIT_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")     # the Edit templates' image placeholder
 
 
 def transformer_file(path, base_config, base_where) -> ComponentSpec:
@@ -74,7 +79,55 @@ def qwenimage_folder(root: Path, index, pipeline_class, components, transformer=
         raise MlxdiffError(f"{tconfig}: patch_size {targs.patch_size}, in_channels {targs.in_channels}, out_channels "
                            f"{out}; with {vconfig}'s z_dim {vargs.z_dim} the pipeline's 2x2 patches need 2, "
                            f"{4 * vargs.z_dim}, {vargs.z_dim}; the components do not belong together")
-    folder = tokenizer_folder(root, "tokenizer")
+    options = {}
+    if pipeline_class in EDIT_PIPELINES:
+        folder, options = edit_parts(root, config, config_path, specs)
+    else:
+        folder = tokenizer_folder(root, "tokenizer")
     tokenizer = load_tokenizer(folder)
     check_tokenizer(tokenizer, folder, encoder.text_config.get("vocab_size"), config_path)
-    return PipelineSources("qwenimage", pipeline_class, specs, {"tokenizer": tokenizer}, read_scheduler_config(root))
+    if pipeline_class in EDIT_PIPELINES:
+        check_edit_tokenizer(tokenizer, folder, options["image_token_id"], config_path)
+    return PipelineSources("qwenimage", pipeline_class, specs, {"tokenizer": tokenizer}, read_scheduler_config(root),
+                           options)
+
+
+def edit_parts(root, config, config_path, specs) -> tuple:
+    """An Edit folder's vision tower (specs["vision"], over the text encoder's files) and processor/: (the folder
+    to tokenize with, the pipeline's options: the processor config and the image token's id)."""
+    vision = config.get("vision_config")
+    if not isinstance(vision, dict):
+        raise MlxdiffError(f"{config_path}: no vision_config; Qwen-Image-Edit's text encoder is the whole Qwen2.5-VL "
+                           "(Qwen2_5_VLForConditionalGeneration with its vision tower)")
+    args = vision_qwen25vl.ModelArgs.from_dict(vision, f"{config_path} vision_config")
+    width = specs["text_encoder"].args.text_config.get("hidden_size")
+    if args.out_hidden_size != width:
+        raise MlxdiffError(f"{config_path}: vision_config.out_hidden_size is {args.out_hidden_size} but the language "
+                           f"model's hidden_size is {width}; the vision tower does not belong to this encoder")
+    files = specs["text_encoder"].files
+    specs["vision"] = ComponentSpec("vision", vision_qwen25vl, dict(vision), list(files))
+    token_id = config.get("image_token_id", config.get("text_config", {}).get("image_token_id", 151655))
+    if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+        raise MlxdiffError(f"{config_path}: image_token_id is {token_id!r}; expected a token id")
+    folder = tokenizer_folder(root, "processor")
+    where = folder / "preprocessor_config.json"
+    processor = vision_qwen25vl.processor_config(read_json(where, "the image processor config", root), where)
+    if (processor["patch_size"], processor["merge_size"], processor["temporal_patch_size"]) != (
+            args.patch_size, args.spatial_merge_size, args.temporal_patch_size):
+        raise MlxdiffError(f"{where}: patch_size {processor['patch_size']}, merge_size {processor['merge_size']}, "
+                           f"temporal_patch_size {processor['temporal_patch_size']}, but the vision tower "
+                           f"({config_path}) takes {args.patch_size}, {args.spatial_merge_size}, "
+                           f"{args.temporal_patch_size}; the processor does not belong to this encoder")
+    return folder, {"processor": processor, "image_token_id": token_id}
+
+
+def check_edit_tokenizer(tokenizer, source, token_id, encoder_where) -> None:
+    """The Edit templates' vision tokens in the processor's tokenizer, its <|image_pad|> the encoder's image token."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in EDIT_TOKENS if t not in vocab]
+    if missing:
+        raise MlxdiffError(f"{source}: the tokenizer has no {' / '.join(missing)}; Qwen-Image-Edit's prompt template "
+                           "needs Qwen2.5-VL's tokenizer (its processor/ folder)")
+    if vocab["<|image_pad|>"] != token_id:
+        raise MlxdiffError(f"{source}: <|image_pad|> is token {vocab['<|image_pad|>']} but the text encoder's "
+                           f"image_token_id ({encoder_where}) is {token_id}; give the model's own processor folder")

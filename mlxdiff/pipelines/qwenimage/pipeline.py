@@ -52,6 +52,7 @@ PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the colo
 DROP_TOKENS = 34
 TOKENIZER_MAX_LENGTH = 1024
 TRUE_CFG_SCALE = 4.0     # QwenImagePipeline.__call__'s default (used only with a negative prompt)
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")     # run by edit.QwenImageEditPipeline
 
 
 @dataclass
@@ -74,10 +75,11 @@ def tokenize(tokenizer, prompts):
     return np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32), texts
 
 
-def valid_rows(hidden, mask, max_sequence_length):
+def valid_rows(hidden, mask, max_sequence_length, drop=DROP_TOKENS):
     """_extract_masked_hidden + the drop + the stacking, then encode_prompt's cut: each row's valid tokens less the
-    first DROP_TOKENS, zero-padded to the longest -> (embeds (B, L', D), mask (B, L') int32, the kept index rows)."""
-    kept = [np.nonzero(row)[0][DROP_TOKENS:] for row in mask]
+    first `drop` (the template's), zero-padded to the longest -> (embeds (B, L', D), mask (B, L') int32, the kept
+    index rows). max_sequence_length None: no cut (the Edit pipelines make none)."""
+    kept = [np.nonzero(row)[0][drop:] for row in mask]
     length = max(len(k) for k in kept)
     rows, masks = [], []
     for i, k in enumerate(kept):
@@ -103,6 +105,14 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
                **image_inputs.MASK_OPTIONS}
     IMG2IMG_STRENGTH = 0.6      # QwenImageImg2ImgPipeline's strength
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
+    EDIT_PIPELINES = EDIT_PIPELINES
+
+    def __new__(cls, sources, *args, **kwargs):
+        # the family has one pipeline class; an Edit folder's sources make its subclass
+        if cls is QwenImagePipeline and sources.pipeline_class in cls.EDIT_PIPELINES:
+            from .edit import QwenImageEditPipeline   # cycle: edit.py subclasses this class
+            cls = QwenImageEditPipeline
+        return super().__new__(cls)
 
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)
@@ -249,13 +259,14 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     def velocity(self, run, transformer, i, x):
         # diffusers: t in the latents' dtype, then / 1000
         t = mx.full((run.batch,), run.timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
-        c, tokens, shapes = run.conditioning, x.astype(self.dtype), run.state["img_shapes"]
+        c, tokens, shapes = run.conditioning, self.denoiser_tokens(run, x).astype(self.dtype), run.state["img_shapes"]
+        n = x.shape[1]      # the prediction of the latents' own tokens (Edit appends its images' after them)
 
         def forward(name, embeds, mask):
             mask = None if bool(mask.all()) else mask       # diffusers passes no mask where none is padding
             return lambda: run.forward(name, lambda cache: transformer(
                 tokens, embeds, t, shapes, mask, after_block=evaluate_each_block, step_cache=cache,
-                stream_dtype=self.stream_dtype)).astype(mx.float32)
+                stream_dtype=self.stream_dtype)[:, :n]).astype(mx.float32)
         cond = forward("cond", c.prompt_embeds, c.prompt_embeds_mask)
         if not run.cfg:
             return cond()
@@ -264,6 +275,10 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         comb = neg + run.state["true_cfg_scale"] * (pos - neg)
         # norm-preserving: each token's combined prediction rescaled to the conditional one's norm
         return comb * (mx.linalg.norm(pos, axis=-1, keepdims=True) / mx.linalg.norm(comb, axis=-1, keepdims=True))
+
+    def denoiser_tokens(self, run, x):
+        """The transformer's image tokens at a step: the latents (Edit: its input images' latents after them)."""
+        return x
 
     def unpack(self, run, x):
         return unpack_2x2(x, run.state["shape"])

@@ -7,7 +7,7 @@ from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...models import mmdit
 from .. import previews
 from ..family import Family
-from .folder import sd3_folder
+from .folder import read_controlnets, sd3_folder
 from .pipeline import Conditioning, SD3Pipeline  # noqa: F401  (mlxdiff.pipelines.sd3.SD3Pipeline)
 from .single_file import TEXT_ENCODER_FILES, sd3_single_file, text_encoder_file
 
@@ -62,4 +62,5 @@ FAMILY = Family(
     read_file=read_file,
     file_kinds="SD3.5 single files (Stability's sd3.5_*.safetensors: model.diffusion_model.joint_blocks.*)",
     part_of=part_of,
+    read_controlnets=read_controlnets,     # SD3ControlNetModel folders (StableDiffusion3ControlNetPipeline)
 )

@@ -10,6 +10,13 @@
              not computed. Its decode drops the VAE's shift_factor (diffusers #13611, fixed by #14671); mlxdiff
              decodes as every other SD3 pipeline does, (latents / scaling) + shift
     denoise: MMDiT(-X) + flow-match Euler, CFG and skip-layer guidance
+    ControlNet (load(controlnets=), generate(control_images=)): StableDiffusion3ControlNetPipeline (several: its
+             SD3MultiControlNetModel): each control image resized to the output size, a sample of its VAE posterior,
+             (z - shift) * scaling with the shift left out for ControlNets that force zero pooled projections
+             (InstantX's; diffusers reads the first ControlNet's config for all); at each step each ControlNet within
+             its [control_start, control_end] runs on the same latents, prompt and timestep as the transformer (both
+             CFG halves; zero pooled projections where its config says), and the sums of their block residuals join
+             the transformer's image stream (pipelines/controls.py). No skip-layer guidance there, as in diffusers
     decode:  SD3 VAE
 """
 
@@ -23,6 +30,7 @@ from ...arguments import check_generate, check_layers
 from ...errors import MlxdiffError
 from ...tokenizers import tokenize, report_truncation
 from .. import image_inputs
+from ..controls import CONTROL_OPTIONS, ControlNets, acting, control_latents
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
@@ -37,7 +45,7 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
+class SD3Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     """`generate(..., image=, strength=)` is image-to-image as diffusers' StableDiffusion3Img2ImgPipeline (strength
     0 < s <= 1, default 0.6 as there): the image resized to the output size (whose default is the model's, not the
     image's, as there), a sample of the VAE posterior, noised to the sigma of the first step run, steps
@@ -47,12 +55,16 @@ class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
     latents; by default both are drawn from `seed`. `mask=` with image= (white repaints, black keeps, any size:
     resized to the output's; `mask_blur` blurs it first) inpaints as StableDiffusion3InpaintPipeline (strength
     default 0.6, as there); `outpaint=(left, top, right, bottom)` pads the image and repaints the border (the output
-    size defaults to the canvas's, cut to a multiple of 16). The other keywords are diffusers' (OPTIONS)."""
+    size defaults to the canvas's, cut to a multiple of 16). `control_images=[...]` (one per ControlNet given to load),
+    `control_scales` (replacing load's), `control_start` / `control_end` (shares of the schedule, one or one per
+    ControlNet), `control_noise` (each control image's VAE posterior noise; default from the seed): ControlNet as
+    StableDiffusion3ControlNetPipeline. The other keywords are diffusers' (OPTIONS)."""
     family = "sd3"
     patch_size = 2
     OPTIONS = {**Pipeline.OPTIONS, "skip_guidance_layers": None, "skip_layer_guidance_scale": 2.8, "skip_layer_guidance_start": 0.01,
                "skip_layer_guidance_stop": 0.2, "clip_skip": None, "max_sequence_length": 256, "image_noise": None,
-               **image_inputs.MASK_OPTIONS}
+               **image_inputs.MASK_OPTIONS, **{name: None for name in CONTROL_OPTIONS}}
+    CONTROL_PIPELINE = "StableDiffusion3ControlNetPipeline"
     IMG2IMG_STRENGTH = 0.6        # StableDiffusion3Img2ImgPipeline's default strength (and the inpaint pipeline's)
 
     def defaults(self):
@@ -142,12 +154,16 @@ class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
     def check_inputs(self, run):
         self.take_image_noise(run)
         image_inputs.take_mask(run, self.vae_scale_factor() * self.patch_size)
+        self.take_controls(run)
 
     def check_run(self, run):
         run.options["skip_guidance_layers"] = check_layers(
             "skip_guidance_layers", run.options["skip_guidance_layers"], self.components["transformer"].args.num_layers)
         self.check_clip_skip(run.options["clip_skip"])
         self.check_image_noise(run)
+        if "controls" in run.state and run.options["skip_guidance_layers"]:
+            raise MlxdiffError("skip_guidance_layers with a ControlNet: StableDiffusion3ControlNetPipeline has no "
+                               "skip-layer guidance; leave --skip-guidance-layers out")
         if run.step_cache is not None and run.cfg and self.group is not None:
             raise MlxdiffError("cache: a step cache decides once per step for both halves of a CFG batch, which "
                                "guidance-parallel ranks compute apart; leave out --cache or --split guidance")
@@ -174,6 +190,13 @@ class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
         return initial_latents(latents, shape, run.seed)
 
     def encode_images(self, run, vae, x):
+        if "controls" in run.state:     # the control images' latents (diffusers reads the first net's config)
+            first = self.components[self.controlnets[0]].args
+            shift = 0.0 if first.force_zeros_for_pooled_projection else (vae.args.shift_factor or 0.0)
+            rows = 2 * run.batch if run.cfg else run.batch     # diffusers encodes the CFG batch's copies
+            run.state["control_latents"] = [control_latents(run, vae, k, self.dtype, shift, rows)
+                                            for k in range(len(self.controlnets))]
+            return x
         shape = run.state["shape"]
         init = mx.broadcast_to(image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
                                                              self.posterior_noise(run, shape)), shape)
@@ -188,21 +211,25 @@ class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
         batch, cond, o = run.batch, run.conditioning, run.options
         t = mx.full((2 * batch if run.cfg else batch,), run.timesteps[i], dtype=mx.float32)
         embeds, pooled = run.state["embeds"], run.state["pooled"]
+        x_in = mx.concatenate([x, x]) if run.cfg else x
+        controls = self.control_residuals(run, transformer, i, x_in.astype(self.dtype), t, embeds, pooled)
         # one cache context: a CFG batch decides once, as diffusers' hooks on its batched forward do
         if not run.cfg:
             return run.forward("cond", lambda cache: transformer(
                 x.astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block, step_cache=cache,
-                stream_dtype=self.stream_dtype))
+                stream_dtype=self.stream_dtype, block_controlnet_hidden_states=controls))
         if self.group is None:    # one batch of two: [uncond; cond]
             v = run.forward("cond", lambda cache: transformer(
-                mx.concatenate([x, x]).astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block,
-                step_cache=cache, stream_dtype=self.stream_dtype))
+                x_in.astype(self.dtype), embeds, pooled, t, after_block=evaluate_each_block,
+                step_cache=cache, stream_dtype=self.stream_dtype, block_controlnet_hidden_states=controls))
             v_uncond, v_cond = v[:batch], v[batch:]
         else:                     # guidance-parallel: each rank its half
             def half(k):
+                part = None if controls is None else [r[k * batch:(k + 1) * batch] for r in controls]
                 return lambda: transformer(x.astype(self.dtype), embeds[k * batch:(k + 1) * batch],
                                            pooled[k * batch:(k + 1) * batch], t[:batch],
-                                           after_block=evaluate_each_block, stream_dtype=self.stream_dtype)
+                                           after_block=evaluate_each_block, stream_dtype=self.stream_dtype,
+                                           block_controlnet_hidden_states=part)
             v_uncond, v_cond = guidance_pair(self.group, half(0), half(1))
         v = v_uncond + run.guidance * (v_cond - v_uncond)
         layers = o["skip_guidance_layers"]
@@ -212,3 +239,32 @@ class SD3Pipeline(image_inputs.LatentInpainting, Pipeline):
                                  stream_dtype=self.stream_dtype)
             v = v + (v_cond - v_skip) * o["skip_layer_guidance_scale"]
         return v
+
+    def control_residuals(self, run, transformer, i, x, t, embeds, pooled):
+        """The summed block residuals of the ControlNets acting at schedule index i (SD3MultiControlNetModel), on
+        the transformer's batch x (both CFG halves); None without ControlNets or where none acts."""
+        if "controls" not in run.state:
+            return None
+        nets, latents = self.control_models(run), run.state["control_latents"]
+        if nets[0].args.force_zeros_for_pooled_projection:     # InstantX's: zero pooled projections
+            pooled = mx.zeros_like(pooled)
+        total = None
+        for k, scale in acting(run.state["controls"], i, len(run.timesteps)):
+            net = nets[k]
+            cond = mx.broadcast_to(latents[k], (x.shape[0], *latents[k].shape[1:])).astype(self.dtype)
+            out = net(x, cond, scale, embeds if net.args.joint_attention_dim is not None else None, pooled, t,
+                      pos_embed=transformer.pos_embed, after_block=evaluate_each_block)
+            total = out if total is None else [a + b for a, b in zip(total, out)]
+        return total
+
+    def images_note(self, run, seconds):
+        if "controls" in run.state:
+            return self.control_note(run, seconds)
+        return super().images_note(run, seconds)
+
+    def unpack(self, run, x):
+        self.release_controls(run)
+        return super().unpack(run, x)
+
+    def preview_layout(self, run, x):
+        return x                            # unpack's layout, the ControlNets left in place (on_step's previews)

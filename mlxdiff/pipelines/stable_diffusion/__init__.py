@@ -8,6 +8,7 @@ from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from ...models import unet
 from .. import previews
 from ..family import Family
+from .coreml_folder import claims_folder, read_apple_folder
 from .folder import LDM_SCHEDULERS, check_unet_together, read_controlnets, sd_folder
 from .pipeline import Conditioning, StableDiffusionPipeline  # noqa: F401
 from .single_file import sd_single_file
@@ -52,6 +53,7 @@ FAMILY = Family(
              "StableDiffusionInpaintPipeline": layout("text_encoder"),
              "StableDiffusionXLInpaintPipeline": layout("text_encoder", "text_encoder_2")},
     read_folder=read_folder,
+    claims_folder=claims_folder, read_claimed_folder=read_apple_folder,   # Apple's Core ML folders
     keywords={"transformer": "a file replacing the denoiser", "vae": "a VAE file replacing the model's",
               "prediction_type": "an SD 2.x single file's prediction (its tensors do not say)"},
     instead={"text_encoders": SD_ONLY, "text_encoder": SD_ONLY, "tokenizer": SD_ONLY},

