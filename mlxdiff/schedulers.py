@@ -125,7 +125,7 @@ def sd3_sigmas(num_steps: int, config: dict = None, shift: float = None, image_s
     config = scheduler_config(config, shift=shift)
     if config["use_dynamic_shifting"] and mu is None:
         if image_seq_len is None:
-            raise MlxdiffError("this SD3 scheduler config uses dynamic shifting; pass image_seq_len")
+            raise MlxdiffError("this flow-match scheduler config uses dynamic shifting; pass image_seq_len")
         mu = calculate_shift(image_seq_len, config["base_image_seq_len"], config["max_image_seq_len"],
                              config["base_shift"], config["max_shift"])
     return set_timesteps(config, num_steps, mu=mu)

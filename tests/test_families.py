@@ -166,12 +166,9 @@ NAMING_ALLOWED = {
         (("klein-shapes",), "the embedded default model's folder: a model, not code deciding by family")],
     "convert.py": [(("e.g. klein-native",), "an example folder name in a message")],
     "loading/sources.py": [(("e.g. black-forest-labs/",), "an example hub id in a message")],
-    "serve/__main__.py": [
-        (("klein-shapes",), "left: the default model's folder; should be default_model's name, not a copy")],
     "ldm_schedulers.py": [
         (("SD's",), "a discrete-time scheduler's usual values, said as the model they come from"),
         (("skip_prk_steps",), "left: names SD 1.x folders' PNDM setting in a scheduler message")],
-    "schedulers.py": [(("SD3 scheduler config",), "left: every flow family's config; the message should not say SD3")],
     "samplers.py": [(("discrete-time (SD 1.x / SDXL)",), "left: the titles of the discrete-time families should come "
                                                           "from FAMILIES (the caller has them)")],
     "tokenizers.py": [
@@ -182,8 +179,6 @@ NAMING_ALLOWED = {
         (("SD3.5 or FLUX.1 encoder", "FILE for FLUX.2", "second FLUX.2 encoder", "one FLUX.2 file"),
          "left: --text-encoder's parsing (floor 4, below the registry) names who takes which form; the titles "
          "should be passed in from Family.keywords")],
-    "pipelines/base.py": [
-        (("step caching covers SD3.5 and FLUX.2",), "left: should list the families whose pipeline has STEP_CACHE")],
     "lora/apply.py": [
         (("the SD3.5, FLUX.1, Chroma",), "left: should list the architectures with models/protocol.LoRADenoiser")],
     "lora/names.py": [

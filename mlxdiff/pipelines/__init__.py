@@ -176,7 +176,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         group = None     # the pipeline itself runs as one process would; only its transformer's blocks are shared
     elif group is None and split is not None:
         check_split(split, group)
-    pipe = family.pipeline(found, dtype, keep, policy, check_guidance_group(group))
+    pipe = family.pipeline_for(found.pipeline_class)(found, dtype, keep, policy, check_guidance_group(group))
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)
     return pipe

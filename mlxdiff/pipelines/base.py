@@ -427,8 +427,8 @@ class Pipeline:
         spec is wrong or this family's denoiser has no block sequence to skip."""
         step_cache = parse_step_cache(cache)
         if step_cache is not None and not self.STEP_CACHE:
-            raise MlxdiffError(f"cache={cache!r}: {type(self).__name__}'s UNet has no transformer block sequence to "
-                               "skip (step caching covers SD3.5 and FLUX.2); leave the cache out")
+            raise MlxdiffError(f"cache={cache!r}: the denoiser of {self.title} models has no transformer block "
+                               "sequence to skip; leave the cache out")
         return step_cache
 
     def default_strength(self, options: dict):

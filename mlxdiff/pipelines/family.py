@@ -58,8 +58,14 @@ class Family:
     files_alone_kinds: str = ""           # with read_files_alone: the transformer files it reads without a model
     read_controlnets: Callable | None = None   # (PipelineSources, [(path, scale)]) -> None: load(controlnets=)'s
                                           # ControlNets read, checked against the model and added as components
+    pipelines: dict = field(default_factory=dict)   # a layout's own Pipeline subclass (model_index class ->
+                                          # class; Qwen-Image's Edit folders), where it is not `pipeline`
     preview: object = None                # its latents' previews.LatentRGB (ComfyUI's factors), or (pipeline class)
                                           # -> LatentRGB; None: previews.first_channels
+
+    def pipeline_for(self, pipeline_class):
+        """The Pipeline class that runs a folder of this model_index class."""
+        return self.pipelines.get(pipeline_class, self.pipeline)
 
     def latent_rgb(self, pipeline_class):
         """The preview projection of this family's pipeline class (previews.latent_preview), or None."""

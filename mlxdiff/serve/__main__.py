@@ -75,7 +75,7 @@ def serve(args) -> int:
     pipe = load(model, keep="auto", memory_limit=args.memory_limit, dtype=args.dtype)
     if args.preview_vae is not None:
         pipe.set_preview_vae(args.preview_vae)
-    app = create_app(pipe, args.model or "klein-shapes", args.api_key, offered_loras(pipe, args.lora),
+    app = create_app(pipe, args.model or default_model.FOLDER.name, args.api_key, offered_loras(pipe, args.lora),
                      args.max_upload_mb)
     print(f"mlxdiff: serving {model} ({pipe.title}) at http://{args.host}:{args.port}/", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -13,6 +13,7 @@ from .. import previews
 from ..family import Family
 from .files import qwenimage_files
 from .folder import qwenimage_folder
+from .edit import QwenImageEditPipeline
 from .pipeline import Conditioning, QwenImagePipeline  # noqa: F401  (mlxdiff.pipelines.qwenimage.QwenImagePipeline)
 
 COMPONENTS = {"transformer": ("QwenImageTransformer2DModel",), "vae": ("AutoencoderKLQwenImage",),
@@ -53,6 +54,7 @@ FAMILY = Family(
     layouts={**{name: COMPONENTS for name in ("QwenImagePipeline", "QwenImageImg2ImgPipeline",
                                               "QwenImageInpaintPipeline")},
              **{name: EDIT_COMPONENTS for name in QwenImagePipeline.EDIT_PIPELINES}},
+    pipelines={name: QwenImageEditPipeline for name in QwenImagePipeline.EDIT_PIPELINES},
     read_folder=read_folder,
     keywords={"transformer": "a file replacing the denoiser",
               "text_encoder": "Qwen-Image's Qwen2.5-VL file (with its transformer file as the model, or alone)",

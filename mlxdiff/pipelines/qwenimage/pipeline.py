@@ -107,13 +107,6 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
     EDIT_PIPELINES = EDIT_PIPELINES
 
-    def __new__(cls, sources, *args, **kwargs):
-        # the family has one pipeline class; an Edit folder's sources make its subclass
-        if cls is QwenImagePipeline and sources.pipeline_class in cls.EDIT_PIPELINES:
-            from .edit import QwenImageEditPipeline   # cycle: edit.py subclasses this class
-            cls = QwenImageEditPipeline
-        return super().__new__(cls)
-
     def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
         super().__init__(sources, dtype, keep, policy, group)
         self.tokenizer = self.tokenizers["tokenizer"]
