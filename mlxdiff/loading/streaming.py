@@ -297,15 +297,17 @@ class ReadAhead:
         return self._fds[path]
 
     def _read(self, ranges):
+        # one reused buffer: the read-ahead holds READ_CHUNK bytes of the process's memory, not a new one per read
+        view = memoryview(bytearray(READ_CHUNK))
         try:
             for path, offset, n in ranges:
                 fd = self._fd(path)
                 end = offset + n
                 while offset < end:
-                    got = os.pread(fd, min(READ_CHUNK, end - offset), offset)
+                    got = os.preadv(fd, [view[:min(READ_CHUNK, end - offset)]], offset)
                     if not got:
                         break
-                    offset += len(got)
+                    offset += got
         except OSError:   # read-ahead only: the real read, through the checked readers, reports what is wrong
             pass
 
