@@ -345,7 +345,7 @@ def test_a_full_disk_is_one_line(hub, tmp_path):
     """The cache on a 1 MB tmpfs (a mount namespace of its own: unshare), huggingface_hub configured by its
     environment variables as a user's would be: the transformer's 13 MB cannot fit; the write fails with ENOSPC."""
     unshare = shutil.which("unshare")
-    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True) \
+    probe = subprocess.run([unshare, "--user", "--map-root-user", "--mount", "true"], capture_output=True, timeout=30) \
         if unshare else None
     if probe is None or probe.returncode:
         pytest.skip("no unprivileged mount namespaces here (unshare) for a tiny tmpfs")

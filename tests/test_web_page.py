@@ -37,13 +37,18 @@ def page(tmp_path_factory):
     pipe = mlxdiff.load(str(default_model.folder()), keep="auto")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1100,720"):
+    # root, no screen, a closed network: no sandbox, and none of Chromium's own connections (updates, sync, first
+    # run's lookups), which this machine refuses many at a time; a profile of its own
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}", "--window-size=1100,720"):
         options.add_argument(flag)
     lora = shapes_lora(tmp_path_factory.mktemp("lora") / "shapes-style.safetensors")
     with running_server(pipe, loras={"shapes-style": str(lora)}) as (base, _):
         browser = webdriver.Chrome(service=Service(DRIVER), options=options)
         try:
+            browser.set_page_load_timeout(60)
+            browser.set_script_timeout(30)
             browser.get(base + "/")
             browser.base = base
             yield browser
