@@ -78,7 +78,9 @@ def serve(args) -> int:
     app = create_app(pipe, args.model or default_model.FOLDER.name, args.api_key, offered_loras(pipe, args.lora),
                      args.max_upload_mb)
     print(f"mlxdiff: serving {model} ({pipe.title}) at http://{args.host}:{args.port}/", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # Ctrl-C: a page's open event stream is closed after 5 s instead of holding the shutdown (and the running job,
+    # which the lifespan cancels only once the connections are gone) until the job ends
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5)
     return 0
 
 
