@@ -407,3 +407,85 @@ def lycoris_merged(weight, delta, dora_scale=None, wd_on_out=True):
     if dora_scale is None:
         return merged
     return weight_decompose(merged, dora_scale, 1, wd_on_out, backend="torch")
+
+
+# -- a transformer family's LoRA tests against diffusers' model with the same PEFT adapter (tests/test_krea2_lora.py,
+# tests/test_qwenimage_lora.py, tests/test_zimage_lora.py) ---------------------------------------------------------
+
+def random_adapter(base, rank, alpha, targets, seed=7, scale=0.2):
+    """(a copy of diffusers model `base` with a PEFT LoRA of `rank` and `alpha` on `targets`, its LoraConfig): every
+    lora_ factor random (normal times `scale`, from a generator seeded `seed`); the copy still in training mode."""
+    import copy
+    import torch
+    from peft import LoraConfig
+    adapted = copy.deepcopy(base)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False)
+    adapted.add_adapter(config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return adapted, config
+
+
+def adapter_state(adapted) -> dict:
+    """The PEFT state dict of `adapted`'s LoRA (lora_A / lora_B per layer), detached contiguous copies."""
+    from peft.utils import get_peft_model_state_dict
+    return {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(adapted).items()}
+
+
+def ours_with(folder, arch, path, scale=1.0):
+    """mlxdiff's `arch` transformer of the diffusers folder `folder` with the LoRA file `path` on it at `scale`
+    (lora.check first)."""
+    from types import SimpleNamespace
+    import mlx.core as mx
+    from helpers import load_ours
+    from mlxdiff import lora
+    model = load_ours(folder, arch)
+    lora.check(SimpleNamespace(name="transformer", arch=arch, args=model.args), path)
+    return lora.apply_loras(model, arch, [(path, scale)], mx.float32)
+
+
+def scaled_reference(base, adapted, forward, scale):
+    """diffusers' output `forward(model)` with the adapter at `scale` (PEFT's set_adapters on a copy); the LoRA at
+    scale 1 and no LoRA each move it (parity.assert_moves)."""
+    import copy
+    import parity
+    scaled = copy.deepcopy(adapted)
+    scaled.set_adapters(["default"], weights=[scale])
+    ref = forward(scaled)
+    parity.assert_moves("the LoRA's scale", ref, forward(adapted))
+    parity.assert_moves("the LoRA", ref, forward(base))
+    return ref
+
+
+def assert_lora_parity(model, forward, reference, base_output, layers, what):
+    """mlxdiff's `model` with a LoRA on: `layers` LoRALinear layers, `forward(model)` within parity.LATENT_TOL of
+    diffusers' `reference`; with the LoRA removed, of diffusers' output without it (`base_output`)."""
+    import parity
+    from helpers import max_rel_err
+    from mlxdiff import lora
+    wrapped = [n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
+    assert len(wrapped) == layers
+    err = max_rel_err(forward(model), reference)
+    print(f"{what}: max_rel_err {err:.2e}")
+    assert err <= parity.LATENT_TOL
+    lora.remove_loras(model)
+    assert max_rel_err(forward(model), base_output) <= parity.LATENT_TOL
+
+
+def loaded_by_diffusers(loader_mixin, base, path):
+    """A copy of diffusers model `base` with the LoRA file `path` loaded by diffusers' own
+    `loader_mixin`.load_lora_weights (adapter "x")."""
+    import copy
+
+    class Pipeline(loader_mixin):     # what load_lora_weights needs of a pipeline: its transformer
+        components = {}
+        hf_device_map = None
+
+        def __init__(self, transformer):
+            self.transformer = transformer
+    model = copy.deepcopy(base)
+    Pipeline(model).load_lora_weights(str(path), adapter_name="x")
+    return model

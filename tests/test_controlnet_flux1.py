@@ -10,16 +10,19 @@ as control_noise=. Bad input (a ControlNet of another size or family, a control 
 belongs): one line, exit 2 on the command line."""
 
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import controlnet_helpers
 import fixture_guard
 import mlxdiff
+from controlnet_helpers import one_torch_thread  # noqa: F401  (an autouse fixture of this module)
 from flux1_helpers import H, LATENT, W, flux1_components, packed_noise, reference_run
-from helpers import max_rel_err, randomize_
+from helpers import max_rel_err
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.flux1.folder import read_controlnets
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
@@ -38,18 +41,7 @@ UNION = dict(NET, num_mode=3)
 XLABS = dict(NET, patch_size=2, conditioning_embedding_channels=LATENT)
 
 
-def controlnet_twin(config, seed):
-    from diffusers import FluxControlNetModel
-    torch.manual_seed(seed)
-    return randomize_(FluxControlNetModel(**config), seed=seed, scale=0.15).eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+controlnet_twin = partial(controlnet_helpers.controlnet_twin, "FluxControlNetModel")
 
 
 @pytest.fixture(autouse=True)

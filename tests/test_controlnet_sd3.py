@@ -10,15 +10,18 @@ generator), so the test seeds that generator, draws the same noise and gives it 
 ControlNet of another size or family, a control image missing): one line, exit 2 on the command line."""
 
 import json
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import controlnet_helpers
 import fixture_guard
 import mlxdiff
-from helpers import max_rel_err, randomize_
+from controlnet_helpers import one_torch_thread  # noqa: F401  (an autouse fixture of this module)
+from helpers import max_rel_err
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.sd3.folder import read_controlnets
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
@@ -37,18 +40,7 @@ SD35 = dict(INSTANTX, num_layers=1, joint_attention_dim=None, use_pos_embed=Fals
             force_zeros_for_pooled_projection=False, pos_embed_max_size=20)
 
 
-def controlnet_twin(config, seed):
-    from diffusers import SD3ControlNetModel
-    torch.manual_seed(seed)
-    return randomize_(SD3ControlNetModel(**config), seed=seed, scale=0.15).eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+controlnet_twin = partial(controlnet_helpers.controlnet_twin, "SD3ControlNetModel")
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ Krea2LoraLoaderMixin as that adapter; every block's
 attention (q, k, v, out, the gate) and SwiGLU, the text fusion's, the time projection and img_in; a LoRA of another
 architecture refused in one line."""
 
-import copy
 import re
 from types import SimpleNamespace
 
@@ -15,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
-import mlx.core as mx
 
-import parity
+import lora_helpers
 from helpers import load_ours, max_rel_err
+from lora_helpers import adapter_state, assert_lora_parity, loaded_by_diffusers, ours_with, random_adapter
 from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import krea2
@@ -55,21 +54,12 @@ def original_module(layer):
 @pytest.fixture(scope="module")
 def lora_files(tmp_path_factory):
     from diffusers import Krea2Pipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
     root = tmp_path_factory.mktemp("krea2_lora")
     base = make_torch_model()
     base.save_pretrained(str(root / "transformer"))
-    adapted = copy.deepcopy(base)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
-    adapted.add_adapter(config)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    adapted, config = random_adapter(base, RANK, ALPHA, TARGETS)
     adapted.eval()
-    state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(adapted).items()}
+    state = adapter_state(adapted)
     assert len(state) == 2 * LAYERS
     files = {"peft": root / "krea2-peft-lora.safetensors", "original": root / "krea2-original-lora.safetensors"}
     Krea2Pipeline.save_lora_weights(str(root), transformer_lora_layers=state, weight_name=files["peft"].name,
@@ -82,38 +72,21 @@ def lora_files(tmp_path_factory):
     return base, adapted, root / "transformer", files
 
 
-def ours_with(folder, path, scale=1.0):
-    model = load_ours(folder, krea2)
-    lora.check(SimpleNamespace(name="transformer", arch=krea2, args=model.args), path)
-    return lora.apply_loras(model, krea2, [(path, scale)], mx.float32)
-
-
 @pytest.fixture(scope="module")
 def scaled_reference(lora_files):
-    """diffusers' output with the adapter at SCALE (PEFT's set_adapters on a copy); the LoRA at scale 1 and no LoRA
-    each move it (parity.assert_moves)."""
+    """diffusers' output with the adapter at SCALE, which the LoRA at scale 1 and no LoRA each move."""
     base, adapted, _, _ = lora_files
     inputs, mask = make_inputs(), text_mask()
-    scaled = copy.deepcopy(adapted)
-    scaled.set_adapters(["default"], weights=[SCALE])
-    ref = torch_forward(scaled, inputs, mask)
-    parity.assert_moves("the LoRA's scale", ref, torch_forward(adapted, inputs, mask))
-    parity.assert_moves("the LoRA", ref, torch_forward(base, inputs, mask))
-    return ref
+    return lora_helpers.scaled_reference(base, adapted, lambda m: torch_forward(m, inputs, mask), SCALE)
 
 
 @pytest.mark.parametrize("naming", ["peft", "original"])
 def test_lora_matches_diffusers(lora_files, scaled_reference, naming):
     base, adapted, folder, files = lora_files
     inputs, mask = make_inputs(), text_mask()
-    model = ours_with(folder, files[naming], SCALE)
-    wrapped = [n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
-    assert len(wrapped) == LAYERS
-    err = max_rel_err(mlx_forward(model, inputs, mask), scaled_reference)
-    print(f"Krea 2 LoRA ({naming}) at {SCALE}: max_rel_err {err:.2e}")
-    assert err <= parity.LATENT_TOL
-    lora.remove_loras(model)
-    assert max_rel_err(mlx_forward(model, inputs, mask), torch_forward(base, inputs, mask)) <= parity.LATENT_TOL
+    model = ours_with(folder, krea2, files[naming], SCALE)
+    assert_lora_parity(model, lambda m: mlx_forward(m, inputs, mask), scaled_reference,
+                       torch_forward(base, inputs, mask), LAYERS, f"Krea 2 LoRA ({naming}) at {SCALE}")
 
 
 @pytest.mark.parametrize("naming", ["peft", "original"])
@@ -122,15 +95,7 @@ def test_the_reference_is_what_diffusers_loads(lora_files, naming):
     (its _convert_non_diffusers_krea2_lora_to_diffusers for the original names)."""
     from diffusers.loaders.lora_pipeline import Krea2LoraLoaderMixin
     base, adapted, _, files = lora_files
-
-    class Pipeline(Krea2LoraLoaderMixin):     # what load_lora_weights needs of a pipeline: its transformer
-        components = {}
-        hf_device_map = None
-
-        def __init__(self, transformer):
-            self.transformer = transformer
-    model = copy.deepcopy(base)
-    Pipeline(model).load_lora_weights(str(files[naming]), adapter_name="x")
+    model = loaded_by_diffusers(Krea2LoraLoaderMixin, base, files[naming])
     inputs, mask = make_inputs(), text_mask()
     assert max_rel_err(torch_forward(model, inputs, mask), torch_forward(adapted, inputs, mask)) <= 1e-5
 

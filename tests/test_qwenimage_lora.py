@@ -5,7 +5,6 @@ to_q.lora_A`, its LoraConfig in lora_adapter_metadata), the Lightning / ComfyUI 
 kohya's (`lora_unet_transformer_blocks_0_attn_to_q`): every naming names diffusers' layers, as diffusers'
 QwenImageLoraLoaderMixin reads them; a LoRA of another architecture is refused in one line, both ways."""
 
-import copy
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +12,11 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
-import mlx.core as mx
 
-import parity
+import lora_helpers
 from helpers import load_ours, max_rel_err
-from lora_helpers import shapes_config
+from lora_helpers import (adapter_state, assert_lora_parity, loaded_by_diffusers, ours_with, random_adapter,
+                          shapes_config)
 from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import flux1, flux2, qwenimage, zimage
@@ -47,21 +46,12 @@ def lora_files(tmp_path_factory):
     """The base (a save_pretrained folder), the base with a random PEFT LoRA on TARGETS, and its files in every
     naming."""
     from diffusers import QwenImagePipeline
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
     root = tmp_path_factory.mktemp("qwenimage_lora")
     base = make_torch_model()
     base.save_pretrained(str(root / "transformer"))
-    adapted = copy.deepcopy(base)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
-    adapted.add_adapter(config)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    adapted, config = random_adapter(base, RANK, ALPHA, TARGETS)
     adapted.eval()
-    state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(adapted).items()}
+    state = adapter_state(adapted)
     assert len(state) == 2 * PER_BLOCK * CONFIG["num_layers"]
     files = {name: root / f"qwenimage-{name}-lora.safetensors" for name in NAMINGS}
     QwenImagePipeline.save_lora_weights(str(root), transformer_lora_layers=state, weight_name=files["peft"].name,
@@ -81,42 +71,25 @@ def lora_files(tmp_path_factory):
     return base, adapted, root / "transformer", files
 
 
-def ours_with(folder, path, scale=1.0):
-    model = load_ours(folder, qwenimage)
-    lora.check(SimpleNamespace(name="transformer", arch=qwenimage, args=model.args), path)
-    return lora.apply_loras(model, qwenimage, [(path, scale)], mx.float32)
-
-
 SCALE = 0.6       # not 1: a scale applied twice (or squared) must show
 
 
 @pytest.fixture(scope="module")
 def scaled_reference(lora_files):
-    """diffusers' output with the adapter at SCALE (PEFT's set_adapters on a copy); the LoRA at scale 1 and no LoRA
-    each move it (parity.assert_moves)."""
+    """diffusers' output with the adapter at SCALE, which the LoRA at scale 1 and no LoRA each move."""
     base, adapted, _, _ = lora_files
     inputs, mask = make_inputs(CASE), text_mask()
-    scaled = copy.deepcopy(adapted)
-    scaled.set_adapters(["default"], weights=[SCALE])
-    ref = torch_forward(scaled, inputs, CASE, mask)
-    parity.assert_moves("the LoRA's scale", ref, torch_forward(adapted, inputs, CASE, mask))
-    parity.assert_moves("the LoRA", ref, torch_forward(base, inputs, CASE, mask))
-    return ref
+    return lora_helpers.scaled_reference(base, adapted, lambda m: torch_forward(m, inputs, CASE, mask), SCALE)
 
 
 @pytest.mark.parametrize("naming", list(NAMINGS))
 def test_lora_matches_diffusers(lora_files, scaled_reference, naming):
     base, adapted, folder, files = lora_files
     inputs, mask = make_inputs(CASE), text_mask()
-    model = ours_with(folder, files[naming], SCALE)
-    wrapped = [n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
-    assert len(wrapped) == PER_BLOCK * CONFIG["num_layers"]
-    err = max_rel_err(mlx_forward(model, inputs, CASE, mask), scaled_reference)
-    print(f"Qwen-Image LoRA ({naming}) at {SCALE}: max_rel_err {err:.2e}")
-    assert err <= parity.LATENT_TOL
-    lora.remove_loras(model)
-    assert max_rel_err(mlx_forward(model, inputs, CASE, mask), torch_forward(base, inputs, CASE, mask)) <= \
-        parity.LATENT_TOL
+    model = ours_with(folder, qwenimage, files[naming], SCALE)
+    assert_lora_parity(model, lambda m: mlx_forward(m, inputs, CASE, mask), scaled_reference,
+                       torch_forward(base, inputs, CASE, mask), PER_BLOCK * CONFIG["num_layers"],
+                       f"Qwen-Image LoRA ({naming}) at {SCALE}")
 
 
 @pytest.mark.parametrize("naming", ["peft", "comfy", "kohya"])
@@ -125,15 +98,7 @@ def test_the_reference_is_what_diffusers_loads(lora_files, naming):
     adapter the files were made from (its _convert_non_diffusers_qwen_lora_to_diffusers for the last two)."""
     from diffusers.loaders.lora_pipeline import QwenImageLoraLoaderMixin
     base, adapted, _, files = lora_files
-
-    class Pipeline(QwenImageLoraLoaderMixin):     # what load_lora_weights needs of a pipeline: its transformer
-        components = {}
-        hf_device_map = None
-
-        def __init__(self, transformer):
-            self.transformer = transformer
-    model = copy.deepcopy(base)
-    Pipeline(model).load_lora_weights(str(files[naming]), adapter_name="x")
+    model = loaded_by_diffusers(QwenImageLoraLoaderMixin, base, files[naming])
     inputs, mask = make_inputs(CASE), text_mask()
     assert max_rel_err(torch_forward(model, inputs, CASE, mask), torch_forward(adapted, inputs, CASE, mask)) <= 1e-5
 

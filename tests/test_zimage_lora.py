@@ -4,7 +4,6 @@ its LoraConfig in lora_adapter_metadata), the same LoRA in the original names as
 trainers write them (`diffusion_model.layers.0.attention.qkv.lora_down`, q, k, v fused, attention.out, .alpha), and
 in kohya's (`lora_unet_layers_0_attention_qkv`); a LoRA of another architecture is refused in one line, both ways."""
 
-import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -15,9 +14,10 @@ from safetensors.torch import save_file
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
-import parity
+import lora_helpers
 from helpers import load_ours, max_rel_err, randomize_
-from lora_helpers import shapes_config
+from lora_helpers import (adapter_state, assert_lora_parity, loaded_by_diffusers, ours_with, random_adapter,
+                          shapes_config)
 from mlxdiff import lora
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import flux2, zimage
@@ -72,27 +72,19 @@ def lora_files(tmp_path_factory):
     """The base (diffusers folder), the base with a PEFT LoRA on every block's attention and SwiGLU (to_q, to_k and
     to_v of a block sharing one lora_A, so that the LoRA has a fused-qkv form), and its files in three namings."""
     from diffusers import ZImagePipeline, ZImageTransformer2DModel
-    from peft import LoraConfig
-    from peft.utils import get_peft_model_state_dict
     root = tmp_path_factory.mktemp("zimage_lora")
     torch.manual_seed(0)
     base = randomize_(ZImageTransformer2DModel(**CONFIG), seed=3).eval()
     base.save_pretrained(str(root / "transformer"))
-    adapted = copy.deepcopy(base)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS, init_lora_weights=False)
-    adapted.add_adapter(config)
-    g = torch.Generator().manual_seed(7)
+    adapted, config = random_adapter(base, RANK, ALPHA, TARGETS)
     with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
         for name, m in adapted.named_modules():      # one lora_A for a block's q, k, v (a fused qkv's one A)
             if name.endswith(".attention.to_q"):
                 parent = adapted.get_submodule(name.rpartition(".")[0])
                 for c in "kv":
                     getattr(parent, f"to_{c}").lora_A["default"].weight.copy_(m.lora_A["default"].weight)
     adapted.eval()
-    state = {k: v.detach().clone().contiguous() for k, v in get_peft_model_state_dict(adapted).items()}
+    state = adapter_state(adapted)
     files = {"peft": root / "zimage-peft-lora.safetensors", "original": root / "zimage-original-lora.safetensors",
              "kohya": root / "zimage-kohya-lora.safetensors"}
     ZImagePipeline.save_lora_weights(str(root), transformer_lora_layers=state, weight_name=files["peft"].name,
@@ -116,41 +108,25 @@ def lora_files(tmp_path_factory):
     return base, adapted, root / "transformer", files
 
 
-def ours_with(folder, path, scale=1.0):
-    model = load_ours(folder, zimage)
-    lora.check(SimpleNamespace(name="transformer", arch=zimage, args=model.args), path)
-    return lora.apply_loras(model, zimage, [(path, scale)], mx.float32)
-
-
 SCALE = 0.6       # not 1: a scale applied twice (or squared) must show
 
 
 @pytest.fixture(scope="module")
 def scaled_reference(lora_files):
-    """diffusers' output with the adapter at SCALE (PEFT's set_adapters on a copy); the LoRA at scale 1 and no LoRA
-    each move it (parity.assert_moves)."""
+    """diffusers' output with the adapter at SCALE, which the LoRA at scale 1 and no LoRA each move."""
     base, adapted, _, _ = lora_files
     inputs = make_inputs()
-    scaled = copy.deepcopy(adapted)
-    scaled.set_adapters(["default"], weights=[SCALE])
-    ref = torch_forward(scaled, inputs)
-    parity.assert_moves("the LoRA's scale", ref, torch_forward(adapted, inputs))
-    parity.assert_moves("the LoRA", ref, torch_forward(base, inputs))
-    return ref
+    return lora_helpers.scaled_reference(base, adapted, lambda m: torch_forward(m, inputs), SCALE)
 
 
 @pytest.mark.parametrize("naming", ["peft", "original", "kohya"])
 def test_lora_matches_diffusers(lora_files, scaled_reference, naming):
     base, adapted, folder, files = lora_files
     inputs = make_inputs()
-    model = ours_with(folder, files[naming], SCALE)
-    wrapped = [n for n, m in model.named_modules() if isinstance(m, lora.LoRALinear)]
-    assert len(wrapped) == (CONFIG["n_layers"] + 2 * CONFIG["n_refiner_layers"]) * len(TARGETS)
-    err = max_rel_err(mlx_forward(model, inputs), scaled_reference)
-    print(f"Z-Image LoRA ({naming}) at {SCALE}: max_rel_err {err:.2e}")
-    assert err <= parity.LATENT_TOL
-    lora.remove_loras(model)
-    assert max_rel_err(mlx_forward(model, inputs), torch_forward(base, inputs)) <= parity.LATENT_TOL
+    model = ours_with(folder, zimage, files[naming], SCALE)
+    assert_lora_parity(model, lambda m: mlx_forward(m, inputs), scaled_reference, torch_forward(base, inputs),
+                       (CONFIG["n_layers"] + 2 * CONFIG["n_refiner_layers"]) * len(TARGETS),
+                       f"Z-Image LoRA ({naming}) at {SCALE}")
 
 
 @pytest.mark.parametrize("naming", ["peft", "kohya"])
@@ -160,15 +136,7 @@ def test_the_reference_is_what_diffusers_loads(lora_files, naming):
     splits kohya's)."""
     from diffusers.loaders.lora_pipeline import ZImageLoraLoaderMixin
     base, adapted, _, files = lora_files
-
-    class Pipeline(ZImageLoraLoaderMixin):     # what load_lora_weights needs of a pipeline: its transformer
-        components = {}
-        hf_device_map = None
-
-        def __init__(self, transformer):
-            self.transformer = transformer
-    model = copy.deepcopy(base)
-    Pipeline(model).load_lora_weights(str(files[naming]), adapter_name="x")
+    model = loaded_by_diffusers(ZImageLoraLoaderMixin, base, files[naming])
     inputs = make_inputs()
     assert max_rel_err(torch_forward(model, inputs), torch_forward(adapted, inputs)) <= 1e-5
 

@@ -228,6 +228,19 @@ def tokenizer_folder(root, name) -> Path:
     return folder
 
 
+def check_template_tokenizer(tokenizer, source, tokens, template, rows, encoder_where, folder="tokenizer") -> None:
+    """An LLM encoder's tokenizer for a prompt template: the template's control `tokens` in its vocabulary (else
+    `template` says whose it needs: "X's prompt template needs Y's tokenizer"), and no more tokens than the
+    encoder's embedding `rows` (None: not known). `folder`: the model folder's tokenizer folder, for the advice."""
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in tokens if t not in vocab]
+    if missing:
+        raise MlxdiffError(f"{source}: the tokenizer has no {' / '.join(missing)}; {template} (its {folder}/ folder)")
+    if rows is not None and len(tokenizer) > rows:
+        raise MlxdiffError(f"{source}: the tokenizer has {len(tokenizer)} tokens but the text encoder's embedding "
+                           f"({encoder_where}) has {rows} rows; give the model's own {folder} folder")
+
+
 def resolve_path(model, hub_request=None, reads=None) -> Path:
     """What `model` names: a local path, else a hub id (ORG/NAME) fetched into the Hugging Face cache through
     loading/hub.py (`hub_request`: download, revision, variant; `reads(folder)`: the components the run reads from

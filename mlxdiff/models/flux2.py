@@ -30,6 +30,42 @@ from .fused import (attention as fused_attention, compiled_block, cuda_kernels, 
 from .sharding import GatheredLinear, check_divides, shard_layer
 
 
+def block_limits(timestep_key: str) -> dict:
+    """The LIMITS of the keys FLUX.2's transformer config shares with FLUX 3's (whose timestep embedding width is
+    `timestep_channels`, FLUX.2's `timestep_guidance_channels`: `timestep_key`)."""
+    return {
+        "in_channels": between(1, MAX_WIDTH),
+        "num_layers": between(0, MAX_LAYERS),
+        "num_single_layers": between(0, MAX_LAYERS),
+        "attention_head_dim": between(1, MAX_HEAD_DIM),
+        "num_attention_heads": between(1, MAX_HEADS),
+        "joint_attention_dim": between(1, MAX_WIDTH),
+        timestep_key: between(2, MAX_WIDTH),
+        "mlp_ratio": positive(16),
+        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(4, 4)),   # the T, H, W, L position axes
+        "rope_theta": positive(1e12),
+        "eps": positive(1),
+    }
+
+
+def block_rules(timestep_key: str) -> tuple:
+    """The RULES of FLUX.2's transformer config, which FLUX 3's shares (`timestep_key`: as block_limits)."""
+    return (
+        Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
+             and not any(d % 2 for d in a.axes_dims_rope),
+             lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}"),
+        Rule(timestep_key, lambda a: getattr(a, timestep_key) % 2 == 0,
+             lambda a: "expected an even number (sin and cos halves)"),
+        Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim <= MAX_WIDTH,
+             lambda a: f"num_attention_heads * attention_head_dim (the width) must be at most {MAX_WIDTH}"),
+        Rule("mlp_ratio", lambda a: 1 <= int(a.num_attention_heads * a.attention_head_dim * a.mlp_ratio)
+             <= 4 * MAX_WIDTH,
+             lambda a: f"the MLP width int(width * mlp_ratio) must be 1 to {4 * MAX_WIDTH}"),
+        Rule("num_single_layers", lambda a: a.num_layers + a.num_single_layers > 0,
+             lambda a: "num_layers and num_single_layers are both 0; a transformer needs at least one block"),
+    )
+
+
 @dataclass
 class ModelArgs(CheckedArgs):
     # defaults: FLUX.2-dev (black-forest-labs/FLUX.2-dev transformer/config.json = diffusers' class defaults)
@@ -49,35 +85,9 @@ class ModelArgs(CheckedArgs):
     guidance_embeds: bool = True
 
     WHAT = "FLUX.2 transformer config"
-    LIMITS = {
-        "patch_size": between(1, 16),
-        "in_channels": between(1, MAX_WIDTH),
-        "out_channels": between(1, MAX_WIDTH),
-        "num_layers": between(0, MAX_LAYERS),
-        "num_single_layers": between(0, MAX_LAYERS),
-        "attention_head_dim": between(1, MAX_HEAD_DIM),
-        "num_attention_heads": between(1, MAX_HEADS),
-        "joint_attention_dim": between(1, MAX_WIDTH),
-        "timestep_guidance_channels": between(2, MAX_WIDTH),
-        "mlp_ratio": positive(16),
-        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(4, 4)),   # the T, H, W, L position axes
-        "rope_theta": positive(1e12),
-        "eps": positive(1),
-    }
-    RULES = (
-        Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
-             and not any(d % 2 for d in a.axes_dims_rope),
-             lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}"),
-        Rule("timestep_guidance_channels", lambda a: a.timestep_guidance_channels % 2 == 0,
-             lambda a: "expected an even number (sin and cos halves)"),
-        Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim <= MAX_WIDTH,
-             lambda a: f"num_attention_heads * attention_head_dim (the width) must be at most {MAX_WIDTH}"),
-        Rule("mlp_ratio", lambda a: 1 <= int(a.num_attention_heads * a.attention_head_dim * a.mlp_ratio)
-             <= 4 * MAX_WIDTH,
-             lambda a: f"the MLP width int(width * mlp_ratio) must be 1 to {4 * MAX_WIDTH}"),
-        Rule("num_single_layers", lambda a: a.num_layers + a.num_single_layers > 0,
-             lambda a: "num_layers and num_single_layers are both 0; a transformer needs at least one block"),
-    )
+    LIMITS = {"patch_size": between(1, 16), "out_channels": between(1, MAX_WIDTH),
+              **block_limits("timestep_guidance_channels")}
+    RULES = block_rules("timestep_guidance_channels")
 
     def __post_init__(self):
         self.axes_dims_rope = tuple(self.axes_dims_rope)
@@ -246,9 +256,9 @@ class FeedForward(nn.Module):
         return self.linear_out(pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=-1))
 
 
-class Attention(nn.Module):
-    """Flux2Attention (double-stream blocks): separate q/k/v for the image and the text stream, one joint SDPA over
-    [text; image]."""
+class StreamAttention(nn.Module):
+    """One stream's attention layers, no biases: q, k, v, their RMSNorms, to_out. FLUX.2's image stream; FLUX 3's
+    whole Flux3Attention."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
         super().__init__()
@@ -260,6 +270,15 @@ class Attention(nn.Module):
         self.norm_q = nn.RMSNorm(head_dim, eps=eps)
         self.norm_k = nn.RMSNorm(head_dim, eps=eps)
         self.to_out = [nn.Linear(inner, dim, bias=False)]
+
+
+class Attention(StreamAttention):
+    """Flux2Attention (double-stream blocks): separate q/k/v for the image and the text stream, one joint SDPA over
+    [text; image]."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
+        super().__init__(dim, heads, head_dim, eps)
+        inner = heads * head_dim
         self.add_q_proj = nn.Linear(dim, inner, bias=False)
         self.add_k_proj = nn.Linear(dim, inner, bias=False)
         self.add_v_proj = nn.Linear(dim, inner, bias=False)

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, positive
+from ..config_checks import MAX_WIDTH, CheckedArgs, between
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .flux2 import (AdaLayerNormContinuous, FeedForward, Modulation, apply_rope, attention, cached_rope, clip_fp16,
-                    modulate, scaled_time)
+from .flux2 import (AdaLayerNormContinuous, FeedForward, Modulation, StreamAttention, apply_rope, attention,
+                    block_limits, block_rules, cached_rope, clip_fp16, modulate, scaled_time)
 from .fused import compiled_block, cuda_kernels, gated_residual, norm_rope
 
 MODES = ("image", "image_cond")     # the image token modes (diffusers' in_channels_per_mode), then "txt"
@@ -49,34 +49,8 @@ class ModelArgs(CheckedArgs):
     flow_map: bool = False                   # step-distilled: a target_timestep_embedder
 
     WHAT = "FLUX 3 transformer config"
-    LIMITS = {
-        "in_channels": between(1, MAX_WIDTH),
-        "cond_in_channels": between(1, MAX_WIDTH),
-        "num_layers": between(0, MAX_LAYERS),
-        "num_single_layers": between(0, MAX_LAYERS),
-        "attention_head_dim": between(1, MAX_HEAD_DIM),
-        "num_attention_heads": between(1, MAX_HEADS),
-        "joint_attention_dim": between(1, MAX_WIDTH),
-        "timestep_channels": between(2, MAX_WIDTH),
-        "mlp_ratio": positive(16),
-        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(4, 4)),   # the T, H, W, L position axes
-        "rope_theta": positive(1e12),
-        "eps": positive(1),
-    }
-    RULES = (
-        Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
-             and not any(d % 2 for d in a.axes_dims_rope),
-             lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}"),
-        Rule("timestep_channels", lambda a: a.timestep_channels % 2 == 0,
-             lambda a: "expected an even number (sin and cos halves)"),
-        Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim <= MAX_WIDTH,
-             lambda a: f"num_attention_heads * attention_head_dim (the width) must be at most {MAX_WIDTH}"),
-        Rule("mlp_ratio", lambda a: 1 <= int(a.num_attention_heads * a.attention_head_dim * a.mlp_ratio)
-             <= 4 * MAX_WIDTH,
-             lambda a: f"the MLP width int(width * mlp_ratio) must be 1 to {4 * MAX_WIDTH}"),
-        Rule("num_single_layers", lambda a: a.num_layers + a.num_single_layers > 0,
-             lambda a: "num_layers and num_single_layers are both 0; a transformer needs at least one block"),
-    )
+    LIMITS = {**block_limits("timestep_channels"), "cond_in_channels": between(1, MAX_WIDTH)}
+    RULES = block_rules("timestep_channels")
 
     def __post_init__(self):
         self.axes_dims_rope = tuple(self.axes_dims_rope)
@@ -92,19 +66,8 @@ class ByMode(nn.Module):
             setattr(self, name, entry)
 
 
-class Attention(nn.Module):
-    """Flux3Attention: q, k, v of one sequence, qk RMSNorm, RoPE, SDPA, to_out."""
-
-    def __init__(self, dim: int, heads: int, head_dim: int, eps: float):
-        super().__init__()
-        self.heads, self.head_dim = heads, head_dim
-        inner = heads * head_dim
-        self.to_q = nn.Linear(dim, inner, bias=False)
-        self.to_k = nn.Linear(dim, inner, bias=False)
-        self.to_v = nn.Linear(dim, inner, bias=False)
-        self.norm_q = nn.RMSNorm(head_dim, eps=eps)
-        self.norm_k = nn.RMSNorm(head_dim, eps=eps)
-        self.to_out = [nn.Linear(inner, dim, bias=False)]
+class Attention(StreamAttention):
+    """Flux3Attention: q, k, v of one sequence, qk RMSNorm, RoPE, SDPA, to_out (FLUX.2's layers of one stream)."""
 
     def __call__(self, x, cos, sin):
         q, k, v = (f(x).reshape(*x.shape[:2], self.heads, self.head_dim) for f in (self.to_q, self.to_k, self.to_v))

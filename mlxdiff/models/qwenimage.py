@@ -41,8 +41,32 @@ MLP_RATIO = 4            # FeedForward's mult: fixed in diffusers
 MAX_POSITION = 4096      # QwenEmbedRope's tables cover positions -4096..4095 per axis
 
 
+class TransformerArgs(CheckedArgs):
+    """What Qwen-Image 2.1's transformer config shares with Qwen-Image's: the limits of the patch, channel, layer,
+    head and RoPE-axes keys (SHARED_LIMITS), the RoPE axes' rule, the tuple axes and the width."""
+    SHARED_LIMITS = {
+        "patch_size": between(1, 16),
+        "in_channels": between(1, MAX_WIDTH),
+        "out_channels": between(1, MAX_WIDTH),
+        "num_layers": between(1, MAX_LAYERS),
+        "attention_head_dim": between(1, MAX_HEAD_DIM),
+        "num_attention_heads": between(1, MAX_HEADS),
+        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(3, 3)),    # (frame, height, width) position axes
+    }
+    ROPE_RULE = Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
+                     and not any(d % 2 for d in a.axes_dims_rope),
+                     lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}")
+
+    def __post_init__(self):
+        self.axes_dims_rope = tuple(self.axes_dims_rope)
+
+    @property
+    def width(self) -> int:
+        return self.num_attention_heads * self.attention_head_dim
+
+
 @dataclass
-class ModelArgs(CheckedArgs):
+class ModelArgs(TransformerArgs):
     # defaults: Qwen/Qwen-Image transformer/config.json (diffusers' class defaults)
     patch_size: int = 2
     in_channels: int = 64
@@ -60,32 +84,17 @@ class ModelArgs(CheckedArgs):
 
     WHAT = "Qwen-Image transformer config"
     LIMITS = {
-        "patch_size": between(1, 16),
-        "in_channels": between(1, MAX_WIDTH),
-        "out_channels": between(1, MAX_WIDTH),
-        "num_layers": between(1, MAX_LAYERS),
-        "attention_head_dim": between(1, MAX_HEAD_DIM),
-        "num_attention_heads": between(1, MAX_HEADS),
+        **TransformerArgs.SHARED_LIMITS,
         "joint_attention_dim": between(1, MAX_WIDTH),
-        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(3, 3)),    # (frame, height, width) position axes
         "zero_cond_t": one_of(False),
         "use_additional_t_cond": one_of(False),
         "use_layer3d_rope": one_of(False),
     }
     RULES = (
-        Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
-             and not any(d % 2 for d in a.axes_dims_rope),
-             lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}"),
+        TransformerArgs.ROPE_RULE,
         Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim <= MAX_WIDTH,
              lambda a: f"num_attention_heads * attention_head_dim (the width) must be at most {MAX_WIDTH}"),
     )
-
-    def __post_init__(self):
-        self.axes_dims_rope = tuple(self.axes_dims_rope)
-
-    @property
-    def width(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
 
 # -- positions -------------------------------------------------------------------------------------------------------

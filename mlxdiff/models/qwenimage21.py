@@ -30,7 +30,7 @@ from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..config_checks import MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, positive
+from ..config_checks import MAX_WIDTH, Rule, between, positive
 from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape
 from ..pacing import pace
@@ -38,6 +38,7 @@ from .embeddings import TimestepEmbedding, timestep_embedding
 from .flux2 import apply_rope, clip_fp16, rope_tables
 from .fused import attention, compiled_block, gated_residual, through
 from .krea2 import RMSNorm as ZeroCenteredRMSNorm
+from .qwenimage import TransformerArgs
 
 ROPE_THETA = 10000           # QwenImage21Rope(theta=10000): fixed in diffusers
 TOKENS_PER_SLOT = 4          # one vision-language image slot = a 2x2 group of latent tokens
@@ -46,7 +47,7 @@ MAX_NEGATIVE = 1024          # ... and -1024..-1 per axis
 
 
 @dataclass
-class ModelArgs(CheckedArgs):
+class ModelArgs(TransformerArgs):
     # defaults: diffusers' QwenImage21Transformer2DModel (Qwen-Image 2.1's transformer/config.json)
     patch_size: int = 1
     in_channels: int = 64
@@ -61,33 +62,14 @@ class ModelArgs(CheckedArgs):
     causal_condition: bool = True
 
     WHAT = "Qwen-Image 2.1 transformer config"
-    LIMITS = {
-        "patch_size": between(1, 16),
-        "in_channels": between(1, MAX_WIDTH),
-        "out_channels": between(1, MAX_WIDTH),
-        "num_layers": between(1, MAX_LAYERS),
-        "attention_head_dim": between(1, MAX_HEAD_DIM),
-        "num_attention_heads": between(1, MAX_HEADS),
-        "context_in_dim": between(1, MAX_WIDTH),
-        "mlp_ratio": between(1, 64),
-        "axes_dims_rope": between(2, MAX_HEAD_DIM, items=(3, 3)),    # (frame, height, width) position axes
-        "eps": positive(1),
-    }
+    LIMITS = {**TransformerArgs.SHARED_LIMITS, "context_in_dim": between(1, MAX_WIDTH), "mlp_ratio": between(1, 64),
+              "eps": positive(1)}
     RULES = (
-        Rule("axes_dims_rope", lambda a: sum(a.axes_dims_rope) == a.attention_head_dim
-             and not any(d % 2 for d in a.axes_dims_rope),
-             lambda a: f"expected even numbers summing to attention_head_dim {a.attention_head_dim}"),
+        TransformerArgs.ROPE_RULE,
         Rule("num_attention_heads", lambda a: a.num_attention_heads * a.attention_head_dim * a.mlp_ratio <= MAX_WIDTH,
              lambda a: f"num_attention_heads * attention_head_dim * mlp_ratio (the MLP width) must be at most "
                        f"{MAX_WIDTH}"),
     )
-
-    def __post_init__(self):
-        self.axes_dims_rope = tuple(self.axes_dims_rope)
-
-    @property
-    def width(self) -> int:
-        return self.num_attention_heads * self.attention_head_dim
 
 
 # -- the joint sequence ----------------------------------------------------------------------------------------------

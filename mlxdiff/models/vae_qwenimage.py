@@ -170,26 +170,35 @@ def _dims(args):
 
 class Encoder(nn.Module):
     """QwenImageEncoder3d on one frame: `down_blocks` is diffusers' flat list (residual blocks, attention blocks
-    where the scale is in attn_scales, resamples)."""
+    where the scale is in attn_scales, resamples). Qwen-Image 2.1's encoder overrides image_channels and
+    make_down_blocks."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         dims = _dims(args)
-        self.conv_in = Conv2d(args.input_channels, dims[0], 3, padding=1)
-        self.down_blocks = []
-        scale = 1.0
-        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
-            for _ in range(args.num_res_blocks):
-                self.down_blocks.append(ResidualBlock(in_dim, out_dim))
-                if scale in args.attn_scales:
-                    self.down_blocks.append(AttentionBlock(out_dim))
-                in_dim = out_dim
-            if i != len(args.dim_mult) - 1:
-                self.down_blocks.append(Resample(out_dim, up=False))
-                scale /= 2.0
+        self.conv_in = Conv2d(self.image_channels(args), dims[0], 3, padding=1)
+        self.down_blocks = self.make_down_blocks(args, dims)
         self.mid_block = MidBlock(dims[-1])
         self.norm_out = RMSNorm(dims[-1])
         self.conv_out = Conv2d(dims[-1], 2 * args.z_dim, 3, padding=1)
+
+    @staticmethod
+    def image_channels(args) -> int:
+        return args.input_channels
+
+    @staticmethod
+    def make_down_blocks(args, dims) -> list:
+        blocks, scale = [], 1.0
+        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
+            for _ in range(args.num_res_blocks):
+                blocks.append(ResidualBlock(in_dim, out_dim))
+                if scale in args.attn_scales:
+                    blocks.append(AttentionBlock(out_dim))
+                in_dim = out_dim
+            if i != len(args.dim_mult) - 1:
+                blocks.append(Resample(out_dim, up=False))
+                scale /= 2.0
+        return blocks
 
     def __call__(self, x, after_stage=None):
         x = stage(after_stage, self.conv_in(x))
@@ -215,20 +224,32 @@ class UpBlock(nn.Module):
 
 
 class Decoder(nn.Module):
-    """QwenImageDecoder3d on one frame (attn_scales unused, as in diffusers' decoder)."""
+    """QwenImageDecoder3d on one frame (attn_scales unused, as in diffusers' decoder). Qwen-Image 2.1's decoder
+    overrides base_width, image_channels and make_up_blocks."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
         mult = tuple(args.dim_mult)
-        dims = [args.base_dim * m for m in (mult[-1],) + mult[::-1]]
+        dims = [self.base_width(args) * m for m in (mult[-1],) + mult[::-1]]
         self.conv_in = Conv2d(args.z_dim, dims[0], 3, padding=1)
         self.mid_block = MidBlock(dims[0])
-        self.up_blocks = []
-        for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:])):
-            self.up_blocks.append(UpBlock(in_dim // 2 if i > 0 else in_dim, out_dim, args.num_res_blocks,
-                                          upsample=i != len(mult) - 1))
+        self.up_blocks = self.make_up_blocks(args, dims)
         self.norm_out = RMSNorm(dims[-1])
-        self.conv_out = Conv2d(dims[-1], args.input_channels, 3, padding=1)
+        self.conv_out = Conv2d(dims[-1], self.image_channels(args), 3, padding=1)
+
+    @staticmethod
+    def base_width(args) -> int:
+        return args.base_dim
+
+    @staticmethod
+    def image_channels(args) -> int:
+        return args.input_channels
+
+    @staticmethod
+    def make_up_blocks(args, dims) -> list:
+        return [UpBlock(in_dim // 2 if i > 0 else in_dim, out_dim, args.num_res_blocks,
+                        upsample=i != len(args.dim_mult) - 1)
+                for i, (in_dim, out_dim) in enumerate(zip(dims[:-1], dims[1:]))]
 
     def __call__(self, z, after_stage=None):
         x = self.mid_block(stage(after_stage, self.conv_in(z)), after_stage)
@@ -258,14 +279,16 @@ class Model(nn.Module):
     TILE_SAMPLE = 256
     TILE_OVERLAP = 0.25
 
+    ENCODER, DECODER = Encoder, Decoder      # the classes built (Qwen-Image 2.1's model names its residual ones)
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
         self.compute_dtype = mx.float32
-        self.encoder = Encoder(args)
+        self.encoder = self.ENCODER(args)
         self.quant_conv = nn.Conv2d(2 * args.z_dim, 2 * args.z_dim, 1)
         self.post_quant_conv = nn.Conv2d(args.z_dim, args.z_dim, 1)
-        self.decoder = Decoder(args)
+        self.decoder = self.DECODER(args)
 
     @property
     def factor(self) -> int:

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from ..config_checks import MAX_LEVELS, MAX_WIDTH, CheckedArgs, Rule, between, one_of
 from . import vae_qwenimage
 from .vae import Conv2d, stage
-from .vae_qwenimage import MidBlock, ResidualBlock, RMSNorm
+from .vae_qwenimage import ResidualBlock
 
 # AutoencoderKLQwenImage21's defaults (Qwen-Image 2.1's vae/config.json)
 LATENTS_MEAN = (0.5126, 0.7721, -0.0631, 1.3506, -0.7855, -2.1025, -0.3458, 1.3722, 1.8873, -1.7177, -0.6510, 0.2732,
@@ -179,50 +179,40 @@ class ResidualUpBlock(nn.Module):
         return x
 
 
-class Encoder(nn.Module):
-    """QwenImage21Encoder3d (is_residual) on one frame."""
+class Encoder(vae_qwenimage.Encoder):
+    """QwenImage21Encoder3d (is_residual) on one frame: vae_qwenimage's, with residual down blocks."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        dims = [args.base_dim * m for m in (1,) + tuple(args.dim_mult)]
-        self.conv_in = Conv2d(args.in_channels, dims[0], 3, padding=1)
-        self.down_blocks = [ResidualDownBlock(dims[i], dims[i + 1], args.num_res_blocks, *_levels(args, i))
-                            for i in range(len(args.dim_mult))]
-        self.mid_block = MidBlock(dims[-1])
-        self.norm_out = RMSNorm(dims[-1])
-        self.conv_out = Conv2d(dims[-1], 2 * args.z_dim, 3, padding=1)
+    @staticmethod
+    def image_channels(args) -> int:
+        return args.in_channels
 
-    def __call__(self, x, after_stage=None):
-        x = stage(after_stage, self.conv_in(x))
-        for block in self.down_blocks:
-            x = stage(after_stage, block(x, after_stage))
-        x = self.mid_block(x, after_stage)
-        return self.conv_out(nn.silu(self.norm_out(x)))
+    @staticmethod
+    def make_down_blocks(args, dims) -> list:
+        return [ResidualDownBlock(dims[i], dims[i + 1], args.num_res_blocks, *_levels(args, i))
+                for i in range(len(args.dim_mult))]
 
 
-class Decoder(nn.Module):
-    """QwenImage21Decoder3d (is_residual) on one frame."""
+class Decoder(vae_qwenimage.Decoder):
+    """QwenImage21Decoder3d (is_residual) on one frame: vae_qwenimage's, decoder_base_dim wide, with residual up
+    blocks."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        mult = tuple(args.dim_mult)
-        dims = [args.decoder_dim * m for m in (mult[-1],) + mult[::-1]]
+    @staticmethod
+    def base_width(args) -> int:
+        return args.decoder_dim
+
+    @staticmethod
+    def image_channels(args) -> int:
+        return args.out_channels
+
+    @staticmethod
+    def make_up_blocks(args, dims) -> list:
         upsample_t = tuple(args.temperal_downsample)[::-1]
-        self.conv_in = Conv2d(args.z_dim, dims[0], 3, padding=1)
-        self.mid_block = MidBlock(dims[0])
-        self.up_blocks = []
-        for i in range(len(mult)):
-            up = i != len(mult) - 1
-            self.up_blocks.append(ResidualUpBlock(dims[i], dims[i + 1], args.num_res_blocks,
-                                                  2 if up and upsample_t[i] else 1, up))
-        self.norm_out = RMSNorm(dims[-1])
-        self.conv_out = Conv2d(dims[-1], args.out_channels, 3, padding=1)
-
-    def __call__(self, z, after_stage=None):
-        x = self.mid_block(stage(after_stage, self.conv_in(z)), after_stage)
-        for block in self.up_blocks:
-            x = block(x, after_stage)
-        return self.conv_out(nn.silu(self.norm_out(x)))
+        blocks = []
+        for i in range(len(args.dim_mult)):
+            up = i != len(args.dim_mult) - 1
+            blocks.append(ResidualUpBlock(dims[i], dims[i + 1], args.num_res_blocks,
+                                          2 if up and upsample_t[i] else 1, up))
+        return blocks
 
 
 class Model(vae_qwenimage.Model):
@@ -230,14 +220,7 @@ class Model(vae_qwenimage.Model):
     (and sanitize: its 2-D kernels OIHW -> OHWI, the attention's 1x1 convs as Linear, RMS gammas flattened, the
     unused time_conv dropped) over this module's residual encoder and decoder. Images have out_channels (RGBA)."""
 
-    def __init__(self, args: ModelArgs):
-        nn.Module.__init__(self)
-        self.args = args
-        self.compute_dtype = mx.float32
-        self.encoder = Encoder(args)
-        self.quant_conv = nn.Conv2d(2 * args.z_dim, 2 * args.z_dim, 1)
-        self.post_quant_conv = nn.Conv2d(args.z_dim, args.z_dim, 1)
-        self.decoder = Decoder(args)
+    ENCODER, DECODER = Encoder, Decoder
 
     def decode_bytes(self, shape, dtype) -> int:
         """About the activations of an untiled staged decode of latents `shape`: four copies of the widest

@@ -74,6 +74,30 @@ def guidance_pair(group, uncond, cond):
     return both[:mine.shape[0]], both[mine.shape[0]:]
 
 
+def negative_prompts(prompts: list, negative_prompt) -> list:
+    """One negative prompt per prompt, as the Qwen-style encode_prompt takes them: "" when none is given, a string
+    for every prompt, else a list of one per prompt."""
+    negative_prompt = "" if negative_prompt is None else negative_prompt
+    negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
+    if len(negs) != len(prompts):
+        raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
+    return negs
+
+
+class TapsEncoding:
+    """The encode hooks of a family whose encode_prompt takes max_sequence_length and text_encoder_out_layers (the
+    LLM encoder's hidden-state taps): FLUX.2's and FLUX 3's. Before Pipeline in the bases."""
+
+    def encode(self, run):
+        return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
+                                  max_sequence_length=run.options["max_sequence_length"],
+                                  text_encoder_out_layers=run.options["text_encoder_out_layers"])
+
+    def encode_settings(self, run):
+        return (repr(run.negative_prompt), run.options["max_sequence_length"],
+                repr(run.options["text_encoder_out_layers"]))
+
+
 class Cancelled(MlxdiffError):
     """A run stopped between two denoising steps: on_step returned False or Pipeline.cancel() was called. Nothing
     was decoded; the components were kept or released as `keep` says. An MlxdiffError, so that the CLI says it in

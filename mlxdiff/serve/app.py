@@ -161,9 +161,11 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
     async def lifespan(app):
         yield
         await asyncio.to_thread(queue.stop)
-        # FastAPI keeps each app's endpoints (closures over the pipeline) in a process-wide cache, so an app outlives
-        # its server: what the pipeline kept loaded is freed here instead of with it
-        queue.pipe.release()
+        # FastAPI keeps each app's endpoints (closures over the queue, which reach the pipeline as queue.pipe) in a
+        # process-wide cache, so an app outlives its server: what the pipeline kept loaded is freed here, and the
+        # queue lets go of the pipeline, instead of with the app
+        released, queue.pipe = queue.pipe, None
+        released.release()
 
     app = FastAPI(title="mlxdiff", description="MLX-native image generation: OpenAI's images API and a job API",
                   lifespan=lifespan)
@@ -222,21 +224,21 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
             except MlxdiffError as e:
                 raise FieldError("size" if name in ("width", "height") else name, str(e)) from None
         for name in extras:
-            if name not in pipe.OPTIONS or name in NOT_JSON_OPTIONS:
+            if name not in queue.pipe.OPTIONS or name in NOT_JSON_OPTIONS:
                 shown = name if name.isidentifier() else repr(name)
-                raise FieldError(name, f"{shown}: not a field of this API for {pipe.title} models (its options: "
-                                       f"{', '.join(o for o in pipe.OPTIONS if o not in NOT_JSON_OPTIONS)})")
+                raise FieldError(name, f"{shown}: not a field of this API for {queue.pipe.title} models (its options: "
+                                       f"{', '.join(o for o in queue.pipe.OPTIONS if o not in NOT_JSON_OPTIONS)})")
         try:
-            width, height, steps, guidance = pipe.request(width, height, body["steps"], body["guidance"])
+            width, height, steps, guidance = queue.pipe.request(width, height, body["steps"], body["guidance"])
         except MlxdiffError as e:
             raise FieldError("size", str(e)) from None
         try:
-            pipe.family_options(dict(extras))      # the sampler's name, against the family's kind
+            queue.pipe.family_options(dict(extras))      # the sampler's name, against the family's kind
         except MlxdiffError as e:
             raise FieldError("scheduler", str(e)) from None
         if body["cache"] is not None:
             try:
-                pipe.new_step_cache(body["cache"])
+                queue.pipe.new_step_cache(body["cache"])
             except MlxdiffError as e:
                 raise FieldError("cache", str(e)) from None
         seed = secrets.randbelow(1 << 32) if body["seed"] is None else body["seed"]
@@ -246,7 +248,7 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
                        guidance=guidance, **extras, **({"cache": body["cache"]} if body["cache"] else {}))
         if images:
             options.update(image=images, strength=strength, **({"mask": mask} if mask is not None else {}))
-            if strength is None or mask is not None or pipe.SIZE_OF_IMAGE:   # the image sets the size (as the CLI)
+            if strength is None or mask is not None or queue.pipe.SIZE_OF_IMAGE:   # the image sets the size (the CLI's)
                 options.update(width=None if body["size"] in (None, "auto") else width,
                                height=None if body["size"] in (None, "auto") else height)
         parameters = {"negative_prompt": body["negative_prompt"] or "", "model": model_name, "steps": steps,
@@ -315,10 +317,10 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
                        loras: str | None = Form(None, description='JSON: [{"name": ..., "scale": ...}]')):
         """The edits form (OpenAI's multipart fields and mlxdiff's) -> (a checked, submitted job, response_format)."""
         if not takes["image"]:
-            raise FieldError("image", f"image: {pipe.title} models take no image (text-to-image only); use "
+            raise FieldError("image", f"image: {queue.pipe.title} models take no image (text-to-image only); use "
                                       "/v1/images/generations")
         if mask is not None and not takes["mask"]:
-            raise FieldError("mask", f"mask: {pipe.title} models do not inpaint; leave the mask out")
+            raise FieldError("mask", f"mask: {queue.pipe.title} models do not inpaint; leave the mask out")
         try:
             check_number("strength", strength)
         except MlxdiffError as e:
@@ -341,13 +343,13 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
                 raise FieldError("mask", note.split(":")[0] + ": another aspect ratio than the image; give a mask "
                                  "of the image's size")
         try:
-            pipe.check_images(["image"], images, strength)
+            queue.pipe.check_images(["image"], images, strength)
         except MlxdiffError as e:
             raise FieldError("image", str(e)) from None
         body = {"prompt": prompt, "n": n, "size": size, "seed": seed, "negative_prompt": negative_prompt,
                 "steps": steps, "guidance": guidance, "cache": None, "model": model, "loras": chosen, "extras": {}}
         if strength is None and images:
-            strength = pipe.default_strength({"mask": masks[0]} if masks else {})
+            strength = queue.pipe.default_strength({"mask": masks[0]} if masks else {})
         names = [image.filename or "image"] + ([mask.filename or "mask"] if masks else [])
         return submit(make_job(body, images, masks[0] if masks else None, strength, names)), response_format
 
@@ -364,7 +366,7 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
     @app.get("/v1/models", dependencies=v1)
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "mlxdiff", "family": pipe.title, "takes": takes}]}
+                                            "owned_by": "mlxdiff", "family": queue.pipe.title, "takes": takes}]}
 
     @app.post("/v1/jobs", dependencies=v1, status_code=202)
     async def create_job(req: GenerationRequest):
@@ -412,8 +414,8 @@ def create_app(pipe, model_name: str, api_key: str | None = None, loras: dict | 
     @app.get("/v1/page-config", include_in_schema=False)
     async def page_config():
         """What the page fills its form with (no key needed: it says nothing the API would not)."""
-        steps_guidance = pipe.defaults()
-        return {"model": model_name, "family": pipe.title, "size": pipe.default_size(),
+        steps_guidance = queue.pipe.defaults()
+        return {"model": model_name, "family": queue.pipe.title, "size": queue.pipe.default_size(),
                 "steps": steps_guidance["steps"], "guidance": steps_guidance["guidance"],
                 "api_key": api_key is not None, "inpaints": takes["mask"], "takes": takes,
                 "max_upload_mb": upload_bytes / (1 << 20)}

@@ -28,7 +28,7 @@ from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import tokenize_dev, tokenize_klein
 from .. import image_inputs
-from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ..base import Pipeline, TapsEncoding, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Conditioning:
     as_numpy = as_numpy
 
 
-class Flux2Pipeline(image_inputs.LatentInpainting, Pipeline):
+class Flux2Pipeline(image_inputs.LatentInpainting, TapsEncoding, Pipeline):
     """`generate(..., image=)`: a PIL image, an image file or a list of them. Without `strength` they are reference
     images (editing, as diffusers' FLUX.2 pipelines; the output size defaults to the first one's prepared size);
     with `strength` (0 < strength <= 1) the one image is the init image of image-to-image, by mflux's recipe
@@ -166,15 +166,6 @@ class Flux2Pipeline(image_inputs.LatentInpainting, Pipeline):
             run.width = max(multiple, image.width // multiple * multiple)
             run.height = max(multiple, image.height // multiple * multiple)
         return True
-
-    def encode(self, run):
-        return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
-                                  max_sequence_length=run.options["max_sequence_length"],
-                                  text_encoder_out_layers=run.options["text_encoder_out_layers"])
-
-    def encode_settings(self, run):
-        return (repr(run.negative_prompt), run.options["max_sequence_length"],
-                repr(run.options["text_encoder_out_layers"]))
 
     def prepare_latents(self, run, latents):
         embeds, targs = run.conditioning.prompt_embeds, self.components["transformer"].args

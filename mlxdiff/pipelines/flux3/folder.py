@@ -18,8 +18,8 @@ from pathlib import Path
 from ...config_checks import MAX_IMAGE_SIZE, MAX_LAYERS, CheckedArgs, between, show
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
-from ...loading.sources import (ComponentSpec, check_together, folder_component, not_a_folder, text_encoder_spec,
-                                tokenizer_folder, transformer_from_file)
+from ...loading.sources import (ComponentSpec, check_template_tokenizer, check_together, folder_component, not_a_folder,
+                                text_encoder_spec, tokenizer_folder, transformer_from_file)
 from ...loading.spec import PipelineSources
 from ...loading.vae_files import FLUX2 as FLUX2_VAE, read_vae_file
 from ...models import flux3, text_qwen3vl
@@ -52,17 +52,6 @@ def transformer_file(path, base_config, base_where) -> ComponentSpec:
                                           "not a FLUX 3 transformer in diffusers' names (no txt_mode_blocks.* / "
                                           "mode_blocks.image.*); give a Flux3Transformer2DModel file"))
     return transformer_from_file(path, flux3, base_config, base_where)
-
-
-def check_tokenizer(tokenizer, source, rows, encoder_where) -> None:
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in TEMPLATE_TOKENS if t not in vocab]
-    if missing:
-        raise MlxdiffError(f"{source}: the tokenizer has no {' / '.join(missing)}; FLUX 3's prompt template needs "
-                           "Qwen3-VL's tokenizer (its tokenizer/ folder)")
-    if rows is not None and len(tokenizer) > rows:
-        raise MlxdiffError(f"{source}: the tokenizer has {len(tokenizer)} tokens but the text encoder's embedding "
-                           f"({encoder_where}) has {rows} rows; give the model's own tokenizer folder")
 
 
 def flux3_folder(root: Path, index, pipeline_class, components, transformer=None, vae=None) -> PipelineSources:
@@ -104,7 +93,8 @@ def flux3_folder(root: Path, index, pipeline_class, components, transformer=None
     check_together(root, specs, math.prod(specs["vae"].args.patch_size), 2, options.sample_size)
     folder = tokenizer_folder(root, "tokenizer")
     tokenizer = load_chat_tokenizer(folder)
-    check_tokenizer(tokenizer, folder, encoder.text_config.get("vocab_size"), config_path)
+    check_template_tokenizer(tokenizer, folder, TEMPLATE_TOKENS, "FLUX 3's prompt template needs Qwen3-VL's tokenizer",
+                             encoder.text_config.get("vocab_size"), config_path)
     return PipelineSources("flux3", pipeline_class, specs, {"tokenizer": tokenizer}, dict(SCHEDULER),
                            {"sample_size": options.sample_size,
                             "text_encoder_out_layers": options.text_encoder_out_layers})

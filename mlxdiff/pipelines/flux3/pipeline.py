@@ -36,7 +36,7 @@ from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import require_chat_template
 from .. import image_inputs
-from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ..base import Pipeline, TapsEncoding, as_numpy, evaluate_each_block, guidance_pair, initial_latents
 
 SHIFT = 6.93                    # Flux3SetTimestepsStep's constant shift, configured on the scheduler
 PAD_MULTIPLE = 80               # Flux3TextEncoderStep: the text window is a multiple of this many tokens
@@ -119,7 +119,7 @@ def tokenize(tokenizer, prompt, max_sequence_length=MAX_SEQUENCE):
     return ids, mask, positions
 
 
-class Flux3Pipeline(Pipeline):
+class Flux3Pipeline(TapsEncoding, Pipeline):
     """`generate(..., image=)`: a PIL image, an image file or a list of up to 10: reference images (the output size
     defaults to the first one's prepared size; one reference alone is padded to its canvas and the output cropped
     back to it unless the size is given). `latents`: the noise in diffusers' layout (B, 4 * latent channels, H/16,
@@ -197,15 +197,6 @@ class Flux3Pipeline(Pipeline):
         if self.is_distilled and run.negative_prompt:
             raise MlxdiffError("negative_prompt: the step-distilled FLUX 3 samples without guidance, so it has no "
                                "negative prompt; leave it out (or give the base model)")
-
-    def encode(self, run):
-        return self.encode_prompt(run.prompt, run.negative_prompt, do_classifier_free_guidance=run.cfg,
-                                  max_sequence_length=run.options["max_sequence_length"],
-                                  text_encoder_out_layers=run.options["text_encoder_out_layers"])
-
-    def encode_settings(self, run):
-        return (repr(run.negative_prompt), run.options["max_sequence_length"],
-                repr(run.options["text_encoder_out_layers"]))
 
     def prepare_latents(self, run, latents):
         embeds, targs = run.conditioning.prompt_embeds, self.components["transformer"].args

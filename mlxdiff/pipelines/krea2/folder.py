@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ...config_checks import MAX_LAYERS, CheckedArgs, between
 from ...errors import MlxdiffError
-from ...loading.sources import folder_component, read_scheduler_config, text_encoder_spec, tokenizer_folder, \
-    transformer_from_file
+from ...loading.sources import check_template_tokenizer, folder_component, read_scheduler_config, text_encoder_spec, \
+    tokenizer_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import krea2, text_llm, text_qwen3vl
 from ...tokenizers import load_tokenizer
@@ -61,14 +61,7 @@ def krea2_folder(root: Path, index, pipeline_class, components, transformer=None
                            "together")
     folder = tokenizer_folder(root, "tokenizer")
     tokenizer = load_tokenizer(folder)
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in TEMPLATE_TOKENS if t not in vocab]
-    if missing:
-        raise MlxdiffError(f"{folder}: the tokenizer has no {' / '.join(missing)}; Krea 2's prompt template needs "
-                           "Qwen3-VL's tokenizer (its tokenizer/ folder)")
-    rows = encoder.text_config.get("vocab_size")
-    if rows is not None and len(tokenizer) > rows:
-        raise MlxdiffError(f"{folder}: the tokenizer has {len(tokenizer)} tokens but the text encoder's embedding "
-                           f"({config_path}) has {rows} rows; give the model's own tokenizer folder")
+    check_template_tokenizer(tokenizer, folder, TEMPLATE_TOKENS, "Krea 2's prompt template needs Qwen3-VL's tokenizer",
+                             encoder.text_config.get("vocab_size"), config_path)
     return PipelineSources("krea2", pipeline_class, specs, {"tokenizer": tokenizer}, read_scheduler_config(root),
                            {"is_distilled": options.is_distilled, "patch_size": p})

@@ -29,7 +29,7 @@ from ... import schedulers
 from ...arguments import check_generate
 from ...errors import MlxdiffError
 from ...tokenizers import report_truncation
-from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents, negative_prompts
 
 # Krea2Pipeline's prompt_template_encode_prefix / _suffix / _start_idx / _num_suffix_tokens
 PROMPT_PREFIX = ("<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, "
@@ -141,10 +141,7 @@ class Krea2Pipeline(Pipeline):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not do_classifier_free_guidance:
             return Conditioning(*self._encode([prompts], max_sequence_length)[0])
-        negative_prompt = "" if negative_prompt is None else negative_prompt
-        negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
-        if len(negs) != len(prompts):
-            raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
+        negs = negative_prompts(prompts, negative_prompt)
         (embeds, mask), negative = self._encode([prompts, negs], max_sequence_length)
         return Conditioning(embeds, mask, *negative)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from ...errors import MlxdiffError
 from ...formats import check_weight_file, tensor_shapes
-from ...loading.sources import (ComponentSpec, folder_component, not_a_folder, read_json, read_scheduler_config,
-                                text_encoder_spec, tokenizer_folder, transformer_from_file)
+from ...loading.sources import (ComponentSpec, check_template_tokenizer, folder_component, not_a_folder, read_json,
+                                read_scheduler_config, text_encoder_spec, tokenizer_folder, transformer_from_file)
 from ...loading.spec import PipelineSources
 from ...models import qwenimage, text_llm, vision_qwen25vl
 from ...tokenizers import load_tokenizer
@@ -39,14 +39,8 @@ def transformer_file(path, base_config, base_where) -> ComponentSpec:
 
 def check_tokenizer(tokenizer, source, rows, encoder_where) -> None:
     """Qwen-Image's template tokens in the tokenizer, and no more tokens than the text encoder's embedding rows."""
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in TEMPLATE_TOKENS if t not in vocab]
-    if missing:
-        raise MlxdiffError(f"{source}: the tokenizer has no {' / '.join(missing)}; Qwen-Image's prompt template needs "
-                           "Qwen2.5-VL's tokenizer (its tokenizer/ folder)")
-    if rows is not None and len(tokenizer) > rows:
-        raise MlxdiffError(f"{source}: the tokenizer has {len(tokenizer)} tokens but the text encoder's embedding "
-                           f"({encoder_where}) has {rows} rows; give the model's own tokenizer folder")
+    check_template_tokenizer(tokenizer, source, TEMPLATE_TOKENS,
+                             "Qwen-Image's prompt template needs Qwen2.5-VL's tokenizer", rows, encoder_where)
 
 
 def qwenimage_folder(root: Path, index, pipeline_class, components, transformer=None) -> PipelineSources:

@@ -42,7 +42,7 @@ from ...policy import RunPolicy, current
 from ...tokenizers import report_truncation
 from .. import image_inputs
 from ..image_inputs import latent_mask
-from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents
+from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents, negative_prompts
 from ..patches import pack_2x2, unpack_2x2
 
 # QwenImagePipeline's prompt_template_encode, prompt_template_encode_start_idx and tokenizer_max_length
@@ -150,10 +150,7 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not do_true_cfg:
             return Conditioning(*self._encode([prompts], max_sequence_length)[0])
-        negative_prompt = "" if negative_prompt is None else negative_prompt
-        negs = [negative_prompt] * len(prompts) if isinstance(negative_prompt, str) else list(negative_prompt)
-        if len(negs) != len(prompts):
-            raise MlxdiffError(f"{len(negs)} negative prompts for {len(prompts)} prompts; give one per prompt")
+        negs = negative_prompts(prompts, negative_prompt)
         (embeds, mask), negative = self._encode([prompts, negs], max_sequence_length)
         return Conditioning(embeds, mask, *negative)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ...config_checks import CheckedArgs, between
 from ...errors import MlxdiffError
-from ...loading.sources import folder_component, read_scheduler_config, text_encoder_spec, tokenizer_folder, \
-    transformer_from_file
+from ...loading.sources import check_template_tokenizer, folder_component, read_scheduler_config, text_encoder_spec, \
+    tokenizer_folder, transformer_from_file
 from ...loading.spec import PipelineSources
 from ...models import qwenimage21, text_llm, text_qwen3vl
 from ...tokenizers import load_tokenizer
@@ -58,14 +58,8 @@ def qwenimage21_folder(root: Path, index, pipeline_class, components, transforme
                            "belong together")
     folder = tokenizer_folder(root, "processor")
     tokenizer = load_tokenizer(folder)
-    vocab = tokenizer.get_vocab()
-    missing = [t for t in TEMPLATE_TOKENS if t not in vocab]
-    if missing:
-        raise MlxdiffError(f"{folder}: the tokenizer has no {' / '.join(missing)}; Qwen-Image 2.1's prompt template "
-                           "needs Qwen3-VL's tokenizer (its processor/ folder)")
-    rows = encoder.text_config.get("vocab_size")
-    if rows is not None and len(tokenizer) > rows:
-        raise MlxdiffError(f"{folder}: the tokenizer has {len(tokenizer)} tokens but the text encoder's embedding "
-                           f"({config_path}) has {rows} rows; give the model's own processor folder")
+    check_template_tokenizer(tokenizer, folder, TEMPLATE_TOKENS,
+                             "Qwen-Image 2.1's prompt template needs Qwen3-VL's tokenizer",
+                             encoder.text_config.get("vocab_size"), config_path, folder="processor")
     return PipelineSources("qwenimage21", pipeline_class, specs, {"processor": tokenizer}, read_scheduler_config(root),
                            {"sample_sigmas": options.sample_sigmas})
