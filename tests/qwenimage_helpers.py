@@ -342,3 +342,58 @@ def qwen_edit_tiny(tmp_path_factory):
     latent channels, a 4-level VAE (factor 8); one set of components, saved as each pipeline class."""
     saved = save_edit_pipelines(tmp_path_factory.mktemp("qwenimage_edit"))
     return {name: (folder, pipe, load_scaled_edit(folder)) for name, (folder, pipe) in saved.items()}
+
+
+# -- Qwen-Image-Edit inpainting and Qwen-Image-Edit-2511 (tests/test_qwenimage_edit_inpaint.py) -----------------------
+
+@contextlib.contextmanager
+def scaled_edit_areas(scale):
+    """scaled_areas() at another scale, QwenImageEditInpaintPipeline's too (its module holds its own copy of
+    calculate_dimensions)."""
+    from diffusers.pipelines.qwenimage import (pipeline_qwenimage_edit as edit, pipeline_qwenimage_edit_inpaint as
+                                               inpaint, pipeline_qwenimage_edit_plus as plus)
+    modules = (edit, plus, inpaint)
+    originals = [m.calculate_dimensions for m in modules]
+    for module, original in zip(modules, originals):
+        module.calculate_dimensions = lambda area, ratio, original=original: original(area * scale, ratio)
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.calculate_dimensions = original
+
+
+def load_edit_at(folder, scale):
+    """load_scaled_edit at another scale (a pipeline of the test's own: the fixture's stay as built)."""
+    pipe = mlxdiff.load(str(folder), dtype="float32")
+    pipe.VAE_AREA, pipe.CONDITION_AREA = pipe.VAE_AREA * scale, pipe.CONDITION_AREA * scale
+    return pipe
+
+
+def edit_inpaint_draws(pipe, seed, width, height):
+    """QwenImageEditInpaintPipeline's first two draws from a Generator seeded `seed` at the output size: (the VAE
+    posterior's noise (1, EDIT_Z, H/8, W/8), the packed noise scale_noise mixes in), for mlxdiff's image_noise= and
+    latents=. Its third draw (the masked image's posterior) feeds only masked_image_latents, which its loop never
+    reads."""
+    h, w = height // pipe.vae_scale_factor, width // pipe.vae_scale_factor
+    g = torch.Generator().manual_seed(seed)
+    posterior = torch.randn((1, EDIT_Z, 1, h, w), generator=g)
+    noise = torch.randn((1, 1, EDIT_Z, h, w), generator=g)
+    return posterior[:, :, 0].numpy(), pipe._pack_latents(noise, 1, EDIT_Z, h, w).numpy()
+
+
+def save_zero_cond_folder(plus_folder, folder):
+    """A Qwen-Image-Edit-2511-style folder: the tiny Plus folder's files with `zero_cond_t: true` in
+    transformer/config.json (the same weights: the switch adds none) -> the folder."""
+    shutil.copytree(plus_folder, folder)
+    config = folder / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "zero_cond_t": True}))
+    return folder
+
+
+def make_zero_cond_torch_model(base):
+    """`base`'s weights (make_torch_model's) in a QwenImageTransformer2DModel with zero_cond_t on."""
+    from diffusers import QwenImageTransformer2DModel
+    model = QwenImageTransformer2DModel(**CONFIG, zero_cond_t=True)
+    model.load_state_dict(base.state_dict())
+    return model.eval()

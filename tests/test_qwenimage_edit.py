@@ -141,7 +141,7 @@ def test_an_edit_folder_is_recognised_by_its_class(qwen_edit_tiny, tmp_path):
     (dict(), "give image="),
     (dict(image=[IMAGE, SECOND]), "takes one input image"),
     (dict(image=IMAGE, strength=0.5), "no image-to-image"),
-    (dict(image=IMAGE, mask=IMAGE), "mask"),
+    (dict(image=IMAGE, mask_blur=2), "mask"),     # with mask= it inpaints (tests/test_qwenimage_edit_inpaint.py)
     (dict(image=IMAGE, prompt=["a", "b"]), "one prompt"),
 ])
 def test_bad_input_is_one_line(qwen_edit_tiny, kwargs, match):

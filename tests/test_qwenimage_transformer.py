@@ -143,7 +143,8 @@ def test_comfyui_file_is_diffusers_names_under_a_prefix(saved, tmp_path):
 
 
 def test_config_defaults_and_refusals():
-    """The defaults are Qwen/Qwen-Image's transformer; the variants' switches not implemented are refused."""
+    """The defaults are Qwen/Qwen-Image's transformer; the variants' switches not implemented (Qwen-Image-Layered's)
+    are refused."""
     from diffusers import QwenImageTransformer2DModel
     import inspect
     defaults = {k: p.default for k, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
@@ -151,7 +152,7 @@ def test_config_defaults_and_refusals():
     args = qwenimage.ModelArgs()
     for key, value in defaults.items():
         assert getattr(args, key) == (tuple(value) if isinstance(value, (list, tuple)) else value), key
-    for key in ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope"):
+    for key in ("use_additional_t_cond", "use_layer3d_rope"):
         with pytest.raises(MlxdiffError, match=key):
             qwenimage.ModelArgs.from_dict({**CONFIG, key: True})
     with pytest.raises(MlxdiffError, match="axes_dims_rope"):

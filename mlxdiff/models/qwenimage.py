@@ -32,7 +32,7 @@ from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
 from .flux1 import Attention, modulate
 from .flux2 import clip_fp16, rope_tables
-from .fused import double_stream, gated_residual
+from .fused import double_stream, gated_residual, norm_modulate
 from .mmdit import AdaLayerNormContinuous, FeedForward, Modulation
 
 ROPE_THETA = 10000       # QwenEmbedRope(theta=10000): fixed in diffusers, not a config key
@@ -77,8 +77,9 @@ class ModelArgs(TransformerArgs):
     joint_attention_dim: int = 3584
     guidance_embeds: bool = False            # builds nothing in diffusers (its guidance path is unused)
     axes_dims_rope: tuple[int, ...] = (16, 56, 56)
-    # the variants' switches (Qwen-Image-Edit-2511's zero_cond_t, Qwen-Image-Layered's two): not supported yet
+    # Qwen-Image-Edit-2511's: the input images' tokens modulated at timestep 0 (TransformerBlock)
     zero_cond_t: bool = False
+    # Qwen-Image-Layered's switches: not supported yet
     use_additional_t_cond: bool = False
     use_layer3d_rope: bool = False
 
@@ -86,7 +87,7 @@ class ModelArgs(TransformerArgs):
     LIMITS = {
         **TransformerArgs.SHARED_LIMITS,
         "joint_attention_dim": between(1, MAX_WIDTH),
-        "zero_cond_t": one_of(False),
+        "zero_cond_t": one_of(False, True),
         "use_additional_t_cond": one_of(False),
         "use_layer3d_rope": one_of(False),
     }
@@ -157,9 +158,23 @@ def modulations(mod_layer, temb, dim) -> tuple:
     return Modulation(*chunks[:3]), Modulation(*chunks[3:])
 
 
+def token_modulation(mod, cond_mod, is_output):
+    """zero_cond_t's image-stream modulation: the output's tokens take `mod` (the step's timestep), the input images'
+    `cond_mod` (timestep 0), as diffusers' _modulate with modulate_index -> a Modulation of (B, N_img, D) each."""
+    return Modulation(*(mx.where(is_output, a[:, None], c[:, None]) for a, c in zip(mod, cond_mod)))
+
+
+def modulate_tokens(x, mod):
+    """flux1.modulate for a per-token Modulation (B, N, D)."""
+    return norm_modulate(x, mod.scale, mod.shift, EPS)
+
+
 class TransformerBlock(nn.Module):
     """QwenImageTransformerBlock: adaLN-Zero per stream, joint attention over [text; image], a GELU feed-forward per
-    stream; both streams clipped to float16's range in float16."""
+    stream; both streams clipped to float16's range in float16. With zero_cond_t (Qwen-Image-Edit-2511) `cond_temb`
+    is timestep 0's embedding and `is_output` (1, N_img, 1) marks the output's tokens: the other image tokens (the
+    input images') are modulated by cond_temb, the text and the output's tokens by temb (diffusers'
+    modulate_index)."""
 
     def __init__(self, dim: int, heads: int, head_dim: int):
         super().__init__()
@@ -170,14 +185,23 @@ class TransformerBlock(nn.Module):
         self.img_mlp = FeedForward(dim, MLP_RATIO)
         self.txt_mlp = FeedForward(dim, MLP_RATIO)
 
-    def __call__(self, x, context, temb, cos, sin, mask):
+    def __call__(self, x, context, temb, cos, sin, mask, cond_temb=None, is_output=None):
         img1, img2 = modulations(self.img_mod, temb, self.dim)
         txt1, txt2 = modulations(self.txt_mod, temb, self.dim)
-        attn_out, context_attn_out = self.attn(modulate(x, img1), cos, sin, context=modulate(context, txt1),
-                                               mask=mask)
-        x = gated_residual(x, img1.gate[:, None], attn_out)
+        if cond_temb is None:
+            norm1, gate1 = modulate(x, img1), img1.gate[:, None]
+        else:
+            cond1, cond2 = modulations(self.img_mod, cond_temb, self.dim)
+            img1, img2 = token_modulation(img1, cond1, is_output), token_modulation(img2, cond2, is_output)
+            norm1, gate1 = modulate_tokens(x, img1), img1.gate
+        attn_out, context_attn_out = self.attn(norm1, cos, sin, context=modulate(context, txt1), mask=mask)
+        x = gated_residual(x, gate1, attn_out)
         context = gated_residual(context, txt1.gate[:, None], context_attn_out)
-        x = pace(gated_residual(x, img2.gate[:, None], self.img_mlp(modulate(x, img2))))
+        if cond_temb is None:
+            norm2, gate2 = modulate(x, img2), img2.gate[:, None]
+        else:
+            norm2, gate2 = modulate_tokens(x, img2), img2.gate
+        x = pace(gated_residual(x, gate2, self.img_mlp(norm2)))
         context = pace(gated_residual(context, txt2.gate[:, None], self.txt_mlp(modulate(context, txt2))))
         return clip_fp16(context), clip_fp16(x)
 
@@ -201,7 +225,9 @@ class Model(nn.Module):
     lists, of which (as diffusers) the first row serves the whole batch. Not taken: guidance (diffusers' path for it
     cannot run), attention_kwargs, controlnet_block_samples, additional_t_cond (Qwen-Image-Layered) and
     return_dict; txt_seq_lens (older diffusers' argument) is not needed: the RoPE covers the padded text length, as
-    diffusers 0.42 does. `after_block(context, x)`: the caller's memory policy, called after every block;
+    diffusers 0.42 does. With zero_cond_t (Qwen-Image-Edit-2511's config) the tokens after img_shapes' first grid (the
+    input images') are modulated at timestep 0, as diffusers' modulate_index; the text, the output's tokens and
+    norm_out at `timestep`. `after_block(context, x)`: the caller's memory policy, called after every block;
     step_cache and stream_dtype as flux1.Model.
     """
 
@@ -248,10 +274,15 @@ class Model(nn.Module):
             mask = keys[:, None, None, :]
         timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
         temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
+        block_args = (temb, cos, sin, mask)
+        if self.args.zero_cond_t:    # the input images' tokens (after the output's grid) at timestep 0
+            f, h, w = image_shapes(img_shapes)[0]
+            cond_temb = self.time_text_embed(mx.zeros_like(timestep.reshape(-1)).astype(dtype), dtype)
+            block_args += (cond_temb, (mx.arange(n_img) < f * h * w)[None, :, None])
         x = self.img_in(hidden_states.astype(dtype)).astype(stream)
         context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype))).astype(stream)
         context, x, x_head, reused = double_stream(self.transformer_blocks, x, context,
-                                                   lambda i: (temb, cos, sin, mask), after_block, step_cache)
+                                                   lambda i: block_args, after_block, step_cache)
         if reused is not None:
             return self.proj_out(self.norm_out(x + reused, temb))
         if step_cache is not None:

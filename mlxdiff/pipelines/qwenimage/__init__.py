@@ -1,7 +1,8 @@
 """Qwen-Image (Qwen/Qwen-Image): QwenImagePipeline folders (QwenImageImg2ImgPipeline's and
 QwenImageInpaintPipeline's too), text-to-image, image-to-image and inpainting; QwenImageEditPipeline and
-QwenImageEditPlusPipeline folders (Qwen-Image-Edit, -2509: one and several input images; edit.py, with the Qwen2.5-VL
-vision tower of models/vision_qwen25vl.py, mlx-vlm's); or ComfyUI's
+QwenImageEditPlusPipeline folders (Qwen-Image-Edit, -2509, -2511: one and several input images; with a mask
+QwenImageEditInpaintPipeline, whose folders are Edit's; edit.py, with the Qwen2.5-VL vision tower of
+models/vision_qwen25vl.py, mlx-vlm's); or ComfyUI's
 transformer file (or a GGUF) with its qwen_2.5_vl_7b and qwen_image_vae files (beside it or given), or those files
 alone (files.py). The transformer is models/qwenimage.py, the
 VAE models/vae_qwenimage.py (Wan's causal VAE on one frame), the text encoder Qwen2.5-VL's language model through

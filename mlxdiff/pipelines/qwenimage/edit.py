@@ -1,5 +1,6 @@
-"""Qwen-Image-Edit, following diffusers' QwenImageEditPipeline (pipelines/qwenimage/pipeline_qwenimage_edit.py) and
-QwenImageEditPlusPipeline (pipeline_qwenimage_edit_plus.py: several input images, Qwen-Image-Edit-2509).
+"""Qwen-Image-Edit, following diffusers' QwenImageEditPipeline (pipelines/qwenimage/pipeline_qwenimage_edit.py),
+QwenImageEditPlusPipeline (pipeline_qwenimage_edit_plus.py: several input images, Qwen-Image-Edit-2509 / 2511) and,
+with mask=, QwenImageEditInpaintPipeline (pipeline_qwenimage_edit_inpaint.py).
 
     sizes:   Edit: the first input image resized (LANCZOS) to calculate_dimensions(1024 * 1024, its aspect): about
              1 MP, sides multiples of 32; that image is both the vision tower's and the VAE's. Plus: each image
@@ -19,9 +20,17 @@ QwenImageEditPlusPipeline (pipeline_qwenimage_edit_plus.py: several input images
              image's; the prediction is the first (output) tokens' only
     denoise: as Qwen-Image (flow-match Euler, mu from the output's token count; true CFG with a negative prompt)
 
-Not taken: strength (Edit always starts from noise), masks (QwenImageEditInpaintPipeline), image_noise, more than
-one prompt (QwenImageEditPlusPipeline refuses batches; QwenImageEditPipeline's processor needs one image per
-prompt). Qwen-Image-Edit-2511's zero_cond_t transformer is refused where its config is read (models/qwenimage.py).
+    inpainting (mask=, QwenImageEditInpaintPipeline; one input image, not Plus folders): the output is the image's
+             ~1 MP size (diffusers ignores height / width there; mlxdiff refuses others); the image resized to it is
+             the vision tower's and the VAE's; its latents are a posterior *sample* (image_noise, else the seed),
+             used both as the reference tokens appended at every step and as the init latents, noised to the first
+             step run (strength, default 0.6, as Qwen-Image's inpainting); the mask and the blend after each step
+             are Qwen-Image's (pipeline.py, image_inputs.take_mask: mask_blur and outpaint too). padding_mask_crop
+             and masked_image_latents are not taken (generate() refuses them as unknown keywords)
+
+Not taken: strength without a mask (Edit starts from noise), image_noise without a mask, more than one prompt
+(QwenImageEditPlusPipeline refuses batches; QwenImageEditPipeline's processor needs one image per prompt).
+Qwen-Image-Edit-2511's zero_cond_t transformer is models/qwenimage.py's; the pipeline is Plus's.
 """
 
 import hashlib
@@ -91,7 +100,9 @@ class QwenImageEditPipeline(QwenImagePipeline):
     """`generate(prompt, image=IMAGE)` (QwenImageEditPipeline) or `image=[IMAGE, ...]` (QwenImageEditPlusPipeline;
     its folders): the edit of the input image(s) the prompt asks for (module docstring). width / height default to
     the (last) input image's ~1 MP size; `negative_prompt=` with `true_cfg_scale` (default 4.0) for true CFG, as
-    Qwen-Image; `latents`: the noise in diffusers' packed layout at the output size."""
+    Qwen-Image; `latents`: the noise in diffusers' packed layout at the output size. `mask=` (Edit folders, one
+    image): inpainting as QwenImageEditInpaintPipeline, at the image's ~1 MP size, with `strength` (default 0.6),
+    `mask_blur`, `outpaint` and `image_noise` as Qwen-Image's inpainting."""
     VAE_AREA = 1024 * 1024          # calculate_dimensions' target areas (Plus's VAE_IMAGE_SIZE, CONDITION_IMAGE_SIZE;
     CONDITION_AREA = 384 * 384      # Edit's 1024 * 1024 for both)
 
@@ -102,26 +113,38 @@ class QwenImageEditPipeline(QwenImagePipeline):
         self.image_token_id = self.options["image_token_id"]
 
     def default_strength(self, options):
-        return None        # no image-to-image: the input images condition a run from noise
+        # no image-to-image: the input images condition a run from noise; inpainting's default is Qwen-Image's
+        return self.INPAINT_STRENGTH if image_inputs.inpainting(options) else None
 
     def check_images(self, names, images, strength):
-        if strength is not None:
-            raise MlxdiffError(f"strength={strength:g}: Qwen-Image-Edit starts from noise and edits by its input "
-                               "images (no image-to-image); leave --strength out")
         if len(images) > 1 and not self.plus:
             raise MlxdiffError(f"image: {len(images)} images; QwenImageEditPipeline (Qwen-Image-Edit) takes one input "
                                "image; several are QwenImageEditPlusPipeline's (Qwen-Image-Edit-2509 / 2511)")
 
     def check_inputs(self, run):
-        given = [name for name in ("mask", "mask_blur", "outpaint", "image_noise") if run.options[name] is not None]
-        if given:
-            raise MlxdiffError(f"{given[0]}: Qwen-Image-Edit has no inpainting or image-to-image; leave "
-                               f"--{given[0].replace('_', '-')} out")
+        inpaint = image_inputs.inpainting(run.options)
+        if inpaint and self.plus:
+            given = "mask" if run.options["mask"] is not None else "outpaint"
+            raise MlxdiffError(f"{given}: inpainting is QwenImageEditInpaintPipeline's, with Qwen-Image-Edit's one "
+                               "input image; a QwenImageEditPlusPipeline folder (Qwen-Image-Edit-2509 / 2511) takes "
+                               f"no mask; use a Qwen-Image-Edit folder, or leave --{given} out")
+        if not inpaint:
+            for name in ("image_noise", "mask_blur"):
+                if run.options[name] is not None:
+                    raise MlxdiffError(f"{name}: Qwen-Image-Edit takes it only when inpainting; give mask= "
+                                       f"(--mask) too, or leave --{name.replace('_', '-')} out")
+            if run.strength is not None:
+                raise MlxdiffError(f"strength={run.strength:g}: Qwen-Image-Edit starts from noise and edits by its "
+                                   "input images (no image-to-image; strength is inpainting's, with mask=); leave "
+                                   "--strength out")
         if not run.images:
             raise MlxdiffError("Qwen-Image-Edit edits an input image: give image= (--image)")
         if not isinstance(run.prompt, str) and run.prompt is not None and len(run.prompt) != 1:
             raise MlxdiffError(f"{len(run.prompt)} prompts: Qwen-Image-Edit takes one prompt a run (as diffusers' "
                                "Edit pipelines); run them one at a time")
+        if inpaint:     # Qwen-Image's checks (outpaint: run.images[0] becomes the canvas)
+            self.take_image_noise(run)
+            image_inputs.take_mask(run)
         images = [image.convert("RGB") for image in run.images]
         if self.plus:
             vae = [image_inputs.resized(im, *calculate_dimensions(self.VAE_AREA, im.width / im.height))
@@ -134,6 +157,11 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 self.VAE_AREA, images[0].width / images[0].height))]
             sized = vae[0]
         run.state.update(vae_images=vae, vision_images=vision)
+        if inpaint and (run.width, run.height) not in ((None, None), sized.size):
+            raise MlxdiffError(f"width x height {run.width}x{run.height}: Qwen-Image-Edit inpaints at the input "
+                               f"image's ~1 MP size, {sized.width}x{sized.height} here (as "
+                               "QwenImageEditInpaintPipeline, which ignores other sizes); leave --width / --height "
+                               "out")
         run.width = sized.width if run.width is None else run.width
         run.height = sized.height if run.height is None else run.height
 
@@ -198,7 +226,13 @@ class QwenImageEditPipeline(QwenImagePipeline):
 
     def encode_images(self, run, vae, x):
         """Each VAE image's latent mode, scaled and packed, appended in order (QwenImageEdit*Pipeline.prepare_latents
-        with _encode_vae_image's sample_mode "argmax")."""
+        with _encode_vae_image's sample_mode "argmax"). Inpainting: Qwen-Image's init latents (a posterior sample
+        of the image at the output size, noised to the first step run, and the mask's state), the clean sample
+        appended as the reference tokens (QwenImageEditInpaintPipeline)."""
+        if "mask" in run.state:
+            x = super().encode_images(run, vae, x)
+            run.state["image_tokens"] = run.state["image_latents"]
+            return x
         policy, factor, packed = current() or RunPolicy(), self.vae_scale_factor(), []
         vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)
         for image in run.state["vae_images"]:
@@ -218,9 +252,13 @@ class QwenImageEditPipeline(QwenImagePipeline):
     def images_note(self, run, seconds):
         sizes = ", ".join(f"{im.width}x{im.height}" for im in run.state["vae_images"])
         tokens = run.state["image_tokens"].shape[1]
-        return (f"{len(run.state['vae_images'])} input image{'s' * (len(run.state['vae_images']) > 1)} at {sizes}: "
+        note = (f"{len(run.state['vae_images'])} input image{'s' * (len(run.state['vae_images']) > 1)} at {sizes}: "
                 f"{tokens} latent tokens beside the output's {run.state['shape'][2] * run.state['shape'][3] // 4}, "
                 f"encoded in {seconds:.2f} s")
+        if "mask" not in run.state:
+            return note
+        return image_inputs.inpaint_note(run, f"strength {run.strength:g}, steps {run.start + 1} to {run.steps} of "
+                                              f"{run.steps} run; {note}")
 
 
 def with_image_features(embeds, ids, token_id, features):

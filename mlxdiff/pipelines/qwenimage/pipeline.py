@@ -52,7 +52,8 @@ PROMPT_TEMPLATE = ("<|im_start|>system\nDescribe the image by detailing the colo
 DROP_TOKENS = 34
 TOKENIZER_MAX_LENGTH = 1024
 TRUE_CFG_SCALE = 4.0     # QwenImagePipeline.__call__'s default (used only with a negative prompt)
-EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")     # run by edit.QwenImageEditPipeline
+# run by edit.QwenImageEditPipeline (QwenImageEditInpaintPipeline's folders are Qwen-Image-Edit's)
+EDIT_PIPELINES = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline")
 
 
 @dataclass
