@@ -14,8 +14,8 @@ from pathlib import Path
 from .arguments import (MAX_IMAGES, check_controlnets, check_generate, check_images, check_number, check_outpaint,
                         check_text)
 from .files import read_capped
-from .cli import (ArgumentParser, check_png_name, check_writable, parse_layers, parse_loras, parse_quantize,
-                  parse_text_encoders, main_exit, run, save_png)
+from .cli import (ArgumentParser, check_png_name, check_writable, parse_control_mode, parse_layers, parse_loras,
+                  parse_quantize, parse_text_encoders, main_exit, run, save_png)
 from .errors import MlxdiffError
 
 PROMPTS_FILE_BYTES = 16 << 20   # far more than MAX_IMAGES prompts of any encoder's length
@@ -74,12 +74,17 @@ def parse_args(argv=None):
                         "repainted; the mask is white there (and --mask inside, if given)")
     p.add_argument("--controlnet", action="append", default=None, metavar="PATH[:SCALE]",
                    help="a ControlNet at SCALE (default 1): SD 1.x / SDXL (a diffusers ControlNetModel folder or an "
-                        "original file), SD3.5 and FLUX.1 (diffusers folders); repeat for several, each with its "
-                        "--control-image")
+                        "original file), SD3.5 and FLUX.1 (diffusers folders; FLUX.1 also a ControlNet file alone: "
+                        "InstantX's / Shakker-Labs' diffusion_pytorch_model.safetensors, XLabs' x-flux files); repeat "
+                        "for several, each with its --control-image")
     p.add_argument("--control-image", action="append", default=None, metavar="FILE",
                    help="the control image of each --controlnet, in their order (used as it is: an edge map, a depth "
                         "map, a pose; resized to the output size; on SD 1.x / SDXL it sets the size when --width / --height "
                         "are left out)")
+    p.add_argument("--control-mode", action="append", default=None, metavar="NAME_OR_INT",
+                   help="the mode of each --controlnet's image, in their order, for a Union ControlNet (FLUX.1): "
+                        "canny, tile, depth, blur, pose, gray, lq (0 to 6, as its model card numbers them) or a "
+                        "number; none for a ControlNet that is no Union one, beside one that is")
     p.add_argument("--control-start", type=float, default=None, metavar="S",
                    help="the share of the steps after which the ControlNets start acting (0 to 1, default 0)")
     p.add_argument("--control-end", type=float, default=None, metavar="E",
@@ -188,6 +193,7 @@ class Job:
     images: list
     controlnets: list | None = None     # --controlnet: [(path, scale)]
     control_images: list | None = None  # --control-image: PIL images, one per ControlNet
+    control_modes: list | None = None   # --control-mode: a Union ControlNet's mode (int) or None, one per ControlNet
 
 
 def checked_job(args) -> Job:
@@ -221,14 +227,16 @@ def checked_job(args) -> Job:
     check_number("memory_limit", args.memory_limit)
     from .pipelines.step_cache import parse as parse_step_cache  # heavy: the pipelines import MLX and every family (about 0.6 s): --help and argument errors stay fast
     parse_step_cache(args.cache)
-    controlnets, control_images = checked_controls(args)
+    controlnets, control_images, control_modes = checked_controls(args)
     return Job(prompts, seeds, count, outputs, parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers),
-               text_encoder, text_encoders, parse_loras(args.lora), image_names, images, controlnets, control_images)
+               text_encoder, text_encoders, parse_loras(args.lora), image_names, images, controlnets, control_images,
+               control_modes)
 
 
 def checked_controls(args):
     """--controlnet PATH[:SCALE] (a PATH whose name holds a colon is taken whole when it exists) and --control-image
-    FILE, one per ControlNet, --control-start / --control-end: checked before the model is read."""
+    FILE, one per ControlNet, --control-start / --control-end, --control-mode (one per ControlNet when given; whether
+    each takes a mode is the pipeline's check, once the ControlNets are read): checked before the model is read."""
     controlnets = None
     if args.controlnet:
         controlnets = []
@@ -252,7 +260,17 @@ def checked_controls(args):
     if controlnets is not None and given != len(controlnets):
         raise MlxdiffError(f"--controlnet given {len(controlnets)} times but --control-image {given}: give one "
                            "control image per ControlNet, in their order")
-    return controlnets, control_images or None
+    modes = None
+    if args.control_mode is not None:
+        if controlnets is None:
+            raise MlxdiffError("--control-mode: the mode of a Union ControlNet's image; give --controlnet PATH and "
+                               "--control-image FILE too, or leave it out")
+        if len(args.control_mode) != len(controlnets):
+            raise MlxdiffError(f"--controlnet given {len(controlnets)} times but --control-mode "
+                               f"{len(args.control_mode)}: give one mode per ControlNet, in their order (none for "
+                               "one that is no Union ControlNet)")
+        modes = [parse_control_mode(value) for value in args.control_mode]
+    return controlnets, control_images or None, modes
 
 
 def chosen_model(job: Job, args):
@@ -300,6 +318,10 @@ def run_options(args, pipe, job: Job):
         options.update(control_images=job.control_images, width=args.width, height=args.height,
                        **{name: getattr(args, name) for name in ("control_start", "control_end")
                           if getattr(args, name) is not None})
+        if job.control_modes is not None:
+            if "control_modes" not in pipe.OPTIONS:
+                check_options(pipe.family, {"control_modes": job.control_modes})
+            options["control_modes"] = job.control_modes
     return options, strength, steps
 
 
@@ -320,6 +342,8 @@ def png_metadata(args, pipe, job: Job, model, options, strength) -> dict:
     if job.controlnets:
         base["controlnet"] = " ".join(f"{path}:{scale:g}" for path, scale in job.controlnets)
         base["control_image"] = " ".join(args.control_image)
+        if args.control_mode:
+            base["control_mode"] = " ".join(args.control_mode)
     return base
 
 

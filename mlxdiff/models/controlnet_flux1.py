@@ -10,8 +10,12 @@ ControlNet (`num_mode`) puts its mode's embedding before the text tokens (positi
 (controlnet_blocks, controlnet_single_blocks) turns each block's image stream into a residual, times the
 conditioning scale; the transformer adds them after its blocks (flux1.Model's controlnet_block_samples /
 controlnet_single_block_samples: sample i // ceil(N_T / N_C), or, for XLabs', i % N_C over its double blocks).
+
+Its files without config.json (`file_layout`, `config_from_file`): diffusers-named ones (InstantX's, Shakker-Labs')
+and XLabs' x-flux files, whose names `xlabs_to_diffusers` maps (BFL's for the FLUX.1 parts).
 """
 
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,8 +25,10 @@ import mlx.nn as nn
 
 from ..config_checks import between
 from ..errors import MlxdiffError
+from ..formats.keymaps import compile_rules, remap, required_shape
 from . import flux1
 from .controlnet import ControlNetConditioningEmbedding
+from .flux2 import check_fused_rows
 from .fused import compiled_block, double_stream
 
 HINT_WIDTHS = (16, 16, 16, 16)      # FluxControlNetModel's input_hint_block: fixed in diffusers
@@ -140,3 +146,124 @@ class Model(nn.Module):
                     and len(v.shape) == 4 and isinstance(v, mx.array) else v)
                 for k, v in weights.items()}
 
+
+
+# -- single files without config.json -------------------------------------------------------------------------------
+# InstantX's / Shakker-Labs' diffusion_pytorch_model.safetensors (diffusers names) and XLabs' x-flux files (BFL's
+# names for the FLUX.1 parts, plus x-flux's own: controlnet_blocks.N, pos_embed_input, input_hint_block.N), told apart
+# as ComfyUI's loader tells them (comfy/controlnet.py load_controlnet_state_dict).
+_BLOCK = re.compile(r"transformer_blocks\.(\d+)\.")
+_SINGLE = re.compile(r"single_transformer_blocks\.(\d+)\.")
+# x-flux's input_hint_block is one nn.Sequential: its convs at the even indices 0..14 (SiLUs between), which are
+# diffusers' conv_in, blocks.0..5 and conv_out (the same 8 convs, strides and widths)
+_XLABS_RULES = compile_rules([
+    (r"input_hint_block\.0\.(weight|bias)", r"input_hint_block.conv_in.\1"),
+    *[(rf"input_hint_block\.{2 * (k + 1)}\.(weight|bias)", rf"input_hint_block.blocks.{k}.\1") for k in range(6)],
+    (r"input_hint_block\.14\.(weight|bias)", r"input_hint_block.conv_out.\1"),
+    (r"pos_embed_input\.(weight|bias)", r"controlnet_x_embedder.\1"),
+])
+XLABS_HINT_CONVS = tuple(range(0, 16, 2))
+
+
+def file_layout(names) -> str | None:
+    """A ControlNet file's naming: diffusers (FluxControlNetModel's own), xlabs (x-flux's ControlNetFlux), mistoline
+    (TheMisto.ai's MistoLine, not read), or None: another model's file."""
+    names = set(names)
+    if "controlnet_blocks.0.linear.weight" in names:
+        return "mistoline"
+    if "controlnet_blocks.0.weight" not in names:
+        return None
+    if any(n.startswith("double_blocks.") and n.endswith(".img_attn.norm.key_norm.scale") for n in names):
+        return "xlabs"
+    if "controlnet_x_embedder.weight" in names and "pos_embed_input.proj.weight" not in names:   # not SD3's
+        return "diffusers"
+    return None
+
+
+def _count(names, pattern, what) -> int:
+    indices = sorted({int(m.group(1)) for n in names if (m := pattern.match(n))})
+    if indices != list(range(len(indices))):
+        raise MlxdiffError(f"FLUX.1 ControlNet file: its {what} indices are not 0..n-1 ({indices[:8]}...); the file "
+                           "is incomplete, re-download it")
+    return len(indices)
+
+
+def _hint_config(shapes, in_channels, conv) -> dict:
+    """An input_hint_block's config: its output channels, the patch size they fold into in_channels."""
+    out = required_shape(shapes, conv, "FLUX.1 ControlNet", 4)[0]
+    patch = round((in_channels / out) ** 0.5)
+    if out * patch * patch != in_channels:
+        raise MlxdiffError(f"FLUX.1 ControlNet file: its input_hint_block gives {out} channels, which fold into no "
+                           f"square patch of its {in_channels} input channels; the file is not one mlxdiff reads")
+    return {"conditioning_embedding_channels": out, "patch_size": patch}
+
+
+def config_from_file(shapes: dict, layout: str, axes_dims_rope=None) -> dict:
+    """FluxControlNetModel's config off a ControlNet file's tensor shapes: the width and in_channels from
+    x_embedder (img_in), the prompt and pooled widths, guidance_embeds (its guidance embedder present), the block
+    counts from their indices, head_dim from the QK norm, num_mode from controlnet_mode_embedder, the hint block's
+    channels and patch size (XLabs' layout). The one value no shape holds, axes_dims_rope (only its sum, head_dim,
+    is in the weights), is the model's transformer's (`axes_dims_rope`) where it sums to head_dim, else BFL's split
+    (16, 56, 56 for 128)."""
+    what = "FLUX.1 ControlNet"
+    if layout == "xlabs":
+        names = dict(x="img_in.weight", context="txt_in.weight", pooled="vector_in.in_layer.weight",
+                     guidance="guidance_in.in_layer.weight", norm="double_blocks.0.img_attn.norm.query_norm.scale",
+                     control="pos_embed_input.weight", hint="input_hint_block.14.weight")
+        num_layers = _count(shapes, re.compile(r"double_blocks\.(\d+)\."), "double_blocks")
+        num_single = _count(shapes, re.compile(r"single_blocks\.(\d+)\."), "single_blocks")
+        if num_single:
+            raise MlxdiffError("FLUX.1 ControlNet file: an XLabs ControlNet with single_blocks, which x-flux's "
+                               "ControlNetFlux has none of; the file is not one mlxdiff reads")
+        for k in XLABS_HINT_CONVS:
+            required_shape(shapes, f"input_hint_block.{k}.weight", what, 4)
+    else:
+        names = dict(x="x_embedder.weight", context="context_embedder.weight",
+                     pooled="time_text_embed.text_embedder.linear_1.weight",
+                     guidance="time_text_embed.guidance_embedder.linear_1.weight",
+                     norm="transformer_blocks.0.attn.norm_q.weight", control="controlnet_x_embedder.weight",
+                     hint="input_hint_block.conv_out.weight")
+        num_layers = _count(shapes, _BLOCK, "transformer_blocks")
+        num_single = _count(shapes, _SINGLE, "single_transformer_blocks")
+        if not num_layers:
+            names["norm"] = "single_transformer_blocks.0.attn.norm_q.weight"
+    dim, in_channels = required_shape(shapes, names["x"], what, 2)
+    if not (num_layers or num_single):
+        raise MlxdiffError("FLUX.1 ControlNet file: no transformer blocks; the file is incomplete, re-download it")
+    head_dim = required_shape(shapes, names["norm"], what, 1)[0]
+    if dim % head_dim:
+        raise MlxdiffError(f"FLUX.1 ControlNet file: its width {dim} and QK-norm length {head_dim} give no whole "
+                           "number of heads; the file is not one mlxdiff reads")
+    control = required_shape(shapes, names["control"], what, 2)
+    if tuple(control) != (dim, in_channels):
+        raise MlxdiffError(f"FLUX.1 ControlNet file: {names['control']} has shape {list(control)}, expected "
+                           f"{[dim, in_channels]} (the width and the packed channels x_embedder takes)")
+    axes = list(axes_dims_rope or ())
+    if sum(axes) != head_dim:       # the model's split fits other heads only: BFL's (16, 56, 56 for 128)
+        first = head_dim // 8
+        axes = [first, (head_dim - first) // 2, (head_dim - first) // 2]
+        if sum(axes) != head_dim or any(a % 2 for a in axes):
+            raise MlxdiffError(f"FLUX.1 ControlNet file: its heads are {head_dim} wide, which neither the model's "
+                               f"RoPE axes {list(axes_dims_rope or ())} nor FLUX.1's split fit, and no tensor holds "
+                               "its own; give its diffusers folder (with config.json)")
+    config = {"_class_name": "FluxControlNetModel", "patch_size": 1, "in_channels": in_channels,
+              "num_layers": num_layers, "num_single_layers": num_single, "attention_head_dim": head_dim,
+              "num_attention_heads": dim // head_dim,
+              "joint_attention_dim": required_shape(shapes, names["context"], what, 2)[1],
+              "pooled_projection_dim": required_shape(shapes, names["pooled"], what, 2)[1],
+              "guidance_embeds": names["guidance"] in shapes,
+              "axes_dims_rope": axes,
+              "num_mode": None, "conditioning_embedding_channels": None}
+    if "controlnet_mode_embedder.weight" in shapes:
+        config["num_mode"] = required_shape(shapes, "controlnet_mode_embedder.weight", what, 2)[0]
+    if names["hint"] in shapes or layout == "xlabs":
+        config.update(_hint_config(shapes, in_channels, names["hint"]))
+    if layout == "xlabs":
+        check_fused_rows(shapes, flux1.fused_shapes(dim, num_layers, 0), "FLUX.1 ControlNet")
+    return config
+
+
+def xlabs_to_diffusers(weights: dict) -> dict:
+    """x-flux's names -> FluxControlNetModel's (lazy): the FLUX.1 parts by models/flux1.py's BFL key map, the hint
+    block's Sequential indices and pos_embed_input by _XLABS_RULES; controlnet_blocks.N are the same."""
+    return flux1.original_to_diffusers(remap(weights, _XLABS_RULES))

@@ -35,13 +35,20 @@ def controlnet_name(index: int) -> str:
     return "controlnet" if index == 0 else f"controlnet_{index + 1}"
 
 
-def controlnet_folder(path, name, class_name, title):
+def controlnet_folder(path, name, class_name, title, from_file=None):
     """A diffusers ControlNet folder of `class_name` (config.json + diffusion_pytorch_model.safetensors) -> its
-    ComponentSpec named `name`; a missing folder, a single file or another class's ControlNet refused in one line."""
+    ComponentSpec named `name`; a missing folder, a single file or another class's ControlNet refused in one line.
+    `from_file(path)`: the family's reader of a ControlNet file (or a folder holding only its weights), config read
+    off the shapes."""
     path = Path(path)
     if not path.exists():
         raise MlxdiffError(f"ControlNet {path}: no such folder; give a diffusers {class_name} folder (config.json + "
                            "diffusion_pytorch_model.safetensors)")
+    weights = path / "diffusion_pytorch_model.safetensors"
+    if from_file is not None and (not path.is_dir() or (not (path / "config.json").exists() and weights.is_file())):
+        spec = from_file(path if not path.is_dir() else weights)
+        spec.name = name
+        return spec
     if not path.is_dir():
         raise MlxdiffError(f"ControlNet {path}: a single file; mlxdiff reads {title} ControlNets from diffusers "
                            f"{class_name} folders (config.json + diffusion_pytorch_model.safetensors)")
@@ -59,11 +66,13 @@ def refuse(where, what, theirs, ours, why):
     raise MlxdiffError(f"ControlNet {where}: its {what} is {theirs} but the model's is {ours}; {why}")
 
 
-def read_controlnets(found, controlnets, class_name, title, check) -> None:
-    """load(controlnets=[(path, scale), ...]) for a transformer family: each folder read (controlnet_folder), checked
-    against the model (check(path, args, components)) and added as a component; load's scales kept."""
+def read_controlnets(found, controlnets, class_name, title, check, from_file=None) -> None:
+    """load(controlnets=[(path, scale), ...]) for a transformer family: each folder (or, with `from_file(path,
+    components)`, file) read (controlnet_folder), checked against the model (check(path, args, components)) and
+    added as a component; load's scales kept."""
     for index, (path, _) in enumerate(controlnets):
-        spec = controlnet_folder(path, controlnet_name(index), class_name, title)
+        spec = controlnet_folder(path, controlnet_name(index), class_name, title,
+                                 None if from_file is None else lambda p: from_file(p, found.components))
         check(path, spec.args, found.components)
         found.components[spec.name] = spec
     found.options["controlnet_scales"] = [scale for _, scale in controlnets]

@@ -4,11 +4,11 @@ FluxControlPipeline) -> PipelineSources."""
 from pathlib import Path
 
 from ...errors import MlxdiffError
-from ...formats import tensor_shapes
-from ...loading.sources import folder_component, read_scheduler_config, tokenizer_folder, \
+from ...formats import check_weight_file, tensor_shapes
+from ...loading.sources import config_from_shapes, folder_component, read_scheduler_config, tokenizer_folder, \
     transformer_from_file
-from ...loading.spec import PipelineSources
-from ...models import flux1
+from ...loading.spec import ComponentSpec, PipelineSources
+from ...models import controlnet_flux1, flux1
 from ...tokenizers import load_tokenizer
 from .. import controls
 from ..controls import refuse
@@ -100,7 +100,7 @@ def flux1_folder(root: Path, index, pipeline_class, components, transformer=None
     return PipelineSources("flux1", pipeline_class, specs, tokenizers, read_scheduler_config(root))
 
 
-# -- ControlNets (load(controlnets=)): diffusers' FluxControlNetModel folders -----------------------------------------
+# -- ControlNets (load(controlnets=)): diffusers' FluxControlNetModel folders, or their files alone ------------------
 CONTROLNET_CLASS = "FluxControlNetModel"
 OWN_INPUTS = ("FluxKontextPipeline", "FluxFillPipeline", "FluxControlPipeline")   # no FluxControlNetPipeline there
 
@@ -134,9 +134,32 @@ def check_controlnet(where, net, specs) -> None:
                    "ControlNet's)", "diffusers gives every ControlNet the guidance the first one takes")
 
 
+def controlnet_file(path, components) -> ComponentSpec:
+    """A FLUX.1 ControlNet as one file without its config.json: InstantX's / Shakker-Labs' (Union, Union-Pro, -Pro
+    2.0) diffusion_pytorch_model.safetensors in diffusers names, or XLabs' x-flux file (canny / depth / hed v3);
+    the config read off its shapes, axes_dims_rope the model's transformer's (controlnet_flux1.config_from_file)."""
+    path = check_weight_file(path, "ControlNet file")
+    shapes = tensor_shapes(path)
+    layout = controlnet_flux1.file_layout(shapes)
+    if layout == "mistoline":
+        raise MlxdiffError(f"ControlNet {path}: a MistoLine ControlNet (controlnet_blocks.N.linear): not read; use a "
+                           "diffusers FluxControlNetModel folder or file, or an XLabs x-flux ControlNet file")
+    if layout is None:
+        hint = identify(list(shapes))
+        raise MlxdiffError(f"ControlNet {path}: {hint + ', ' if hint else ''}not a FLUX.1 ControlNet file (no "
+                           "controlnet_blocks with controlnet_x_embedder or x-flux's double_blocks); give a diffusers "
+                           "FluxControlNetModel folder or its safetensors, or an XLabs x-flux ControlNet file")
+    transformer = components.get("transformer")
+    axes = transformer.args.axes_dims_rope if transformer is not None else None
+    config = config_from_shapes(controlnet_flux1, lambda s: controlnet_flux1.config_from_file(s, layout, axes),
+                                shapes, path)
+    return ComponentSpec("controlnet", controlnet_flux1, config, [path],
+                         keymap=controlnet_flux1.xlabs_to_diffusers if layout == "xlabs" else None)
+
+
 def read_controlnets(found, controlnets) -> None:
     """load(controlnets=[(path, scale), ...]) for a FLUX.1 dev / schnell / Krea model (pipelines/controls.py)."""
     if found.pipeline_class in OWN_INPUTS:
         raise MlxdiffError(f"controlnets=: this is a {found.pipeline_class} model; diffusers' FluxControlNetPipeline "
                            "steers FLUX.1 dev, schnell or Krea (FluxPipeline): give one of those as the model")
-    controls.read_controlnets(found, controlnets, CONTROLNET_CLASS, "a FLUX.1", check_controlnet)
+    controls.read_controlnets(found, controlnets, CONTROLNET_CLASS, "a FLUX.1", check_controlnet, controlnet_file)

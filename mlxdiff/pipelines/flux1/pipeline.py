@@ -220,11 +220,12 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
             count = spec.args.num_mode
             if count is None and mode is not None:
                 raise MlxdiffError(f"control_modes: ControlNet {spec.source} is no Union ControlNet (no num_mode in "
-                                   "its config), so it takes no mode; give None for it or leave control_modes out")
+                                   "its config), so it takes no mode; give None for it or leave control_modes out "
+                                   "(--control-mode none)")
             if count is not None and (isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode < count):
                 raise MlxdiffError(f"control_modes: Union ControlNet {spec.source} needs the mode of its image, an "
                                    f"integer from 0 to {count - 1} (canny, tile, depth, ... as its model card "
-                                   f"lists them); got {mode!r}")
+                                   f"lists them: control_modes=[...], --control-mode NAME); got {mode!r}")
         run.state["controls"]["modes"] = modes
 
     def take_mask(self, run):
