@@ -18,8 +18,8 @@ Attribute names mirror diffusers (all_x_embedder / all_final_layer keyed "{patch
 so a diffusers checkpoint loads as it is. The original names (Tongyi-MAI's z_image_turbo_bf16.safetensors and
 ComfyUI's, with or without `model.diffusion_model.`: fused attention.qkv, attention.out / q_norm / k_norm,
 x_embedder, final_layer) go through ORIGINAL_KEYMAP (diffusers' convert_z_image_transformer_checkpoint_to_diffusers).
-Not supported: Z-Image Omni's SigLIP conditioning and multi-image (omni) inputs (siglip_feat_dim must be null), and
-controlnet block samples.
+Not supported: Z-Image Omni's SigLIP conditioning and multi-image (omni) inputs (siglip_feat_dim must be null).
+A ControlNet's block samples (models/controlnet_zimage.py) join the stream after their main layers.
 """
 
 import re
@@ -243,6 +243,29 @@ class FinalLayer(nn.Module):
         return self.linear((mx.fast.layer_norm(x, None, None, FINAL_EPS) * scale).astype(scale.dtype))
 
 
+def patchify(latents, p):
+    """(B, C, H, W) -> (B, (H/p) * (W/p), p * p * C) tokens, diffusers' "c f pf h ph w pw -> (f h w) (pf ph pw c)"."""
+    b, c, h, w = latents.shape
+    return latents.reshape(b, c, h // p, p, w // p, p).transpose(0, 2, 4, 3, 5, 1).reshape(b, (h // p) * (w // p),
+                                                                                        p * p * c)
+
+
+@dataclass
+class Tokens:
+    """Model.tokens' output: what every block of a forward reads besides its stream."""
+    x: mx.array            # (B, n_img padded, D) embedded image tokens, before the noise refiner
+    cap: mx.array          # (B, L padded, D) embedded caption tokens, before the context refiner
+    temb: mx.array         # (B, adaln_dim) the modulation input
+    x_rope: tuple          # (cos, sin) of the image tokens
+    cap_rope: tuple        # of the caption tokens
+    u_rope: tuple          # of [image; caption]
+    cap_mask: object       # the caption's and [image; caption]'s key masks (None: every row alike)
+    u_mask: object
+    key: str               # "{patch}-{f_patch}": the embedder and final layer
+    patch: int
+    shape: tuple           # the latents' (B, C, H, W)
+
+
 # the embedders, the modulations and the final layer stay in full precision (loading/quantize.py)
 FULL_PRECISION = re.compile(r"(all_x_embedder\..*|cap_embedder\..*|t_embedder\..*|.*adaLN_modulation\.\d+|"
                             r"all_final_layer\..*)")
@@ -332,8 +355,10 @@ class Model(nn.Module):
 
     # -- the forward ---------------------------------------------------------------------------------------------------
 
-    def __call__(self, hidden_states, timestep, encoder_hidden_states, text_mask=None, patch_size=None,
-                 after_block=None, stream_dtype=None):
+    def tokens(self, hidden_states, timestep, encoder_hidden_states, text_mask=None, patch_size=None,
+               stream_dtype=None) -> Tokens:
+        """The inputs checked and embedded, before any block: the padded image and caption tokens, temb, the RoPE
+        tables and key masks (what a ControlNet shares with the transformer: diffusers' from_transformer)."""
         a = self.args
         dtype = self.compute_dtype
         stream = stream_dtype or dtype
@@ -353,9 +378,7 @@ class Model(nn.Module):
                                f"[{b}, tokens, {a.cap_feat_dim}]")
         rows = self._caption_rows(text_mask, b, encoder_hidden_states.shape[1])
         cap_lens = tuple(len(r) for r in rows)
-        ht, wt = h // p, w // p
-        n_img = ht * wt
-        (x_cos, x_sin), (cap_cos, cap_sin), (u_cos, u_sin) = self.layout(cap_lens, (ht, wt))
+        x_rope, cap_rope, u_rope = self.layout(cap_lens, (h // p, w // p))
         cap_pad = [padded(n) for n in cap_lens]
         width = max(cap_pad)
 
@@ -363,16 +386,7 @@ class Model(nn.Module):
         temb = self.t_embedder(mx.broadcast_to(timestep.reshape(-1).astype(mx.float32), (b,)) * a.t_scale, dtype)
 
         # image tokens: patches (H_t, W_t, p, p, C) -> embedded, then x_pad_token up to a multiple of 32
-        patches = hidden_states.reshape(b, c, ht, p, wt, p).transpose(0, 2, 4, 3, 5, 1).reshape(b, n_img, p * p * c)
-        x = self.all_x_embedder[key](patches.astype(dtype))
-        pad = padded(n_img) - n_img
-        if pad:
-            x = mx.concatenate([x, mx.broadcast_to(self.x_pad_token.astype(dtype), (b, pad, a.dim))], axis=1)
-        x = x.astype(stream)
-        for block in self.noise_refiner:
-            x = compiled_block(block, x, x_cos, x_sin, None, temb)
-            if after_block:
-                after_block(x)
+        x = self.pad_image(self.all_x_embedder[key](patchify(hidden_states, p).astype(dtype))).astype(stream)
 
         # caption tokens: each row's valid tokens first, then cap_pad_token (its padding to 32 and the batch's)
         index = np.zeros((b, width), dtype=np.int32)
@@ -384,20 +398,55 @@ class Model(nn.Module):
         cap = mx.where(mx.array(valid)[:, :, None], cap, self.cap_pad_token.astype(dtype)).astype(stream)
         cap_mask = None if len(set(cap_pad)) == 1 else \
             mx.array(np.arange(width)[None] < np.array(cap_pad)[:, None])[:, None, None, :]
-        for block in self.context_refiner:
-            cap = compiled_block(block, cap, cap_cos, cap_sin, cap_mask, temb)
-            if after_block:
-                after_block(cap)
-
         # [image; caption]: a row's tokens past its own padded caption are masked as keys (their outputs unread)
-        u = mx.concatenate([x, cap], axis=1)
         u_mask = None if cap_mask is None else mx.concatenate(
             [mx.ones((b, 1, 1, x.shape[1]), dtype=mx.bool_), cap_mask], axis=-1)
-        for block in self.layers:
-            u = compiled_block(block, u, u_cos, u_sin, u_mask, temb)
+        return Tokens(x, cap, temb, x_rope, cap_rope, u_rope, cap_mask, u_mask, key, p, (b, c, h, w))
+
+    def pad_image(self, x):
+        """Embedded image tokens (B, n, D) -> x_pad_token appended up to a multiple of 32."""
+        pad = padded(x.shape[1]) - x.shape[1]
+        if not pad:
+            return x
+        return mx.concatenate([x, mx.broadcast_to(self.x_pad_token.astype(x.dtype), (x.shape[0], pad, x.shape[2]))],
+                              axis=1)
+
+    def refine_image(self, t: Tokens, x, hints=None, after_block=None):
+        """The noise refiner over image tokens x; hints {i: (B, n, D)} added after block i (a ControlNet's)."""
+        for i, block in enumerate(self.noise_refiner):
+            x = compiled_block(block, x, *t.x_rope, None, t.temb)
+            if hints and i in hints:
+                x = x + hints[i].astype(x.dtype)
+            if after_block:
+                after_block(x)
+        return x
+
+    def refine_caption(self, t: Tokens, after_block=None):
+        cap = t.cap
+        for block in self.context_refiner:
+            cap = compiled_block(block, cap, *t.cap_rope, t.cap_mask, t.temb)
+            if after_block:
+                after_block(cap)
+        return cap
+
+    def __call__(self, hidden_states, timestep, encoder_hidden_states, text_mask=None, patch_size=None,
+                 after_block=None, stream_dtype=None, controlnet_block_samples=None):
+        """controlnet_block_samples: {main layer index: (B, S, D)} added to the stream after that layer, as
+        diffusers' (a ZImageControlNetModel's output, models/controlnet_zimage.py)."""
+        t = self.tokens(hidden_states, timestep, encoder_hidden_states, text_mask, patch_size, stream_dtype)
+        x = self.refine_image(t, t.x, after_block=after_block)
+        u = mx.concatenate([x, self.refine_caption(t, after_block)], axis=1)
+        samples = controlnet_block_samples or {}
+        for i, block in enumerate(self.layers):
+            u = compiled_block(block, u, *t.u_rope, t.u_mask, t.temb)
+            if i in samples:
+                u = u + samples[i].astype(u.dtype)
             if after_block:
                 after_block(u)
-        out = self.all_final_layer[key](u[:, :n_img], temb)
+        b, c, h, w = t.shape
+        p = t.patch
+        ht, wt = h // p, w // p
+        out = self.all_final_layer[t.key](u[:, :ht * wt], t.temb)
         return out.reshape(b, ht, wt, p, p, c).transpose(0, 5, 1, 3, 2, 4).reshape(b, c, h, w)
 
     def quant_predicate(self, path, module) -> bool:

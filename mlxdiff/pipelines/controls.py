@@ -78,10 +78,11 @@ def read_controlnets(found, controlnets, class_name, title, check, from_file=Non
     found.options["controlnet_scales"] = [scale for _, scale in controlnets]
 
 
-def take_controls(run, names, load_scales, pipeline) -> None:
+def take_controls(run, names, load_scales, pipeline, inpaint=None) -> None:
     """check_inputs' part: one control image per ControlNet loaded (`names`), its scale (generate's replace load's),
     its [start, end] share of the schedule and its posterior noise -> run.state["controls"]. `pipeline`: diffusers'
-    pipeline the run follows, for the messages."""
+    pipeline the run follows, for the messages; `inpaint`: its ControlNet inpainting pipeline, where the family has
+    one (then image= with mask= is taken; take_mask first)."""
     o, n = run.options, len(names)
     if not n:
         given = [name for name in CONTROL_OPTIONS if o[name] is not None]
@@ -92,7 +93,13 @@ def take_controls(run, names, load_scales, pipeline) -> None:
     if o["control_images"] is None:
         raise MlxdiffError(f"control_images: this pipeline has {n} ControlNet{'s' if n > 1 else ''}; give one "
                            "control image for each (control_images=[...], --control-image FILE)")
-    if run.images or image_inputs.inpainting(o):
+    if inpaint and run.images and image_inputs.inpainting(o):
+        pass                      # the family's ControlNet inpainting (diffusers' `inpaint` pipeline)
+    elif inpaint and run.images:
+        raise MlxdiffError(f"control_images with image= and no mask: mlxdiff runs ControlNets text-to-image "
+                           f"(diffusers' {pipeline}) or inpainting with mask= too ({inpaint}); give mask= or leave "
+                           "image= out")
+    elif run.images or image_inputs.inpainting(o):
         raise MlxdiffError(f"control_images with image=: mlxdiff runs ControlNets text-to-image (diffusers' "
                            f"{pipeline}); leave image= (and mask=) out")
     image_names, images = check_images(o["control_images"])
@@ -130,18 +137,21 @@ def acting(controls, i, n) -> list:
             if scale != 0 and not (i / n < start or (i + 1) / n > end)]
 
 
-def control_latents(run, vae, index, dtype, shift, rows=1) -> mx.array:
+def control_latents(run, vae, index, dtype, shift, rows=1, sample=True) -> mx.array:
     """Control image `index` at the output size -> its VAE latents (1 or `rows`, C, h, w) float32: RGB, resized,
     [-1, 1], a posterior sample (control_noise[index], else a stream of the seed), (z - shift) * scaling_factor.
     `rows`: the ControlNet's batch, which diffusers encodes whole (SD3's CFG batch: the image twice, each row its own
-    noise): control_noise may have one row or that many."""
+    noise): control_noise may have one row or that many. `sample=False`: the posterior's mean instead (diffusers'
+    retrieve_latents(..., sample_mode="argmax"), as ZImageControlNetPipeline encodes)."""
     controls = run.state["controls"]
     pixels = image_inputs.to_array(image_inputs.resized(controls["images"][index].convert("RGB"), run.width,
                                                         run.height))
     mean, logvar = image_inputs.encode_moments(vae, pixels, dtype)
     mean, logvar = mean.astype(mx.float32), logvar.astype(mx.float32)
     noise = None if controls["noise"] is None else controls["noise"][index]
-    if noise is None:    # the seed's streams: 0 the initial noise, 1 img2img's posterior; control images from 8 on
+    if not sample:
+        noise = mx.zeros_like(mean)
+    elif noise is None:    # the seed's streams: 0 the initial noise, 1 img2img's posterior; control images from 8 on
         noise = mx.random.normal(mean.shape, key=mx.random.split(mx.random.key(run.seed), 9 + index)[8 + index])
     elif tuple(noise.shape[1:]) != tuple(mean.shape[1:]) or noise.shape[0] not in (1, rows):
         expected = tuple(mean.shape) if rows == 1 else f"({' or '.join(map(str, sorted({1, rows})))}, " + \
@@ -161,6 +171,7 @@ class ControlNets:
     component names), `self.control_scales` (load's), the models loaded once for the denoise phase
     (`control_models`) and released by `release_controls` (the family's unpack), or when generate returns."""
     CONTROL_PIPELINE = "ControlNet pipeline"     # diffusers' pipeline the family's ControlNet runs follow
+    CONTROL_INPAINT_PIPELINE = None              # its ControlNet inpainting pipeline, where the family runs one
 
     def __init__(self, sources, *args, **kwargs):
         super().__init__(sources, *args, **kwargs)
@@ -177,7 +188,8 @@ class ControlNets:
                 self._controls = None
 
     def take_controls(self, run):
-        take_controls(run, self.controlnets, self.control_scales, self.CONTROL_PIPELINE)
+        take_controls(run, self.controlnets, self.control_scales, self.CONTROL_PIPELINE,
+                      self.CONTROL_INPAINT_PIPELINE)
 
     def reference_phase(self, run) -> bool:
         return "controls" in run.state or super().reference_phase(run)

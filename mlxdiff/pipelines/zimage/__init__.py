@@ -1,7 +1,9 @@
 """Z-Image (Tongyi-MAI's Z-Image, Z-Image-Turbo): ZImagePipeline folders (and its img2img and inpaint twins'):
-text-to-image, image-to-image and inpainting; or Tongyi-MAI's / ComfyUI's transformer file or GGUF with its
-qwen_3_4b and ae files (beside it or given), or those files alone (files.py). The transformer is models/zimage.py,
-the VAE FLUX.1's AutoencoderKL, the text encoder Qwen3 through models/text_llm.py."""
+text-to-image, image-to-image and inpainting, and text-to-image with a ControlNet (ZImageControlNetPipeline: a
+ZImageControlNetModel folder or alibaba-pai's Fun ControlNet Union file); or Tongyi-MAI's / ComfyUI's transformer
+file or GGUF with its qwen_3_4b and ae files (beside it or given), or those files alone (files.py). The transformer
+is models/zimage.py (its ControlNet models/controlnet_zimage.py), the VAE FLUX.1's AutoencoderKL, the text encoder
+Qwen3 through models/text_llm.py."""
 
 from ...errors import MlxdiffError
 from ...models import zimage
@@ -10,7 +12,7 @@ from ..family import Family
 from ...loading.component_files import FLUX1_VAE_CONFIG
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
 from .files import zimage_files
-from .folder import TEXT_ENCODER_CLASSES, zimage_folder
+from .folder import TEXT_ENCODER_CLASSES, read_controlnets, zimage_folder
 from .pipeline import Conditioning, ZImagePipeline  # noqa: F401  (mlxdiff.pipelines.zimage.ZImagePipeline)
 
 COMPONENTS = {"transformer": ("ZImageTransformer2DModel",), "vae": ("AutoencoderKL",),
@@ -69,4 +71,5 @@ FAMILY = Family(
     read_files_alone=read_files_alone,
     files_alone_kinds="a Z-Image file in its original / ComfyUI names",
     reference_file_refusal="a Z-Image single file",
+    read_controlnets=read_controlnets,     # ZImageControlNetModel folders and files (ZImageControlNetPipeline)
 )
