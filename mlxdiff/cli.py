@@ -144,25 +144,36 @@ def parse_quantize(text):
     return check_quantize(value)
 
 
-def parse_text_encoders(values):
-    """--text-encoder values -> (text_encoder, text_encoders): "FILE" is FLUX.2's one encoder file; "NAME=FILE"
-    (NAME: clip_l, clip_g or t5xxl; the option may repeat) SD3.5's and FLUX.1's. Which family takes which is checked by load."""
+def parse_text_encoders(values, takers=None):
+    """--text-encoder values -> (text_encoder, text_encoders): "FILE" is one encoder file (load's text_encoder=);
+    "NAME=FILE" (NAME: clip_l, clip_g or t5xxl; the option may repeat) the named ones (text_encoders=). `takers`:
+    those two keywords -> the titles of the families that take each (the caller's registry), for the refusals. Which
+    family takes which is checked by load."""
+    takers = takers or {}
+
+    def of(keyword, words):   # " for SD3.5, FLUX.1 or Chroma models", or nothing when the caller did not say
+        *others, last = takers.get(keyword) or ("",)
+        return f" {words} {', '.join(others) + ' or ' if others else ''}{last} models" if last else ""
+
     single, named = None, {}
     for value in values or []:
         name, sep, file = value.partition("=")
         if sep and "/" not in name and os.sep not in name:
             if name not in TEXT_ENCODER_NAMES:
-                raise MlxdiffError(f"--text-encoder {value!r}: {name!r} is not an SD3.5 or FLUX.1 encoder; use "
-                                   + ", ".join(f"{n}=FILE" for n in TEXT_ENCODER_NAMES) + " (or FILE for FLUX.2)")
+                pairs = ", ".join(f"{n}=FILE" for n in TEXT_ENCODER_NAMES)
+                raise MlxdiffError(f"--text-encoder {value!r}: {name!r} is not an encoder name"
+                                   f"{of('text_encoders', 'of')}; use {pairs} (or one FILE{of('text_encoder', 'for')})")
             if name in named:
                 raise MlxdiffError(f"--text-encoder: {name} is given twice; give each encoder once")
             named[name] = file
         elif single is not None:
-            raise MlxdiffError(f"--text-encoder {value!r}: a second FLUX.2 encoder file (after {single!r}); give one")
+            raise MlxdiffError(f"--text-encoder {value!r}: a second encoder file (after {single!r}); give one FILE"
+                               f"{of('text_encoder', 'for')}")
         else:
             single = value
     if single is not None and named:
-        raise MlxdiffError("--text-encoder: give either one FLUX.2 file or SD3.5's / FLUX.1's NAME=FILE pairs, not both")
+        raise MlxdiffError(f"--text-encoder: give either one FILE{of('text_encoder', 'for')} or NAME=FILE pairs"
+                           f"{of('text_encoders', 'for')}, not both")
     return single, named or None
 
 

@@ -214,7 +214,8 @@ def checked_job(args) -> Job:
         check_writable(check_png_name(args.preview))
     if args.preview_vae is not None and args.preview is None:
         raise MlxdiffError(f"--preview-vae {args.preview_vae}: decodes the --preview images; give --preview FILE too")
-    text_encoder, text_encoders = parse_text_encoders(args.text_encoder)
+    text_encoder, text_encoders = parse_text_encoders(args.text_encoder,
+                                                      text_encoder_takers() if args.text_encoder else None)
     image_names, images = check_images(args.image, args.strength)     # files read and checked before the model
     if args.mask is not None and not images:
         raise MlxdiffError(f"--mask {args.mask}: a mask says where to repaint an image; give --image FILE too, or "
@@ -231,6 +232,14 @@ def checked_job(args) -> Job:
     return Job(prompts, seeds, count, outputs, parse_quantize(args.quantize), parse_layers(args.skip_guidance_layers),
                text_encoder, text_encoders, parse_loras(args.lora), image_names, images, controlnets, control_images,
                control_modes)
+
+
+def text_encoder_takers() -> dict:
+    """Who takes each --text-encoder form, for its refusals: load()'s text_encoder= (one FILE) and text_encoders=
+    (NAME=FILE pairs) -> the titles of the families whose Family.keywords have it."""
+    from .pipelines import FAMILIES  # heavy: the pipelines import MLX and every family (about 0.6 s)
+    return {keyword: [f.title for f in FAMILIES if keyword in f.keywords]
+            for keyword in ("text_encoder", "text_encoders")}
 
 
 def checked_controls(args):

@@ -381,8 +381,8 @@ def make_sampler(name: str, config: dict, steps: int):
     if name == "pndm":
         if not full["skip_prk_steps"]:
             raise MlxdiffError("scheduler_config.json: PNDM with skip_prk_steps false (Runge-Kutta warm-up steps) is "
-                               "not supported; set \"skip_prk_steps\": true (SD 1.5's config) or use another "
-                               "--scheduler")
+                               "not supported; set \"skip_prk_steps\": true (PLMS steps from the first, no warm-up) "
+                               "or use another --scheduler")
     _check(full)
     if name == "pndm":
         return PNDMSampler(full, steps)

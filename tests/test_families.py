@@ -167,24 +167,14 @@ NAMING_ALLOWED = {
     "convert.py": [(("e.g. klein-native",), "an example folder name in a message")],
     "loading/sources.py": [(("e.g. black-forest-labs/",), "an example hub id in a message")],
     "ldm_schedulers.py": [
-        (("SD's",), "a discrete-time scheduler's usual values, said as the model they come from"),
-        (("skip_prk_steps",), "left: names SD 1.x folders' PNDM setting in a scheduler message")],
-    "samplers.py": [(("discrete-time (SD 1.x / SDXL)",), "left: the titles of the discrete-time families should come "
-                                                          "from FAMILIES (the caller has them)")],
+        (("SD's",), "a discrete-time scheduler's usual values, said as the model they come from")],
     "tokenizers.py": [
-        (("FLUX.2-dev's (Mistral", "FLUX.2 klein's (Qwen3", "not a FLUX.2 chat tokenizer", "and FLUX.2 formats prompts",
-          "FLUX.2-dev's tokenizer from its tekken", "FLUX.2 klein's Qwen3 tokenizer"),
-         "left: an LLM encoder's chat tokenizer words (several families use them) still say FLUX.2")],
-    "cli.py": [
-        (("SD3.5 or FLUX.1 encoder", "FILE for FLUX.2", "second FLUX.2 encoder", "one FLUX.2 file"),
-         "left: --text-encoder's parsing (floor 4, below the registry) names who takes which form; the titles "
-         "should be passed in from Family.keywords")],
-    "lora/apply.py": [
-        (("the SD3.5, FLUX.1, Chroma",), "left: should list the architectures with models/protocol.LoRADenoiser")],
-    "lora/names.py": [
-        (("an SD 1.x / SDXL UNet", "FLUX 3", "FLUX.1", "FLUX.2", "SD3", "Z-Image", "Qwen-Image", "Krea 2"),
-         "left: lora.ARCHITECTURES' rows (the layer names that tell a LoRA's architecture) move onto each model's "
-         "protocol (LORA_ARCHITECTURE's patterns), issue 38 item 1")],
+        (("as FLUX.2-dev's tokenizer/",), "where Mistral-Small-3.x's tokenizer is found: FLUX.2-dev's folder (as "
+                                         "in loading/component_files)"),
+        (("not a FLUX.2 chat tokenizer",),
+         "left: a tokenizer with no LLM's control tokens, said for every LLM-encoder family; the callers that know "
+         "the family (pipelines/flux2, zimage folder readers, loading/component_files) should pass its title "
+         "(tests/test_bad_input_round2 matches these words)")],
 }
 
 

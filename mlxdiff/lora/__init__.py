@@ -91,14 +91,14 @@ from .apply import apply_loras, check, components, describe, lora_nbytes, plan, 
 from .files import ALPHA_DTYPES, FACTOR_DTYPES
 from .layers import LoRAConv, LoRALinear, conv_dims
 from .lycoris import LYCORIS_FACTORS
-from .names import (ARCHITECTURES, DENOISERS, LYCORIS_ROLES, NOT_LORA, PREFIXES, ROLES, TEXT_ENCODERS, UNET,
-                    UNET_LAYERS, XLABS_MODULE, XLABS_ROLES, takes_loras)
+from .names import (ARCHITECTURES, DENOISERS, LORA_DENOISERS, LYCORIS_ROLES, NOT_LORA, PREFIXES, ROLES,
+                    TEXT_ENCODERS, UNET_LAYERS, XLABS_MODULE, XLABS_ROLES, takes_loras)
 from .peft import MAX_PATTERN_CHARS, MAX_PATTERN_REPEATS, MAX_PATTERNS, PEFT_DEFAULTS, PEFT_FIELDS, PLAIN_INITS
 
 __all__ = [
-    "ALPHA_DTYPES", "ARCHITECTURES", "DENOISERS", "FACTOR_DTYPES", "LYCORIS_FACTORS", "LYCORIS_ROLES",
-    "MAX_PATTERNS", "MAX_PATTERN_CHARS", "MAX_PATTERN_REPEATS", "NOT_LORA", "PEFT_DEFAULTS", "PEFT_FIELDS",
-    "PLAIN_INITS", "PREFIXES", "ROLES", "TEXT_ENCODERS", "UNET", "UNET_LAYERS", "XLABS_MODULE", "XLABS_ROLES",
+    "ALPHA_DTYPES", "ARCHITECTURES", "DENOISERS", "FACTOR_DTYPES", "LORA_DENOISERS", "LYCORIS_FACTORS",
+    "LYCORIS_ROLES", "MAX_PATTERNS", "MAX_PATTERN_CHARS", "MAX_PATTERN_REPEATS", "NOT_LORA", "PEFT_DEFAULTS",
+    "PEFT_FIELDS", "PLAIN_INITS", "PREFIXES", "ROLES", "TEXT_ENCODERS", "UNET_LAYERS", "XLABS_MODULE", "XLABS_ROLES",
     "LoRAConv", "LoRALinear", "apply_loras", "check", "components", "conv_dims", "describe", "linear_dims",
     "linear_rows", "lora_nbytes", "plan", "remove_loras", "split_rows", "takes_loras",
 ]

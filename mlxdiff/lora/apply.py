@@ -12,7 +12,8 @@ from ..formats import tensor_nbytes
 from ..formats.quantized import linear_dims, split_rows
 from .files import ALPHA_DTYPES, FACTOR_DTYPES, _check_values, _read, _short
 from .layers import LoRAConv, LoRALinear, conv_dims
-from .names import DENOISERS, TEXT_ENCODERS, _entries, _Layers, _naming, _other_architecture, takes_loras
+from .names import (DENOISERS, LORA_DENOISERS, TEXT_ENCODERS, _entries, _Layers, _naming, _other_architecture,
+                    takes_loras)
 from .peft import _by_pattern, _coverage, _peft_config
 
 
@@ -217,9 +218,10 @@ def check(spec, path, scale=1.0, dtype=None):
     is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
     and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
     if spec.name in DENOISERS and not takes_loras(spec.arch):
-        raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (the SD3.5, FLUX.1, "
-                           f"Chroma, FLUX.2, Z-Image and Qwen-Image transformers and the SD 1.x / SDXL UNet: "
-                           f"models/protocol.LoRADenoiser), not {spec.arch.__name__}")
+        takers = [arch.LORA_NAME for arch in LORA_DENOISERS]
+        raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (the "
+                           f"{', '.join(takers[:-1])} and {takers[-1]}: models/protocol.LoRADenoiser), not "
+                           f"{spec.arch.__name__}")
     plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
 
 

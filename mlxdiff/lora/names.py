@@ -1,10 +1,11 @@
 """How a LoRA file's tensor names reach mlxdiff's layers: the roles and prefixes of every naming, the
-architectures that layer names tell (ARCHITECTURES), the file's entries per layer, and the model's own
-original-name rules (_Layers)."""
+architectures that layer names tell (ARCHITECTURES: the LoRA denoisers' own rows), the file's entries per layer, and
+the model's own original-name rules (_Layers)."""
 
 import re
 
 from ..errors import MlxdiffError
+from ..models import chroma, flux1, flux2, flux3, krea2, mmdit, qwenimage, qwenimage21, unet, zimage
 from .files import _short
 from .lycoris import LYCORIS_FACTORS, _lycoris, _tucker_locon
 
@@ -52,46 +53,17 @@ PREFIXES = (
 DENOISERS = ("transformer", "unet")
 # text encoders whose LoRAs mlxdiff applies (their module paths are transformers' own names)
 TEXT_ENCODERS = {"mlxdiff.models.clip": "CLIP", "mlxdiff.models.t5": "T5"}
-# layer names that only some architectures have (searched in each name; the first that matches says which: the
-# UNet's first, as its transformer blocks also have ff.net)
-UNET_LAYERS = re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)([._]|$)")
-UNET = "an SD 1.x / SDXL UNet"
-ARCHITECTURES = (
-    (UNET_LAYERS, (UNET,)),
-    # FLUX 3's (diffusers' names): its per-mode blocks, modulations and embedders
-    (re.compile(r"(^|[._])(txt_mode_blocks|mode_blocks[._]image(_cond)?|(early|single)_stream_modulations|x_embedders)"
-                r"([._]|$)"), ("FLUX 3",)),
-    (re.compile(r"(^|[._])(double_blocks[._]\d+[._](img|txt)_mod|single_blocks[._]\d+[._]modulation|vector_in|"
-                r"single_transformer_blocks[._]\d+[._](proj_mlp|proj_out|norm[._]linear|attn[._]to_[qkv]))([._]|$)"),
-     ("FLUX.1",)),
-    (re.compile(r"(^|[._])(double_stream_modulation_(img|txt)|single_stream_modulation|to_qkv_mlp_proj|linear_in|"
-                r"linear_out)([._]|$)"), ("FLUX.2",)),
-    # BFL's block names, which both FLUX generations have
-    (re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks|img_attn|txt_attn)([._]|$)"),
-     ("FLUX.2", "FLUX.1")),
-    (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"), ("SD3",)),
-    (re.compile(r"(^|[._])(norm1_context|ff_context[._]net|ff[._]net|norm1[._]linear)([._]|$)"), ("SD3", "FLUX.1")),
-    # Z-Image's (diffusers' and the original names): its refiners, caption / patch embedders, and the main blocks'
-    # attention, SwiGLU and modulation under layers.N (SD3's t_embedder / final_layer and FLUX's x_embedder are not
-    # telling)
-    (re.compile(r"(^|[._])(noise_refiner|context_refiner|cap_embedder|all_x_embedder|all_final_layer|"
-                r"layers[._]\d+[._](attention[._](qkv|out|to_[qkv]|to_out|q_norm|k_norm|norm_[qk])|"
-                r"feed_forward[._]w[123]|adaLN_modulation))([._]|$)"), ("Z-Image",)),
-    # Qwen-Image 2.1's (diffusers' names): its bias-free SwiGLU (img_mlp.proj / gate_layer / out, ComfyUI's gate_up)
-    # and text projection (Qwen-Image's MLP is img_mlp.net.*)
-    (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._]img_mlp[._](proj|gate_layer|gate_up|out)|"
-                r"txt_in[._](in_layer|out_layer|text_norm))([._]|$)"), ("Qwen-Image 2.1",)),
-    # Qwen-Image's (diffusers' names, which all its LoRAs use): each block's per-stream modulation and MLP (its
-    # attention's to_q / add_q_proj / to_add_out are SD3's and FLUX.1's names too, BFL's img_mod / img_mlp sit under
-    # double_blocks, not transformer_blocks) and the text features' txt_norm
-    (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._](img|txt)_(mod|mlp)|txt_norm)([._]|$)"), ("Qwen-Image",)),
-    # Krea 2's (diffusers' and krea-ai's names): its text fusion, time projection, gated attention and SwiGLU
-    (re.compile(r"(^|[._])(text_fusion|txtfusion|time_mod_proj|tproj|attn[._](to_gate|wq|wk|wv|wo)|"
-                r"transformer_blocks[._]\d+[._]ff[._](gate|up|down))([._]|$)"), ("Krea 2",)),
-)
-# A denoiser LoRAs apply to says so on its architecture module (models/protocol.LoRADenoiser): LORA_NAME (what
-# messages call it), LORA_ARCHITECTURE (its label in ARCHITECTURES above), lora_original_rules(args) (its
+# the denoiser architectures LoRAs apply to (models/protocol.LoRADenoiser), in the order their layer-name rows
+# (LORA_ARCHITECTURE_PATTERNS: the names only some architectures have, searched in each name) are tried, the first
+# that matches saying which: the UNet's first (its transformer blocks also have ff.net), each FLUX's own names
+# before those both generations have (flux2's second row), SD3's before those it shares with FLUX.1, Qwen-Image
+# 2.1's before Qwen-Image's (img_mlp). Each says so on its module: LORA_NAME (what messages call it),
+# LORA_ARCHITECTURE (its label in ARCHITECTURES), LORA_ARCHITECTURE_PATTERNS, lora_original_rules(args) (its
 # original-name table) and, optionally, LORA_UNMAPPED (a pattern of original names its table cannot map, and why).
+LORA_DENOISERS = (unet, flux3, flux1, chroma, flux2, mmdit, zimage, qwenimage21, qwenimage, krea2)
+ARCHITECTURES = tuple(row for arch in LORA_DENOISERS for row in arch.LORA_ARCHITECTURE_PATTERNS)
+# a UNet's block names (its own row): a "transformer" part named so is the "unet" component (_entries)
+UNET_LAYERS = unet.LORA_ARCHITECTURE_PATTERNS[0][0]
 
 
 def _split_name(name):

@@ -243,6 +243,7 @@ _GUIDANCE_LAYER = re.compile(r"distilled_guidance_layer\.layers\.(\d+)\.in_layer
 LORA_NAME = "Chroma transformer"
 # Chroma's blocks are FLUX.1's under the same names, so FLUX.1-named LoRAs (kohya, PEFT, BFL, XLabs) are its LoRAs
 LORA_ARCHITECTURE = "FLUX.1"     # its label in lora.ARCHITECTURES
+LORA_ARCHITECTURE_PATTERNS = ()     # FLUX.1's names tell its LoRAs (flux1.py's rows)
 lora_original_rules = flux1.lora_original_rules     # the same block names as FLUX.1's
 
 

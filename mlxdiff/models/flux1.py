@@ -380,6 +380,13 @@ _LINEAR1_PARTS = (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_m
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "FLUX.1 transformer"
 LORA_ARCHITECTURE = "FLUX.1"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+# The names it shares with FLUX.2 and SD3 are in theirs (flux2.py, mmdit.py).
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(double_blocks[._]\d+[._](img|txt)_mod|single_blocks[._]\d+[._]modulation|vector_in|"
+                r"single_transformer_blocks[._]\d+[._](proj_mlp|proj_out|norm[._]linear|attn[._]to_[qkv]))([._]|$)"),
+     (LORA_ARCHITECTURE,)),)
 
 
 # for LoRAs, linear1's rows go to their layers by the table itself: 7 equal row pieces, the MLP's four together

@@ -554,6 +554,15 @@ _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "FLUX.2 transformer"
 LORA_ARCHITECTURE = "FLUX.2"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(double_stream_modulation_(img|txt)|single_stream_modulation|to_qkv_mlp_proj|linear_in|"
+                r"linear_out)([._]|$)"), (LORA_ARCHITECTURE,)),
+    # BFL's block names, which both FLUX generations have (tried after each one's own)
+    (re.compile(r"(^|[._])(double_blocks|single_blocks|single_transformer_blocks|img_attn|txt_attn)([._]|$)"),
+     (LORA_ARCHITECTURE, "FLUX.1")),
+)
 
 
 def lora_original_rules(args) -> list:

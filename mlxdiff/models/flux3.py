@@ -327,6 +327,12 @@ def config_from_original(weights: dict) -> dict:
 # LoRAs (lora/, the protocol's LoRADenoiser): diffusers / PEFT names are the model's own
 LORA_NAME = "FLUX 3 transformer"
 LORA_ARCHITECTURE = "FLUX 3"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+# In diffusers' names: its per-mode blocks, modulations and embedders
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(txt_mode_blocks|mode_blocks[._]image(_cond)?|(early|single)_stream_modulations|"
+                r"x_embedders)([._]|$)"), (LORA_ARCHITECTURE,)),)
 
 
 def lora_original_rules(args) -> list:

@@ -453,6 +453,12 @@ def config_from_original(weights: dict) -> dict:
 # rules, as diffusers' _convert_non_diffusers_krea2_lora_to_diffusers maps them
 LORA_NAME = "Krea 2 transformer"
 LORA_ARCHITECTURE = "Krea 2"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+# In diffusers' and krea-ai's names: its text fusion, time projection, gated attention and SwiGLU
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(text_fusion|txtfusion|time_mod_proj|tproj|attn[._](to_gate|wq|wk|wv|wo)|"
+                r"transformer_blocks[._]\d+[._]ff[._](gate|up|down))([._]|$)"), (LORA_ARCHITECTURE,)),)
 
 
 def lora_original_rules(args) -> list:

@@ -459,6 +459,15 @@ def original_to_diffusers(weights: dict) -> dict:
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "SD3.5 transformer"
 LORA_ARCHITECTURE = "SD3"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"),
+     (LORA_ARCHITECTURE,)),
+    # diffusers' joint-attention block names, which FLUX.1's blocks have too
+    (re.compile(r"(^|[._])(norm1_context|ff_context[._]net|ff[._]net|norm1[._]linear)([._]|$)"),
+     (LORA_ARCHITECTURE, "FLUX.1")),
+)
 
 
 def lora_original_rules(args) -> list:

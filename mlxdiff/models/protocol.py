@@ -15,7 +15,8 @@ Adding an architecture (a family's models; the family itself is a folder, pipeli
    `activation_bytes(dtype)` if its activations are known small (a streamed plan keeps only that free).
 3. Register the class name in loading/spec.py ARCHITECTURES (and the family's components in its Family.layouts).
 4. Then the hooks of the capabilities it has: a denoiser read from one original file (`OriginalFile`) and its
-   LoRAs (`LoRADenoiser`), an encoder whose config a single file's shapes give
+   LoRAs (`LoRADenoiser`; the module also goes into lora/names.LORA_DENOISERS, which orders the layer-name rows:
+   loading/spec imports lora, so lora cannot walk the registry), an encoder whose config a single file's shapes give
    (`ConfigFromWeights`), an encoder read only partly (`PartialReader`).
 Each capability is all or nothing: a module with its marker (CAPABILITIES) has all of its members (the test
 checks this). Family-specific readers call some functions by name (vae.config_from_ldm, vae_flux2's
@@ -139,6 +140,11 @@ class LoRADenoiser(Protocol):
     LORA_ARCHITECTURE: str
     """lora.plan: its label in lora.ARCHITECTURES (the layer names that tell a LoRA's architecture), so that a LoRA
     for another one is refused by name."""
+    LORA_ARCHITECTURE_PATTERNS: tuple
+    """lora.ARCHITECTURES' rows it brings: ((compiled pattern, labels), ...), a pattern searched in each LoRA layer
+    name and the labels (LORA_ARCHITECTURE, and any other architecture that has those names too) of the models the
+    names fit; the rows are tried in lora/names.LORA_DENOISERS' order, where the module is listed. () when another's
+    names tell its LoRAs (Chroma's are FLUX.1's)."""
 
     def lora_original_rules(self, args) -> list:
         """lora.names._original_rules: the compiled (pattern, target, transform) rules of the original names for a model

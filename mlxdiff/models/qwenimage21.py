@@ -492,6 +492,13 @@ def config_from_original(weights: dict) -> dict:
 # `diffusion_model.` prefixes are lora/'s to strip); a LoRA on ComfyUI's fused gate_up is refused (LORA_UNMAPPED)
 LORA_NAME = "Qwen-Image 2.1 transformer"
 LORA_ARCHITECTURE = "Qwen-Image 2.1"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+# In diffusers' names: its bias-free SwiGLU (img_mlp.proj / gate_layer / out, ComfyUI's gate_up) and text projection
+# (Qwen-Image's MLP is img_mlp.net.*; tried before Qwen-Image's, whose img_mlp they also match)
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._]img_mlp[._](proj|gate_layer|gate_up|out)|"
+                r"txt_in[._](in_layer|out_layer|text_norm))([._]|$)"), (LORA_ARCHITECTURE,)),)
 LORA_UNMAPPED = (re.compile(r"(^|[._])img_mlp[._]gate_up([._]|$)"),
                  "names ComfyUI's fused SwiGLU gate_up, which mlxdiff keeps as diffusers' two layers (gate_layer, "
                  "proj); re-save the LoRA in diffusers' names")

@@ -542,6 +542,11 @@ _ORIGINAL_RULES = original_rules(2, 4)
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "SD 1.x / SDXL UNet"
 LORA_ARCHITECTURE = "an SD 1.x / SDXL UNet"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)([._]|$)"),
+     (LORA_ARCHITECTURE,)),)
 # SGM's (SDXL's original) block names, which the original-name table maps for one depth per level only
 LORA_UNMAPPED = (re.compile(r"(^|[._])(input_blocks|output_blocks|middle_block)([._]|$)"),
                  "names a UNet layer in SGM's original names (input_blocks, middle_block, output_blocks: kohya's SDXL "

@@ -480,6 +480,14 @@ _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "Z-Image transformer"
 LORA_ARCHITECTURE = "Z-Image"     # its label in lora.ARCHITECTURES
+# the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
+# them in its order, the first that a name matches saying which architectures it fits).
+# In diffusers' and the original names: its refiners, caption / patch embedders, and the main blocks' attention,
+# SwiGLU and modulation under layers.N (SD3's t_embedder / final_layer and FLUX's x_embedder are not telling)
+LORA_ARCHITECTURE_PATTERNS = (
+    (re.compile(r"(^|[._])(noise_refiner|context_refiner|cap_embedder|all_x_embedder|all_final_layer|"
+                r"layers[._]\d+[._](attention[._](qkv|out|to_[qkv]|to_out|q_norm|k_norm|norm_[qk])|"
+                r"feed_forward[._]w[123]|adaLN_modulation))([._]|$)"), (LORA_ARCHITECTURE,)),)
 # original-named LoRA layers (musubi-tuner / kohya / ComfyUI: attention.qkv fused, attention.out, x_embedder,
 # final_layer) -> mlxdiff's, as ORIGINAL_KEYMAP maps the base weights: a fused qkv's lora_B rows split into to_q,
 # to_k, to_v (its lora_A shared). The block name and index are separate groups, so that kohya's underscore-folded
