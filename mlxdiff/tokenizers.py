@@ -197,7 +197,7 @@ def check_chat_family(tokenizer, model_type, source, encoder) -> None:
     name, _, wanted = CHAT_FAMILIES[model_type]
     if family is None:
         marks = " nor ".join(f"{n}'s {' / '.join(t)}" for n, t, _ in CHAT_FAMILIES.values())
-        what = f"not a FLUX.2 chat tokenizer (it has neither {marks} control tokens: a CLIP or T5 one?)"
+        what = f"not an LLM text encoder's chat tokenizer (it has neither {marks} control tokens: a CLIP or T5 one?)"
     else:
         other, tokens, _ = CHAT_FAMILIES[family]
         what = f"a {other} tokenizer (it has {' / '.join(tokens)})"

@@ -331,7 +331,7 @@ def test_tokenizer_of_another_family_is_refused(tmp_path):
     out = tmp_path / "out.png"
     cases = {"Mistral for Qwen3": (gen(out, "--tokenizer", str(mistral)),
                                    [str(mistral), "a Mistral tokenizer", "Qwen3", "--tokenizer DIR"]),
-             "CLIP for Qwen3": (gen(out, "--tokenizer", str(clip)), [str(clip), "not a FLUX.2 chat tokenizer"])}
+             "CLIP for Qwen3": (gen(out, "--tokenizer", str(clip)), [str(clip), "not an LLM text encoder's chat tokenizer"])}
     for (needles, outcome) in zip([n for _, n in cases.values()], run_cases([c for c, _ in cases.values()],
                                                                             tmp_path)):
         assert_refused(outcome, *needles)

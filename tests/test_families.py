@@ -170,11 +170,7 @@ NAMING_ALLOWED = {
         (("SD's",), "a discrete-time scheduler's usual values, said as the model they come from")],
     "tokenizers.py": [
         (("as FLUX.2-dev's tokenizer/",), "where Mistral-Small-3.x's tokenizer is found: FLUX.2-dev's folder (as "
-                                         "in loading/component_files)"),
-        (("not a FLUX.2 chat tokenizer",),
-         "left: a tokenizer with no LLM's control tokens, said for every LLM-encoder family; the callers that know "
-         "the family (pipelines/flux2, zimage folder readers, loading/component_files) should pass its title "
-         "(tests/test_bad_input_round2 matches these words)")],
+                                         "in loading/component_files)")],
 }
 
 
