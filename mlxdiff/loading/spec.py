@@ -24,7 +24,7 @@ from ..formats.keymaps import strip_prefix
 from ..lora import apply_loras, lora_nbytes
 from ..models import (chroma, clip, controlnet, flux1, flux2, flux3, mmdit, qwenimage, t5, text_llm, unet, vae,
                       vae_flux2, vae_qwenimage, zimage)
-from ..models import controlnet_flux1, controlnet_sd3
+from ..models import controlnet_flux1, controlnet_qwenimage, controlnet_sd3
 from ..models import controlnet_zimage
 from ..models import krea2
 from ..models import qwenimage21, vae_qwenimage21
@@ -43,6 +43,7 @@ ARCHITECTURES = {
     "SD3ControlNetModel": controlnet_sd3,     # SD3.5's
     "FluxControlNetModel": controlnet_flux1,  # FLUX.1's
     "ZImageControlNetModel": controlnet_zimage,   # Z-Image's (alibaba-pai's Fun ControlNet Union)
+    "QwenImageControlNetModel": controlnet_qwenimage,   # Qwen-Image's
     "T5EncoderModel": t5,
     "FluxTransformer2DModel": flux1,
     "ChromaTransformer2DModel": chroma,

@@ -30,7 +30,7 @@ from ..errors import MlxdiffError
 from ..formats.keymaps import compile_rules, remap, required_shape, under_prefix_if_present
 from ..pacing import pace
 from .embeddings import TimestepEmbedding, timestep_embedding
-from .flux1 import Attention, modulate
+from .flux1 import Attention, controlnet_index, modulate
 from .flux2 import clip_fp16, rope_tables
 from .fused import double_stream, gated_residual, norm_modulate
 from .mmdit import AdaLayerNormContinuous, FeedForward, Modulation
@@ -206,6 +206,18 @@ class TransformerBlock(nn.Module):
         return clip_fp16(context), clip_fp16(x)
 
 
+def key_mask(encoder_hidden_states_mask, b, n_txt, n_img):
+    """The attention's key mask (B, 1, 1, L_txt + N_img) of the text's 0 / 1 mask (B, L_txt), or None: keys only, a
+    padded text token's output is never read."""
+    if encoder_hidden_states_mask is None:
+        return None
+    if tuple(encoder_hidden_states_mask.shape) != (b, n_txt):
+        raise MlxdiffError(f"encoder_hidden_states_mask has shape {tuple(encoder_hidden_states_mask.shape)}; "
+                           f"expected (batch, text tokens) = ({b}, {n_txt})")
+    keys = mx.concatenate([encoder_hidden_states_mask.astype(mx.bool_), mx.ones((b, n_img), dtype=mx.bool_)], axis=1)
+    return keys[:, None, None, :]
+
+
 # embedders, the modulations and the output layers stay in full precision (loading/quantize.py)
 FULL_PRECISION = re.compile(r"(img_in|txt_in|txt_norm|time_text_embed\..*|transformer_blocks\.\d+\.(img|txt)_mod\.1|"
                             r"norm_out\.linear|proj_out)")
@@ -223,12 +235,14 @@ class Model(nn.Module):
 
     Against diffusers' forward: the same names and meanings; img_shapes may also be diffusers' per-batch-row list of
     lists, of which (as diffusers) the first row serves the whole batch. Not taken: guidance (diffusers' path for it
-    cannot run), attention_kwargs, controlnet_block_samples, additional_t_cond (Qwen-Image-Layered) and
+    cannot run), attention_kwargs, additional_t_cond (Qwen-Image-Layered) and
     return_dict; txt_seq_lens (older diffusers' argument) is not needed: the RoPE covers the padded text length, as
     diffusers 0.42 does. With zero_cond_t (Qwen-Image-Edit-2511's config) the tokens after img_shapes' first grid (the
     input images') are modulated at timestep 0, as diffusers' modulate_index; the text, the output's tokens and
     norm_out at `timestep`. `after_block(context, x)`: the caller's memory policy, called after every block;
     step_cache and stream_dtype as flux1.Model.
+    controlnet_block_samples: a Qwen-Image ControlNet's residuals (models/controlnet_qwenimage.py), sample
+    i // ceil(blocks / samples) added to the image stream after block i.
     """
 
     def __init__(self, args: ModelArgs):
@@ -255,7 +269,7 @@ class Model(nn.Module):
         return cached[1]
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, img_shapes, encoder_hidden_states_mask=None,
-                 after_block=None, step_cache=None, stream_dtype=None):
+                 after_block=None, step_cache=None, stream_dtype=None, controlnet_block_samples=None):
         dtype = self.compute_dtype
         stream = stream_dtype or dtype
         b, n_img = hidden_states.shape[:2]
@@ -264,14 +278,7 @@ class Model(nn.Module):
         if cos.shape[0] != n_txt + n_img:
             raise MlxdiffError(f"img_shapes {list(image_shapes(img_shapes))} cover {cos.shape[0] - n_txt} image "
                                f"tokens but hidden_states has {n_img}")
-        mask = None
-        if encoder_hidden_states_mask is not None:     # keys only: a padded text token's output is never read
-            if tuple(encoder_hidden_states_mask.shape) != (b, n_txt):
-                raise MlxdiffError(f"encoder_hidden_states_mask has shape {tuple(encoder_hidden_states_mask.shape)}; "
-                                   f"expected (batch, text tokens) = ({b}, {n_txt})")
-            keys = mx.concatenate([encoder_hidden_states_mask.astype(mx.bool_), mx.ones((b, n_img), dtype=mx.bool_)],
-                                  axis=1)
-            mask = keys[:, None, None, :]
+        mask = key_mask(encoder_hidden_states_mask, b, n_txt, n_img)
         timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
         temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
         block_args = (temb, cos, sin, mask)
@@ -281,8 +288,11 @@ class Model(nn.Module):
             block_args += (cond_temb, (mx.arange(n_img) < f * h * w)[None, :, None])
         x = self.img_in(hidden_states.astype(dtype)).astype(stream)
         context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype))).astype(stream)
+        samples = controlnet_block_samples
+        residual = None if not samples else lambda i: samples[controlnet_index(i, len(self.transformer_blocks),
+                                                                               len(samples))]
         context, x, x_head, reused = double_stream(self.transformer_blocks, x, context,
-                                                   lambda i: block_args, after_block, step_cache)
+                                                   lambda i: block_args, after_block, step_cache, residual)
         if reused is not None:
             return self.proj_out(self.norm_out(x + reused, temb))
         if step_cache is not None:

@@ -1,5 +1,6 @@
-"""ControlNets of the transformer families (SD3.5's SD3ControlNetModel, FLUX.1's FluxControlNetModel): what their
-pipelines share, as diffusers' StableDiffusion3ControlNetPipeline and FluxControlNetPipeline share it.
+"""ControlNets of the transformer families (SD3.5's SD3ControlNetModel, FLUX.1's FluxControlNetModel, Qwen-Image's
+QwenImageControlNetModel): what their pipelines share, as diffusers' StableDiffusion3ControlNetPipeline,
+FluxControlNetPipeline and QwenImageControlNetPipeline share it.
 
 - load(controlnets=[(folder, scale), ...]): each a diffusers folder of the family's ControlNet class
   (`controlnet_folder`), a component named controlnet, controlnet_2, ... (loaded in the denoise phase, quantizable,
@@ -8,7 +9,8 @@ pipelines share, as diffusers' StableDiffusion3ControlNetPipeline and FluxContro
   image per ControlNet; generate's scales replace load's, never multiply them; start < end, shares of the schedule).
 - The control image: RGB, resized (LANCZOS) to the output size, in [-1, 1] (VaeImageProcessor.preprocess), a sample
   of the VAE posterior (`control_noise`: its standard-normal noise per ControlNet, as diffusers' vae.encode(...)
-  .latent_dist.sample() draws it; default: from the seed), (z - shift) x scaling (`control_latents`).
+  .latent_dist.sample() draws it; default: from the seed), (z - shift) x scaling, or the VAE's own scaling
+  (`control_latents`).
 - At schedule index i of n a ControlNet acts where diffusers' controlnet_keep is 1 (not i / n < start and not
   (i + 1) / n > end), with its scale; outside, its scale is 0 there, so it is not run here (`acting`).
 - The `ControlNets` mixin: the ControlNets loaded once for the denoise phase and released when it ends (unpack),
@@ -137,16 +139,19 @@ def acting(controls, i, n) -> list:
             if scale != 0 and not (i / n < start or (i + 1) / n > end)]
 
 
-def control_latents(run, vae, index, dtype, shift, rows=1, sample=True) -> mx.array:
+def control_latents(run, vae, index, dtype, shift, rows=1, sample=True,
+                    moments=image_inputs.encode_moments) -> mx.array:
     """Control image `index` at the output size -> its VAE latents (1 or `rows`, C, h, w) float32: RGB, resized,
-    [-1, 1], a posterior sample (control_noise[index], else a stream of the seed), (z - shift) * scaling_factor.
+    [-1, 1], a posterior sample (control_noise[index], else a stream of the seed), (z - shift) * scaling_factor
+    (shift None: the VAE's own scale_latents, Qwen-Image's per-channel (z - latents_mean) / latents_std).
     `rows`: the ControlNet's batch, which diffusers encodes whole (SD3's CFG batch: the image twice, each row its own
     noise): control_noise may have one row or that many. `sample=False`: the posterior's mean instead (diffusers'
-    retrieve_latents(..., sample_mode="argmax"), as ZImageControlNetPipeline encodes)."""
+    retrieve_latents(..., sample_mode="argmax"), as ZImageControlNetPipeline encodes). `moments(vae, pixels,
+    dtype)`: the VAE's (mean, logvar)."""
     controls = run.state["controls"]
     pixels = image_inputs.to_array(image_inputs.resized(controls["images"][index].convert("RGB"), run.width,
                                                         run.height))
-    mean, logvar = image_inputs.encode_moments(vae, pixels, dtype)
+    mean, logvar = moments(vae, pixels, dtype)
     mean, logvar = mean.astype(mx.float32), logvar.astype(mx.float32)
     noise = None if controls["noise"] is None else controls["noise"][index]
     if not sample:
@@ -161,7 +166,7 @@ def control_latents(run, vae, index, dtype, shift, rows=1, sample=True) -> mx.ar
     else:
         noise = mx.array(noise.astype("float32"))
     z = mean + mx.exp(0.5 * logvar) * noise
-    latents = ((z - shift) * vae.args.scaling_factor).astype(mx.float32)
+    latents = (vae.scale_latents(z) if shift is None else (z - shift) * vae.args.scaling_factor).astype(mx.float32)
     mx.eval(latents)
     return latents
 

@@ -4,16 +4,18 @@ QwenImageEditPlusPipeline folders (Qwen-Image-Edit, -2509, -2511: one and severa
 QwenImageEditInpaintPipeline, whose folders are Edit's; edit.py, with the Qwen2.5-VL vision tower of
 models/vision_qwen25vl.py, mlx-vlm's); or ComfyUI's
 transformer file (or a GGUF) with its qwen_2.5_vl_7b and qwen_image_vae files (beside it or given), or those files
-alone (files.py). The transformer is models/qwenimage.py, the
-VAE models/vae_qwenimage.py (Wan's causal VAE on one frame), the text encoder Qwen2.5-VL's language model through
-models/text_llm.py (mlx-lm's Qwen2 layers; the vision tower is read only by the Edit pipelines)."""
+alone (files.py); load(controlnets=) with QwenImageControlNetModel folders (InstantX's Union ControlNet:
+QwenImageControlNetPipeline; its Inpainting ControlNet with control_mask=: QwenImageControlNetInpaintPipeline).
+The transformer is models/qwenimage.py, the VAE models/vae_qwenimage.py (Wan's causal VAE on one frame), the text
+encoder Qwen2.5-VL's language model through models/text_llm.py (mlx-lm's Qwen2 layers; the vision tower is read
+only by the Edit pipelines)."""
 
 from ...models import qwenimage, text_llm
 from ...errors import MlxdiffError
 from .. import previews
 from ..family import Family
 from .files import qwenimage_files
-from .folder import qwenimage_folder
+from .folder import qwenimage_folder, read_controlnets
 from .edit import QwenImageEditPipeline
 from .pipeline import Conditioning, QwenImagePipeline  # noqa: F401  (mlxdiff.pipelines.qwenimage.QwenImagePipeline)
 
@@ -72,4 +74,5 @@ FAMILY = Family(
     read_files_alone=read_files_alone,
     files_alone_kinds="a Qwen-Image transformer file (diffusers' / ComfyUI's names)",
     reference_file_refusal="a Qwen-Image single file",
+    read_controlnets=read_controlnets,     # QwenImageControlNetModel folders (QwenImageControlNetPipeline)
 )

@@ -3,7 +3,8 @@ VAE, the Qwen2.5-VL text encoder's language model read up to hidden_states[-1] (
 vision tower is never read) and its Qwen2 tokenizer. A QwenImageEditPipeline / QwenImageEditPlusPipeline folder
 (Qwen-Image-Edit, -2509, -2511) adds the vision tower of the same text_encoder/ files (models/vision_qwen25vl.py, the
 component "vision") and its processor/ folder: the image processor's preprocessor_config.json and the tokenizer the
-Edit pipelines tokenize with (diffusers' self.processor), whose <|image_pad|> is the config's image_token_id."""
+Edit pipelines tokenize with (diffusers' self.processor), whose <|image_pad|> is the config's image_token_id.
+load(controlnets=): QwenImageControlNetModel folders (read_controlnets), checked against the transformer."""
 
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ...loading.sources import (ComponentSpec, check_template_tokenizer, folder_
 from ...loading.spec import PipelineSources
 from ...models import qwenimage, text_llm, vision_qwen25vl
 from ...tokenizers import load_tokenizer
+from .. import controls
 from ..family import identify
 from .pipeline import EDIT_PIPELINES
 
@@ -125,3 +127,43 @@ def check_edit_tokenizer(tokenizer, source, token_id, encoder_where) -> None:
     if vocab["<|image_pad|>"] != token_id:
         raise MlxdiffError(f"{source}: <|image_pad|> is token {vocab['<|image_pad|>']} but the text encoder's "
                            f"image_token_id ({encoder_where}) is {token_id}; give the model's own processor folder")
+
+
+# -- ControlNets (load(controlnets=)): diffusers' QwenImageControlNetModel folders -------------------------------------
+CONTROLNET_CLASS = "QwenImageControlNetModel"
+
+
+def check_controlnet(where, net, specs) -> None:
+    """A Qwen-Image ControlNet fits the transformer it steers, before any weight is read: the same packed latents
+    as its input (an Inpainting ControlNet's extra condition channels: the mask's patch), the same width (its
+    residuals join the image stream) and prompt width; several ControlNets (their residuals summed block by block) of
+    one depth, an Inpainting one alone."""
+    t = specs["transformer"].args
+    other = "a ControlNet of another family or size (Qwen-Image's take 64 packed channels, 3072 wide)"
+    for what, theirs, ours in (("in_channels", net.in_channels, t.in_channels),
+                               ("width (num_attention_heads * attention_head_dim)", net.width, t.width),
+                               ("joint_attention_dim", net.joint_attention_dim, t.joint_attention_dim),
+                               ("patch_size", net.patch_size, t.patch_size)):
+        if theirs != ours:
+            controls.refuse(where, what, theirs, ours, other)
+    extra, patch = net.extra_condition_channels, net.patch_size ** 2
+    if extra not in (0, patch):
+        controls.refuse(where, "extra_condition_channels", extra, f"{patch} (the mask's one channel in "
+                        f"{net.patch_size} x {net.patch_size} patches) or 0", "an Inpainting ControlNet's control "
+                        "tokens are the masked image's latents and the mask")
+    first = specs.get("controlnet")
+    if first is not None and (extra or first.args.extra_condition_channels):
+        raise MlxdiffError(f"ControlNet {where}: an Inpainting ControlNet (extra_condition_channels) runs alone, as "
+                           "diffusers' QwenImageControlNetInpaintPipeline runs one; give it as the only ControlNet")
+    if first is not None and first.args.num_layers != net.num_layers:
+        controls.refuse(where, "num_layers", net.num_layers, f"{first.args.num_layers} (the first ControlNet's)",
+                        "several ControlNets' residuals are summed block by block: give ControlNets of one depth")
+
+
+def read_controlnets(found, controlnets) -> None:
+    """load(controlnets=[(path, scale), ...]) for a Qwen-Image text-to-image model (QwenImageControlNetPipeline;
+    pipelines/controls.py)."""
+    if found.pipeline_class in EDIT_PIPELINES:
+        raise MlxdiffError(f"controlnets=: this is a {found.pipeline_class} model; diffusers' "
+                           "QwenImageControlNetPipeline steers Qwen-Image (QwenImagePipeline): give that as the model")
+    controls.read_controlnets(found, controlnets, CONTROLNET_CLASS, "a Qwen-Image", check_controlnet)

@@ -21,6 +21,13 @@ QwenImageImg2ImgPipeline (pipeline_qwenimage_img2img.py), with image= and mask= 
              strength is 0.6, as img2img's. masked_image_latents only reach diffusers' callbacks, so they are not
              computed; padding_mask_crop is not taken (generate() refuses it as an unknown keyword)
     decode:  unpack, latents * latents_std + latents_mean (the VAE's config), AutoencoderKLQwenImage on one frame
+    ControlNet (load(controlnets=), generate(control_images=)): QwenImageControlNetPipeline (several: its
+             QwenImageMultiControlNetModel's sum, one image each): each control image resized to the output size, a
+             sample of its VAE posterior, (z - latents_mean) / latents_std, packed; at each step each ControlNet within
+             its [control_start, control_end] share runs on the positive prompt and its block residuals join the
+             transformer's image stream in both true-CFG forwards. An Inpainting ControlNet (extra_condition_channels)
+             with control_mask= as QwenImageControlNetInpaintPipeline: the image black where the mask repaints, and
+             1 - the mask at the latent size as its extra channel
 
 The transformer has no guidance embedding in use (diffusers ignores guidance_scale for it, with a warning): `guidance`
 is ignored here too, with a note.
@@ -34,15 +41,16 @@ from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from ... import schedulers
-from ...arguments import check_generate
+from ...arguments import check_generate, check_images
 from ...errors import MlxdiffError
 from ...memory import budget_bytes
 from ...pacing import pace
 from ...policy import RunPolicy, current
 from ...tokenizers import report_truncation
 from .. import image_inputs
-from ..image_inputs import latent_mask
+from ..image_inputs import binary_mask, latent_mask
 from ..base import Pipeline, as_numpy, evaluate_each_block, guidance_pair, initial_latents, negative_prompts
+from ..controls import CONTROL_OPTIONS, ControlNets, acting, control_latents
 from ..patches import pack_2x2, unpack_2x2
 
 # QwenImagePipeline's prompt_template_encode, prompt_template_encode_start_idx and tokenizer_max_length
@@ -91,7 +99,7 @@ def valid_rows(hidden, mask, max_sequence_length, drop=DROP_TOKENS):
     return embeds[:, :max_sequence_length], mx.array(out_mask[:, :max_sequence_length]), kept
 
 
-class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
+class QwenImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     """`generate(..., negative_prompt=, true_cfg_scale=)`: true classifier-free guidance, two forwards a step, only
     with a negative prompt ("" counts) and true_cfg_scale > 1 (default 4.0), as diffusers; otherwise one forward a
     step. `guidance` is ignored (Qwen-Image is not guidance-distilled). `max_sequence_length`: the prompt's tokens
@@ -99,11 +107,18 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     4 * z_dim). `image=` with `strength` (default 0.6): image-to-image as QwenImageImg2ImgPipeline; with `mask=`
     too (a PIL image or file, white repaints, black keeps, any size: resized to the output's) inpainting as
     QwenImageInpaintPipeline (strength default 0.6 too); the output size is not the image's (1024 x 1024 unless
-    given, as there). `image_noise`: the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed)."""
+    given, as there). `image_noise`: the VAE posterior's noise (B, z_dim, H/8, W/8) (default: from the seed).
+    `control_images=[...]` (one per ControlNet given to load), `control_scales` (replacing load's), `control_start` /
+    `control_end` (shares of the schedule), `control_noise` (each control image's VAE posterior noise, (1 or B,
+    z_dim, H/8, W/8); default from the seed): ControlNet as QwenImageControlNetPipeline; an Inpainting ControlNet
+    (extra_condition_channels) takes `control_mask` too (white repaints, black keeps; resized to the output size), as
+    QwenImageControlNetInpaintPipeline."""
     family = "qwenimage"
     patch_size = 2      # 2x2 latent patches per token: sizes are multiples of 16
     OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "true_cfg_scale": None, "image_noise": None,
-               **image_inputs.MASK_OPTIONS}
+               **image_inputs.MASK_OPTIONS, **{name: None for name in CONTROL_OPTIONS},
+               "control_mask": None}
+    CONTROL_PIPELINE = "QwenImageControlNetPipeline"
     IMG2IMG_STRENGTH = 0.6      # QwenImageImg2ImgPipeline's strength
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
     EDIT_PIPELINES = EDIT_PIPELINES
@@ -175,6 +190,8 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         return self.true_cfg_scale(run) > 1 and run.negative_prompt is not None
 
     def check_run(self, run):
+        self.take_controls(run)      # here, not in check_inputs: the Edit pipelines' own check_inputs refuse them too
+        self.take_control_mask(run)
         noise, factor = run.options["image_noise"], self.vae_scale_factor()
         expected = (1, self.components["vae"].args.z_dim, run.height // factor, run.width // factor)
         if noise is not None and tuple(noise.shape) != expected:
@@ -186,6 +203,26 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
             # denoises with a NaN sigma)
             raise MlxdiffError(f"steps=1: the scheduler's shift_terminal {terminal:g} (scheduler_config.json) makes a "
                                "one-step schedule 0 / 0 (NaN in diffusers too); use 2 or more steps")
+
+    def take_control_mask(self, run):
+        """check_run's part: `control_mask`, the one mask an Inpainting ControlNet (extra_condition_channels in its
+        config) needs, refused for the others -> run.state["controls"]["mask"] (a PIL image)."""
+        mask = run.options["control_mask"]
+        spec = self.components[self.controlnets[0]] if self.controlnets else None
+        if spec is None or not spec.args.extra_condition_channels:
+            if mask is not None:
+                raise MlxdiffError("control_mask: an Inpainting ControlNet's mask (QwenImageControlNetInpaint"
+                                   "Pipeline); " + ("this pipeline has no ControlNet" if spec is None else
+                                      f"ControlNet {spec.source} is no Inpainting one (no extra_condition_channels in "
+                                      "its config)") + "; leave control_mask out")
+            return
+        if mask is None:
+            raise MlxdiffError(f"control_mask: Inpainting ControlNet {spec.source} needs the mask of its control image "
+                               "(white repaints, black keeps); give control_mask=")
+        _, masks = check_images(mask)
+        if len(masks) != 1:
+            raise MlxdiffError(f"control_mask: {len(masks)} masks; an Inpainting ControlNet takes one")
+        run.state["controls"]["mask"] = masks[0]
 
     def encode(self, run):
         return self.encode_prompt(run.prompt, run.negative_prompt, do_true_cfg=run.cfg,
@@ -230,13 +267,11 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     def encode_images(self, run, vae, x):
         """QwenImageImg2ImgPipeline's start: the image resized to the output size, a sample of its VAE posterior
         (image_noise, else the seed's second stream), (z - latents_mean) / latents_std, packed, noised to the first
-        step run (scale_noise)."""
-        policy = current() or RunPolicy()
+        step run (scale_noise). With ControlNets: their control images instead (encode_controls)."""
+        if "controls" in run.state:
+            return self.encode_controls(run, vae, x)
         pixels = image_inputs.to_array(image_inputs.resized(run.images[0], run.width, run.height))
-        vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)
-        # tiles only where an untiled encode would not fit (image_inputs.encode_tiling reads AutoencoderKL's config)
-        tiling = vae.decode_bytes((1, *run.state["shape"][1:]), self.dtype) > budget_bytes(policy)
-        mean, logvar = vae.encode_moments(mx.array(pixels).astype(self.dtype), tiling=tiling)
+        mean, logvar = vae_moments(vae, pixels, self.dtype)
         z = vae.sample_latents(mean.astype(mx.float32), logvar.astype(mx.float32),
                                self.posterior_noise(run, run.state["shape"]))
         init = mx.broadcast_to(pack_2x2(vae.scale_latents(z).astype(mx.float32)), x.shape)
@@ -247,17 +282,53 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         mx.eval(x)
         return x
 
+    def encode_controls(self, run, vae, x):
+        """QwenImageControlNetPipeline's control images: each a sample of its VAE posterior, (z - latents_mean) /
+        latents_std, packed, one row per prompt (diffusers encodes the repeated image). With an Inpainting
+        ControlNet's mask (QwenImageControlNetInpaintPipeline.prepare_image_with_mask): the image black (-1) where
+        the binarized mask repaints, encoded so, and 1 - the mask at the latent size as one more channel."""
+        mask, moments = run.state["controls"].get("mask"), vae_moments
+        if mask is not None:
+            repaint = binary_mask(mask, run.width, run.height) > 0.5
+
+            def moments(vae, pixels, dtype):
+                return vae_moments(vae, np.where(repaint, -1.0, pixels).astype(np.float32), dtype)
+        conds = [control_latents(run, vae, k, self.dtype, None, run.batch, moments=moments)
+                 for k in range(len(self.controlnets))]
+        if mask is not None:
+            keep = mx.array(1 - latent_mask(mask, run.width, run.height, self.vae_scale_factor()))
+            conds = [mx.concatenate([c, mx.broadcast_to(keep, (c.shape[0], 1, *c.shape[2:]))], axis=1) for c in conds]
+        conds = [pack_2x2(c) for c in conds]
+        run.state["control_conds"] = [mx.broadcast_to(c, (run.batch, *c.shape[1:])) for c in conds]
+        mx.eval(run.state["control_conds"])
+        return x
+
+    def control_residuals(self, run, i, x, t):
+        """The summed block residuals of the ControlNets acting at schedule index i (QwenImageMultiControlNetModel's
+        sum), on the positive prompt, which both of true CFG's forwards take; None without."""
+        if "controls" not in run.state:
+            return None
+        nets, st, c = self.control_models(run), run.state, run.conditioning
+        mask = None if bool(c.prompt_embeds_mask.all()) else c.prompt_embeds_mask
+        total = None
+        for k, scale in acting(st["controls"], i, len(run.timesteps)):
+            r = nets[k](x, st["control_conds"][k], scale, c.prompt_embeds, mask, t, st["img_shapes"],
+                        after_block=evaluate_each_block)
+            total = r if total is None else total if r is None else [a + b for a, b in zip(total, r)]
+        return total
+
     def velocity(self, run, transformer, i, x):
         # diffusers: t in the latents' dtype, then / 1000
         t = mx.full((run.batch,), run.timesteps[i], dtype=mx.float32).astype(self.dtype) / 1000
         c, tokens, shapes = run.conditioning, self.denoiser_tokens(run, x).astype(self.dtype), run.state["img_shapes"]
         n = x.shape[1]      # the prediction of the latents' own tokens (Edit appends its images' after them)
+        residuals = self.control_residuals(run, i, x.astype(self.dtype), t)
 
         def forward(name, embeds, mask):
             mask = None if bool(mask.all()) else mask       # diffusers passes no mask where none is padding
             return lambda: run.forward(name, lambda cache: transformer(
                 tokens, embeds, t, shapes, mask, after_block=evaluate_each_block, step_cache=cache,
-                stream_dtype=self.stream_dtype)[:, :n]).astype(mx.float32)
+                stream_dtype=self.stream_dtype, controlnet_block_samples=residuals)[:, :n]).astype(mx.float32)
         cond = forward("cond", c.prompt_embeds, c.prompt_embeds_mask)
         if not run.cfg:
             return cond()
@@ -271,8 +342,28 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
         """The transformer's image tokens at a step: the latents (Edit: its input images' latents after them)."""
         return x
 
+    def images_note(self, run, seconds):
+        if "controls" in run.state:
+            return self.control_note(run, seconds)
+        return super().images_note(run, seconds)
+
     def unpack(self, run, x):
+        self.release_controls(run)
         return unpack_2x2(x, run.state["shape"])
+
+    def preview_layout(self, run, x):
+        return unpack_2x2(x, run.state["shape"])      # the ControlNets left in place (on_step's previews)
+
+
+def vae_moments(vae, pixels, dtype):
+    """(1, 3, H, W) pixels in [-1, 1] -> the Qwen-Image VAE's (mean, logvar), stage by stage within the memory
+    budget; tiled only where an untiled encode would not fit (image_inputs.encode_tiling reads AutoencoderKL's
+    config)."""
+    policy = current() or RunPolicy()
+    vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)
+    latent = (1, vae.args.z_dim, pixels.shape[2] // vae.factor, pixels.shape[3] // vae.factor)
+    return vae.encode_moments(mx.array(pixels).astype(dtype), tiling=vae.decode_bytes(latent, dtype) >
+                              budget_bytes(policy))
 
 
 def packed_latent_mask(mask, width, height, factor, channels) -> mx.array:
