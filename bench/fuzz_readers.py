@@ -6,6 +6,7 @@
     python bench/fuzz_readers.py --format lora --n 10000 --seed 1        (LoRA files: fuzz_lora.py)
     python bench/fuzz_readers.py --format palettized --n 10000 --seed 1  (palettized checkpoints: fuzz_palettized.py)
     python bench/fuzz_readers.py --format unet-lora --n 3000 --seed 1    (SD 1.x UNet LoRAs: fuzz_unet_lora.py)
+    python bench/fuzz_readers.py --format coreml --n 1000 --seed 1       (Core ML packages: fuzz_coreml.py)
 
 Mutant i of a seed is a function of (seed, i) alone, so `--only i --keep DIR` writes that one file back out. The
 base files are small and valid: every safetensors dtype mlxdiff accepts (the F8 types and a zero-size tensor
@@ -498,6 +499,13 @@ def compare_gguf(ours, path):
     return None
 
 
+def _coreml_fuzz():
+    """bench/fuzz_coreml.py (--format coreml), imported only for it: coremltools (and the torch it loads) would grow
+    every other format's children's address space past their cap."""
+    import fuzz_coreml  # heavy: coremltools, for --format coreml alone
+    return fuzz_coreml
+
+
 def classify(path, fmt, tables, report=lambda provisional: None):
     """One outcome class (and a detail) for the file at `path`. `report(outcome)`: a provisional outcome, the one
     counted if what follows it (a reference) hangs or crashes the child; for LoRA files `tables` is the context
@@ -508,6 +516,8 @@ def classify(path, fmt, tables, report=lambda provisional: None):
         return palettized_fuzz.classify(path, tables, report)
     if fmt == "unet-lora":   # `tables`: fuzz_unet_lora.context()'s twins and base LoRA
         return unet_lora_fuzz.classify(path, tables, report)
+    if fmt == "coreml":   # `tables`: fuzz_coreml.context()'s base package, UNet config and const names
+        return _coreml_fuzz().classify(path, tables, report)
     if fmt == "gguf-text":   # ours: the text encoder read, built and run; the reference: bench/fuzz_gguf_text.py
         return gguf_text.classify(path)
     data = Path(path).read_bytes()
@@ -637,6 +647,10 @@ def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=
         return unet_lora_fuzz.fuzz(n, seed, workdir, keep, only,
                                    lambda path, ctx: run_one(path, fmt, ctx, timeout, memory + _virtual_size()),
                                    run_mutants)
+    if fmt == "coreml":   # mutant package folders; coremltools' address space inherited, as torch's for lora
+        return _coreml_fuzz().fuzz(n, seed, workdir, keep, only,
+                                lambda path, ctx: run_one(path, fmt, ctx, timeout, memory + _virtual_size()),
+                                run_mutants)
     if fmt == "palettized":   # mutants of a converted checkpoint, made in a subprocess
         return palettized_fuzz.fuzz(n, seed, workdir, keep, only,
                                     lambda path, ctx: run_one(path, fmt, ctx, timeout, memory), run_mutants)
@@ -712,7 +726,7 @@ def table(result) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--format", choices=("safetensors", "gguf", "gguf-text", "lora", "palettized",
-                                                 "unet-lora"), required=True)
+                                                 "unet-lora", "coreml"), required=True)
     p.add_argument("--n", type=int, default=1000)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", type=int, help="run (and report) mutant i alone")

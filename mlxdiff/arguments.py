@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from .backend import physical_memory
+from .config_checks import MAX_LAYERS
 from .errors import MlxdiffError
 from .files import read_capped
 
@@ -184,6 +185,26 @@ def check_outpaint(value) -> tuple | None:
     if not any(out):
         raise MlxdiffError(problem)
     return tuple(out)
+
+
+MAX_TAPS = 16   # text_encoder_out_layers: as a folder's taps (config_checks' items=(1, 16))
+
+
+def check_out_layers(value, num_layers=None):
+    """text_encoder_out_layers=: 1 to MAX_TAPS hidden-state indices of the text encoder (0 = its embeddings, k =
+    decoder layer k's output), up to `num_layers` (the encoder's, where known); None: the model's own. The FLUX
+    pipelines check it under its own name when a run starts (the encoder's config check names only its taps)."""
+    if value is None:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) else None
+    top = MAX_LAYERS if num_layers is None else num_layers
+    if (not items or len(items) > MAX_TAPS or any(isinstance(i, bool) or not isinstance(i, numbers.Integral)
+                                                  or not 0 <= i <= top for i in items)):
+        has = "" if num_layers is None else f"; the text encoder has {num_layers} decoder layers"
+        raise MlxdiffError(f"text_encoder_out_layers={shown(value)}: expected a list of 1 to {MAX_TAPS} hidden-state "
+                           f"indices from 0 to {top} (0 = the embeddings, k = decoder layer k's output){has}; leave "
+                           "it out for the model's own")
+    return [int(i) for i in items]
 
 
 def check_layers(name, value, count):

@@ -4,6 +4,7 @@ any work, written atomically, a failure in one line. Light on imports, so that a
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -15,7 +16,15 @@ from .errors import MlxdiffError
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes read as every other user mistake: one `mlxdiff: error: ...` line on stderr and exit
-    code 2 (argparse's own prints a usage block first). Subparsers inherit the class."""
+    code 2 (argparse's own prints a usage block first). Subparsers inherit the class.
+
+    A value that starts with '-' then a digit ("-8,0,0,0", "-1e3", "-2.5") is a value, never an option: argparse
+    takes only plain negative numbers so and would refuse `--outpaint -8,0,0,0` as "expected one argument" instead
+    of the option's own check naming the negative edge. No mlxdiff option starts with a digit."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")   # argparse's own hook (Python 3.13 widens it too)
 
     def error(self, message):
         self.exit(2, f"mlxdiff: error: {message}\n")

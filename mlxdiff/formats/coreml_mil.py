@@ -63,6 +63,8 @@ def _fields(buf, span=None):
     while i < end:
         key, i = _varint(buf, i, end)
         number, wire = key >> 3, key & 7
+        if number == 0:
+            raise _Bad("a field numbered 0")
         if wire == 0:
             value, i = _varint(buf, i, end)
         elif wire == 2:
@@ -101,6 +103,114 @@ def _map(buf, spans, value_fn):
         key = _text(buf, _one(entry, 1, (0, 0)))
         out[key] = value_fn(_one(entry, 2, (0, 0)))
     return out
+
+
+# The Model protobuf's messages as far as an ML program's package reaches (Model.proto's ModelDescription, MIL.proto;
+# made from coremltools 9's descriptors): {message: {field number: TEXT, VARINTS / FIXED32S / FIXED64S (a repeated
+# number, packed or not) or the submessage}}. protobuf parses every known submessage of a Model and refuses the whole
+# of it where one's wire format is broken or a text (proto3 `string`) field is not UTF-8, so coremltools refuses the
+# package; check_text walks them all once to answer the same.
+TEXT, VARINTS, FIXED32S, FIXED64S = "text", "varints", "fixed32s", "fixed64s"
+WIRE_SCHEMA = {
+    'ModelDescription': {1: 'FeatureDescription', 10: 'FeatureDescription', 11: TEXT, 12: TEXT,
+                         13: 'FeatureDescription', 20: 'FunctionDescription', 21: TEXT, 50: 'FeatureDescription',
+                         100: 'Metadata'},
+    'FunctionDescription': {1: TEXT, 2: 'FeatureDescription', 3: 'FeatureDescription', 4: TEXT, 5: TEXT,
+                            6: 'FeatureDescription'},
+    'FeatureDescription': {1: TEXT, 2: TEXT, 3: 'FeatureType'},
+    'FeatureType': {1: 'Int64FeatureType', 2: 'DoubleFeatureType', 3: 'StringFeatureType', 4: 'ImageFeatureType',
+                    5: 'ArrayFeatureType', 6: 'DictionaryFeatureType', 7: 'SequenceFeatureType', 8: 'StateFeatureType'},
+    'Int64FeatureType': {},
+    'DoubleFeatureType': {},
+    'StringFeatureType': {},
+    'ImageFeatureType': {21: 'ImageFeatureType.EnumeratedImageSizes', 31: 'ImageFeatureType.ImageSizeRange'},
+    'ImageFeatureType.EnumeratedImageSizes': {1: 'ImageFeatureType.ImageSize'},
+    'ImageFeatureType.ImageSize': {},
+    'ImageFeatureType.ImageSizeRange': {1: 'SizeRange', 2: 'SizeRange'},
+    'SizeRange': {},
+    'ArrayFeatureType': {1: VARINTS, 21: 'ArrayFeatureType.EnumeratedShapes', 31: 'ArrayFeatureType.ShapeRange'},
+    'ArrayFeatureType.EnumeratedShapes': {1: 'ArrayFeatureType.Shape'},
+    'ArrayFeatureType.Shape': {1: VARINTS},
+    'ArrayFeatureType.ShapeRange': {1: 'SizeRange'},
+    'DictionaryFeatureType': {1: 'Int64FeatureType', 2: 'StringFeatureType'},
+    'SequenceFeatureType': {1: 'Int64FeatureType', 3: 'StringFeatureType', 101: 'SizeRange'},
+    'StateFeatureType': {1: 'ArrayFeatureType'},
+    'Metadata': {1: TEXT, 2: TEXT, 3: TEXT, 4: TEXT, 100: 'Metadata.UserDefinedEntry'},
+    'Metadata.UserDefinedEntry': {1: TEXT, 2: TEXT},
+    'Program': {2: 'Program.FunctionsEntry', 3: TEXT, 4: 'Program.AttributesEntry'},
+    'Program.FunctionsEntry': {1: TEXT, 2: 'Function'},
+    'Function': {1: 'NamedValueType', 2: TEXT, 3: 'Function.BlockSpecializationsEntry', 4: 'Function.AttributesEntry'},
+    'NamedValueType': {1: TEXT, 2: 'ValueType'},
+    'ValueType': {1: 'TensorType', 2: 'ListType', 3: 'TupleType', 4: 'DictionaryType', 5: 'StateType'},
+    'TensorType': {3: 'Dimension', 4: 'TensorType.AttributesEntry'},
+    'Dimension': {1: 'Dimension.ConstantDimension', 2: 'Dimension.UnknownDimension'},
+    'Dimension.ConstantDimension': {},
+    'Dimension.UnknownDimension': {},
+    'TensorType.AttributesEntry': {1: TEXT, 2: 'Value'},
+    'Value': {1: TEXT, 2: 'ValueType', 3: 'Value.ImmediateValue', 5: 'Value.BlobFileValue'},
+    'Value.ImmediateValue': {1: 'TensorValue', 2: 'TupleValue', 3: 'ListValue', 4: 'DictionaryValue'},
+    'TensorValue': {1: 'TensorValue.RepeatedFloats', 2: 'TensorValue.RepeatedInts', 3: 'TensorValue.RepeatedBools',
+                    4: 'TensorValue.RepeatedStrings', 5: 'TensorValue.RepeatedLongInts',
+                    6: 'TensorValue.RepeatedDoubles', 7: 'TensorValue.RepeatedBytes'},
+    'TensorValue.RepeatedFloats': {1: FIXED32S},
+    'TensorValue.RepeatedInts': {1: VARINTS},
+    'TensorValue.RepeatedBools': {1: VARINTS},
+    'TensorValue.RepeatedStrings': {1: TEXT},
+    'TensorValue.RepeatedLongInts': {1: VARINTS},
+    'TensorValue.RepeatedDoubles': {1: FIXED64S},
+    'TensorValue.RepeatedBytes': {},
+    'TupleValue': {1: 'Value'},
+    'ListValue': {1: 'Value'},
+    'DictionaryValue': {1: 'DictionaryValue.KeyValuePair'},
+    'DictionaryValue.KeyValuePair': {1: 'Value', 2: 'Value'},
+    'Value.BlobFileValue': {1: TEXT},
+    'ListType': {1: 'ValueType', 2: 'Dimension'},
+    'TupleType': {1: 'ValueType'},
+    'DictionaryType': {1: 'ValueType', 2: 'ValueType'},
+    'StateType': {1: 'ValueType'},
+    'Function.BlockSpecializationsEntry': {1: TEXT, 2: 'Block'},
+    'Block': {1: 'NamedValueType', 2: TEXT, 3: 'Operation', 4: 'Block.AttributesEntry'},
+    'Operation': {1: TEXT, 2: 'Operation.InputsEntry', 3: 'NamedValueType', 4: 'Block', 5: 'Operation.AttributesEntry'},
+    'Operation.InputsEntry': {1: TEXT, 2: 'Argument'},
+    'Argument': {1: 'Argument.Binding'},
+    'Argument.Binding': {1: TEXT, 2: 'Value'},
+    'Operation.AttributesEntry': {1: TEXT, 2: 'Value'},
+    'Block.AttributesEntry': {1: TEXT, 2: 'Value'},
+    'Function.AttributesEntry': {1: TEXT, 2: 'Value'},
+    'Program.AttributesEntry': {1: TEXT, 2: 'Value'},
+    'Model': {2: 'ModelDescription', MODEL_PROGRAM: 'Program'},
+}
+MAX_DEPTH = 100          # protobuf's own recursion limit
+
+
+def _packed(buf, span, kind) -> None:
+    start, end = span
+    if kind == VARINTS:
+        i = start
+        while i < end:
+            _, i = _varint(buf, i, end)
+    elif (end - start) % (4 if kind == FIXED32S else 8):
+        raise _Bad("a packed array of fixed-size numbers has a partial element")
+
+
+def check_text(buf, span=None, message="Model", depth=0) -> None:
+    """_Bad where a known submessage (WIRE_SCHEMA) of the Model is not well-formed protobuf, a text field is not
+    UTF-8, or messages nest past MAX_DEPTH. A field of another wire type than its schema's is skipped, as protobuf
+    keeps it as an unknown field."""
+    if depth > MAX_DEPTH:
+        raise _Bad(f"messages nested more than {MAX_DEPTH} deep")
+    table = WIRE_SCHEMA[message]
+    for number, values in _fields(buf, span).items():
+        kind = table.get(number)
+        for value in values if kind is not None else ():
+            if not isinstance(value, tuple):
+                continue
+            if kind == TEXT:
+                _text(buf, value)
+            elif kind in (VARINTS, FIXED32S, FIXED64S):
+                _packed(buf, value, kind)
+            else:
+                check_text(buf, value, kind, depth + 1)
 
 
 # -- MIL data types ------------------------------------------------------------------------------------------------
@@ -161,6 +271,20 @@ class _Blobs:
                             "re-export the Core ML package")
 
     def read(self, offset: int, dtype_code: int, count: int) -> np.ndarray:
+        data_offset, size, bits = self.check(offset, dtype_code, count)
+        np_dtype = DTYPES[dtype_code][0]
+        raw = self.data[data_offset:data_offset + size]
+        if bits < 8:
+            return unpack_bits(raw, bits, count, dtype_code in SIGNED_SUB_BYTE)
+        return np.frombuffer(raw, dtype=np.dtype(np_dtype).newbyteorder("<"), count=count).astype(np_dtype,
+                                                                                                  copy=False)
+
+    def check(self, offset: int, dtype_code: int, count: int) -> tuple:
+        """The blob at `offset` holds `count` values of `dtype_code` (its metadata says so, its data lies in the
+        file): (data offset, bytes, bits per value). Nothing is read beyond the metadata."""
+        if dtype_code not in DTYPES:
+            raise self.bad(f"blob at offset {offset} is of data type {DTYPE_NAMES.get(dtype_code, dtype_code)}, "
+                           "which a weight file does not hold")
         np_dtype, bits, blob_type = DTYPES[dtype_code]
         if offset % BLOB_ALIGN or offset + BLOB_ALIGN > self.data.size:
             raise self.bad(f"blob offset {offset} is outside the weight file ({self.data.size} bytes) or misaligned")
@@ -176,11 +300,7 @@ class _Blobs:
         if data_offset < offset + BLOB_ALIGN or data_offset + size > self.data.size:
             raise self.bad(f"blob data at {data_offset}..{data_offset + size} runs past the weight file "
                            f"({self.data.size} bytes)")
-        raw = self.data[data_offset:data_offset + size]
-        if bits < 8:
-            return unpack_bits(raw, bits, count, dtype_code in SIGNED_SUB_BYTE)
-        return np.frombuffer(raw, dtype=np.dtype(np_dtype).newbyteorder("<"), count=count).astype(np_dtype,
-                                                                                                  copy=False)
+        return data_offset, size, bits
 
 
 # -- the program ---------------------------------------------------------------------------------------------------
@@ -250,12 +370,13 @@ class _Op:
         return out
 
 
-def _operations(buf, block_span):
+def _operations(buf, block_span, nested=False):
     for span in _fields(buf, block_span).get(BLOCK["operations"], ()):
         op = _Op(buf, span)
+        op.nested = nested
         yield op
         for inner in op.blocks:                            # control flow: weights may sit in nested blocks
-            yield from _operations(buf, inner)
+            yield from _operations(buf, inner, True)
 
 
 # Apple's ml-stable-diffusion --chunk-unet (coremltools' bisect_model): one UNet split in two packages at an op
@@ -341,36 +462,53 @@ def inside_package(package: Path, item: Path, what: str) -> Path:
     return item
 
 
+ITEM_FIELDS = ("path", "name", "author", "description")   # what coremltools' ModelPackage requires of an entry
+
+
 def _model_file(path: Path) -> Path:
-    """The model.mlmodel of an .mlpackage folder (its Manifest.json's root item, else the usual place). Every
-    manifest entry and the model file must lie inside the package (inside_package)."""
+    """The model.mlmodel of an .mlpackage folder: its Manifest.json's root item. Every manifest entry and the model
+    file must lie inside the package (inside_package), and the manifest must be one Core ML itself opens
+    (coremltools' ModelPackage: a JSON object whose itemInfoEntries each give a path, name, author and description
+    of an item that exists, and whose rootModelIdentifier names one of them); a package whose manifest it refuses is
+    refused here too, in one line, rather than read by guessing its model file."""
     if path.suffix == ".mlmodelc" or (path / "model.mil").exists():
         raise MlxdiffError(f"{path}: a compiled Core ML model (.mlmodelc) is not read; use the .mlpackage it was "
                            "compiled from (Apple's repositories ship both)")
     if not path.is_dir():
         raise MlxdiffError(f"{path}: not a Core ML package (expected an .mlpackage folder with "
                            "Data/com.apple.CoreML/model.mlmodel)")
-    default = path / "Data" / "com.apple.CoreML" / "model.mlmodel"
     manifest = path / "Manifest.json"
-    if manifest.is_file():
-        inside_package(path, manifest, "Manifest.json")
-        info = None
-        try:
-            info = json.loads(manifest.read_text())
-            entries = info["itemInfoEntries"]
-            for entry in entries.values():
-                if isinstance(entry, dict) and isinstance(entry.get("path"), str):
-                    inside_package(path, path / "Data" / entry["path"], f"Manifest.json's entry {entry['path']!r}")
-            candidate = inside_package(path, path / "Data" / entries[info["rootModelIdentifier"]]["path"],
-                                       "the model file")   # kept unresolved: weights/ is beside it
-            if candidate.is_file():
-                return candidate
-        except (ValueError, KeyError, TypeError, AttributeError, OSError):
-            pass                                           # a bad manifest: try the usual place
-    if not default.is_file():
+    if not manifest.is_file() and not (path / "Data" / "com.apple.CoreML" / "model.mlmodel").is_file():
         raise MlxdiffError(f"{path}: not a Core ML package (no Data/com.apple.CoreML/model.mlmodel); pass the "
                            ".mlpackage folder coremltools saved")
-    return inside_package(path, default, "model.mlmodel")
+    fix = "re-save the package with coremltools or re-download it"
+    if not manifest.is_file():
+        raise MlxdiffError(f"{manifest}: missing (or not a file); a Core ML package names its model file there; {fix}")
+    inside_package(path, manifest, "Manifest.json")
+    try:
+        info = json.loads(manifest.read_bytes())
+    except (ValueError, OSError) as e:
+        raise MlxdiffError(f"{manifest}: not readable JSON ({type(e).__name__}); {fix}") from None
+    entries = info.get("itemInfoEntries") if isinstance(info, dict) else None
+    if not isinstance(entries, dict) or not entries:
+        raise MlxdiffError(f"{manifest}: no itemInfoEntries object naming the package's items; {fix}")
+    for entry in entries.values():          # an entry leading out of the package first (the sharper refusal)
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            inside_package(path, path / "Data" / entry["path"], f"Manifest.json's entry {entry['path']!r}")
+    for key, entry in entries.items():
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(f), str) for f in ITEM_FIELDS):
+            raise MlxdiffError(f"{manifest}: entry {key!r} lacks one of {', '.join(ITEM_FIELDS)} (Core ML refuses "
+                               f"such a manifest); {fix}")
+        if not entry["path"] or not (path / "Data" / entry["path"]).exists():
+            raise MlxdiffError(f"{manifest}: entry {key!r} names {entry['path']!r}, which the package does not "
+                               f"hold; {fix}")
+    root = info.get("rootModelIdentifier")
+    if not isinstance(root, str) or root not in entries:
+        raise MlxdiffError(f"{manifest}: rootModelIdentifier {root!r} is none of its entries; {fix}")
+    candidate = inside_package(path, path / "Data" / entries[root]["path"], "the model file")   # kept unresolved:
+    if not candidate.is_file():                                                                 # weights/ beside it
+        raise MlxdiffError(f"{manifest}: the root entry {entries[root]['path']!r} is not a file; {fix}")
+    return candidate
 
 
 def _guard(path, fn):

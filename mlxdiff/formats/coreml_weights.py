@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import MlxdiffError
-from .coreml_mil import (BLOCK, DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, PROGRAM, SIGNED_SUB_BYTE, _Bad, _Blobs,
-                         _fields, _guard, _map, _model_file, _one, _operations, _text, _Value, _varint,
-                         inside_package, named_type, unpack_bits)
+from .coreml_mil import (BLOCK, DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, MODEL_VERSION, PROGRAM, SIGNED_SUB_BYTE,
+                         _Bad, _Blobs, _fields, _guard, _map, _model_file, _one, _operations, _text, _Value, _varint,
+                         check_text, inside_package, named_type, unpack_bits)
 from .palettized import palettized
 
 
@@ -134,6 +134,40 @@ def _lut_to_dense(indices, lut, vector_axis):
     return np.swapaxes(out, -1, axis) if vector > 1 else out
 
 
+# MIL opsets and the oldest Model.specificationVersion whose ops they are (coremltools' _OPSET): Core ML reads a
+# program's ops by the spec version, so an older one makes them other ops; NEWEST_VERSION: iOS 26, coremltools 9's.
+OPSET_VERSIONS = {"CoreML5": 6, "CoreML6": 7, "CoreML7": 8, "CoreML8": 9, "CoreML9": 10}
+OLDEST_PROGRAM_VERSION, NEWEST_VERSION = 6, 10
+# data types a const may hold that coremltools reads (not bf16 or the fp8 types)
+CONST_DTYPES = frozenset(DTYPE_NAMES) - {13, 40, 41}
+
+
+def _check_version(model_file, version, opset) -> None:
+    oldest = OPSET_VERSIONS.get(opset, OLDEST_PROGRAM_VERSION)
+    if not isinstance(version, int) or not oldest <= version <= NEWEST_VERSION:
+        raise MlxdiffError(f"{model_file}: specificationVersion {version} does not fit its ML program (opset "
+                           f"{opset!r} needs {oldest} to {NEWEST_VERSION}: Core ML reads the ops by this version); "
+                           "the package is damaged or forged, re-export it with coremltools")
+
+
+def _check_dataflow(inputs, ops, outputs) -> None:
+    """Every name an op of the main block reads is the function's input or an earlier op's output, and so is every
+    output of the block (an ML program Core ML loads); control-flow blocks' own ops are not followed."""
+    defined = set(inputs)
+    for op in ops:
+        if op.nested:
+            continue
+        for bindings in op.inputs.values():
+            for b in bindings:
+                if isinstance(b, str) and b not in defined:
+                    raise _Bad(f"op {op.outputs[0] if op.outputs else op.type!r} reads {b!r}, which no op before it "
+                               "gives")
+        defined.update(op.outputs)
+    missing = [n for n in outputs if n not in defined]
+    if missing:
+        raise _Bad(f"the program's output {missing[0]!r} is given by no op")
+
+
 class _Program:
     READ = ("const", "constexpr_lut_to_dense", "constexpr_blockwise_shift_scale")
 
@@ -149,6 +183,7 @@ class _Program:
 
     def _parse(self):
         buf = self.buf
+        check_text(buf)
         model = _fields(buf)
         if MODEL_PROGRAM not in model:
             raise MlxdiffError(f"{self.model_file}: not an ML program (a neural-network-format Core ML model or "
@@ -163,6 +198,7 @@ class _Program:
         if opset not in blocks:
             raise _Bad(f"the main function has no block for its opset {opset!r}")
         self.opset = opset
+        _check_version(self.model_file, _one(model, MODEL_VERSION, 0), opset)
         self.ops = list(_operations(buf, blocks[opset]))
         self.producer = {name: op for op in self.ops for name in op.outputs}
         # the program's inputs and outputs {name: (dtype, shape)}: how two chunks of one UNet join (coreml.py)
@@ -170,6 +206,7 @@ class _Program:
         types = {n: t for op in self.ops for n, t in zip(op.outputs, op.output_types)}
         self.outputs = {n: types.get(n, (None, None))
                         for n in (_text(buf, s) for s in _fields(buf, blocks[opset]).get(BLOCK["outputs"], ()))}
+        _check_dataflow(self.inputs, self.ops, self.outputs)
         self.consumers = {}
         for op in self.ops:
             for key, bindings in op.inputs.items():
@@ -316,6 +353,24 @@ class _Program:
         """A loader of indices run when asked, its bad input still one MlxdiffError line."""
         return lambda: _guard(self.model_file, load)
 
+    def _checked_const(self, op, name):
+        """A const op's value, checked as Core ML checks every constant of a program, weight or not: its attributes
+        (name and val, no inputs), its data type one coremltools reads, and a value in weight.bin whose blob
+        metadata agrees with its type (nothing of the data read)."""
+        if op.inputs or not set(op.attributes) <= {"name", "val"}:
+            raise _Bad(f"constant {name!r} has inputs or attributes {sorted({*op.inputs, *op.attributes})} (a const "
+                       "op has a name and a val)")
+        val = op.attributes.get("val")
+        if val is not None and val.dtype is not None and val.dtype not in CONST_DTYPES:
+            raise _Bad(f"constant {name!r} is of data type {DTYPE_NAMES.get(val.dtype, val.dtype)}, which "
+                       "coremltools does not read")
+        if val is not None and val.blob is not None:
+            blob_name, offset = val.blob
+            if Path(blob_name).name != "weight.bin" or ".." in blob_name:
+                raise _Bad(f"a weight in blob file {blob_name!r}; only weights/weight.bin is read")
+            self.blobs().check(offset, val.dtype, math.prod(val.shape or ()))
+        return val
+
     def weights(self) -> dict:
         """{name: LutWeight | np.ndarray} of every float constant the program's compute ops read (the ends of the
         constexpr chains; constexpr ops the reader does not know are refused when one is met)."""
@@ -328,13 +383,12 @@ class _Program:
             if op.type not in self.READ or not op.outputs:
                 continue
             name = op.outputs[0]
+            val = self._checked_const(op, name) if op.type == "const" else None    # every const, a weight or not
             users = self.consumers.get(name, [])
             if users and all(u.type.startswith("constexpr_") for u, _ in users):
                 continue                                   # an intermediate of a chain: its end is the weight
-            if op.type == "const":
-                val = op.attributes.get("val")
-                if val is None or val.dtype not in (10, 11) or not val.shape:
-                    continue                               # scalars, strings, int shapes: not weights
+            if op.type == "const" and (val is None or val.dtype not in (10, 11) or not val.shape):
+                continue                                   # scalars, strings, int shapes: not weights
             out[name] = self.weight(name)
         return out
 

@@ -205,9 +205,9 @@ class JobQueue:
 
 def refused_field(job: Job, message: str) -> str | None:
     """The field a run's refusal is about: the one its line starts with (a pipeline's line starts with what it
-    refuses), else, where the request gave one family option, that one (the other fields were checked before the job
-    was queued, so the option is what the pipeline found wrong: FLUX.2 refuses text_encoder_out_layers=[] as
-    "FLUX.2 text encoder config: taps is []"); None where neither says."""
+    refuses: FLUX.2's "text_encoder_out_layers=[]: expected ..."), else, where the request gave one family option,
+    that one (the other fields were checked before the job was queued, so the option is what the pipeline found
+    wrong); None where neither says."""
     named = [n for n in ("prompt", "negative_prompt", "image", "mask", "strength", *job.options)
              if message.startswith(n)]
     return named[0] if named else job.given[0] if len(job.given) == 1 else None

@@ -24,7 +24,7 @@ from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from ... import schedulers
-from ...arguments import check_generate
+from ...arguments import check_generate, check_out_layers
 from ...errors import MlxdiffError
 from ...tokenizers import tokenize_dev, tokenize_klein
 from .. import image_inputs
@@ -131,6 +131,8 @@ class Flux2Pipeline(image_inputs.LatentInpainting, TapsEncoding, Pipeline):
         return self.INPAINT_STRENGTH if image_inputs.inpainting(options) else self.IMG2IMG_STRENGTH
 
     def check_inputs(self, run):
+        # the taps by their option's name (the encoder's own check names only its config's taps)
+        check_out_layers(run.options["text_encoder_out_layers"], self.components["text_encoder"].args.num_layers)
         multiple = self.vae_scale_factor() * self.patch_size
         if self.take_mask(run, multiple):
             run.state["references"] = []
@@ -170,6 +172,12 @@ class Flux2Pipeline(image_inputs.LatentInpainting, TapsEncoding, Pipeline):
     def prepare_latents(self, run, latents):
         embeds, targs = run.conditioning.prompt_embeds, self.components["transformer"].args
         if embeds.shape[-1] != targs.joint_attention_dim:
+            taps = run.options["text_encoder_out_layers"]
+            if taps is not None:   # the option's own line (the server names its field from the line's start)
+                raise MlxdiffError(f"text_encoder_out_layers={taps!r}: its {len(taps)} taps give {embeds.shape[-1]} "
+                                   "features per token but the transformer's joint_attention_dim is "
+                                   f"{targs.joint_attention_dim}; give as many taps as the model's own, or leave "
+                                   "it out")
             raise MlxdiffError(f"the text encoder's taps give {embeds.shape[-1]} features per token but the "
                                f"transformer's joint_attention_dim is {targs.joint_attention_dim}; the encoder and "
                                "transformer do not belong together")

@@ -32,7 +32,7 @@ from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from ... import schedulers
-from ...arguments import check_generate
+from ...arguments import check_generate, check_out_layers
 from ...errors import MlxdiffError
 from ...tokenizers import require_chat_template
 from .. import image_inputs
@@ -176,6 +176,8 @@ class Flux3Pipeline(TapsEncoding, Pipeline):
         return not self.is_distilled and run.guidance != 1
 
     def check_inputs(self, run):
+        # the taps by their option's name (the encoder's own check names only its config's taps)
+        check_out_layers(run.options["text_encoder_out_layers"], self.components["text_encoder"].args.num_layers)
         if run.options["upsample_prompt"]:
             raise MlxdiffError("upsample_prompt: FLUX 3's prompt upsampler (a Qwen3.5 model rewriting the prompt) is "
                                "not supported by mlxdiff; give the expanded prompt itself")
