@@ -85,7 +85,7 @@ def lora_files(tmp_path_factory):
 def ours_with(folder, path, scale=1.0):
     model = load_ours(folder, krea2)
     lora.check(SimpleNamespace(name="transformer", arch=krea2, args=model.args), path)
-    return lora.apply_loras(model, krea2, [(path, scale)], mx.float32)
+    return lora.apply_loras(model, krea2, [(path, scale)])
 
 
 @pytest.fixture(scope="module")

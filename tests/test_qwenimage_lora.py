@@ -84,7 +84,7 @@ def lora_files(tmp_path_factory):
 def ours_with(folder, path, scale=1.0):
     model = load_ours(folder, qwenimage)
     lora.check(SimpleNamespace(name="transformer", arch=qwenimage, args=model.args), path)
-    return lora.apply_loras(model, qwenimage, [(path, scale)], mx.float32)
+    return lora.apply_loras(model, qwenimage, [(path, scale)])
 
 
 SCALE = 0.6       # not 1: a scale applied twice (or squared) must show

@@ -119,7 +119,7 @@ def lora_files(tmp_path_factory):
 def ours_with(folder, path, scale=1.0):
     model = load_ours(folder, zimage)
     lora.check(SimpleNamespace(name="transformer", arch=zimage, args=model.args), path)
-    return lora.apply_loras(model, zimage, [(path, scale)], mx.float32)
+    return lora.apply_loras(model, zimage, [(path, scale)])
 
 
 SCALE = 0.6       # not 1: a scale applied twice (or squared) must show

@@ -136,9 +136,10 @@ class TimestepProjEmbeddings(nn.Module):
         super().__init__()
         self.timestep_embedder = TimestepEmbedding(256, dim)
 
-    def __call__(self, timestep, dtype):
+    def __call__(self, timestep):
+        """`timestep` in the compute dtype (Model casts it), which the sinusoid takes."""
         t = timestep_embedding(timestep, 256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)
-        return self.timestep_embedder(t.astype(dtype))
+        return self.timestep_embedder(t.astype(timestep.dtype))
 
 
 def modulations(mod_layer, temb, dim) -> tuple:
@@ -238,7 +239,7 @@ class Model(nn.Module):
                                   axis=1)
             mask = keys[:, None, None, :]
         timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
-        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
+        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype))
         x = self.img_in(hidden_states.astype(dtype)).astype(stream)
         context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype))).astype(stream)
         context, x, x_head, reused = double_stream(self.transformer_blocks, x, context,

@@ -121,7 +121,7 @@ def acting(controls, i, n) -> list:
             if scale != 0 and not (i / n < start or (i + 1) / n > end)]
 
 
-def control_latents(run, vae, index, dtype, shift, rows=1) -> mx.array:
+def control_latents(run, vae, index, shift, rows=1) -> mx.array:
     """Control image `index` at the output size -> its VAE latents (1 or `rows`, C, h, w) float32: RGB, resized,
     [-1, 1], a posterior sample (control_noise[index], else a stream of the seed), (z - shift) * scaling_factor.
     `rows`: the ControlNet's batch, which diffusers encodes whole (SD3's CFG batch: the image twice, each row its own
@@ -129,7 +129,7 @@ def control_latents(run, vae, index, dtype, shift, rows=1) -> mx.array:
     controls = run.state["controls"]
     pixels = image_inputs.to_array(image_inputs.resized(controls["images"][index].convert("RGB"), run.width,
                                                         run.height))
-    mean, logvar = image_inputs.encode_moments(vae, pixels, dtype)
+    mean, logvar = image_inputs.encode_moments(vae, pixels)
     mean, logvar = mean.astype(mx.float32), logvar.astype(mx.float32)
     noise = None if controls["noise"] is None else controls["noise"][index]
     if noise is None:    # the seed's streams: 0 the initial noise, 1 img2img's posterior; control images from 8 on

@@ -107,8 +107,8 @@ class QwenImagePipeline(image_inputs.LatentInpainting, Pipeline):
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
     EDIT_PIPELINES = EDIT_PIPELINES
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.tokenizer = self.tokenizers["tokenizer"]
 
     def defaults(self):

@@ -67,8 +67,8 @@ class ZImagePipeline(image_inputs.LatentInpainting, Pipeline):
     INPAINT_STRENGTH = 1.0         # ZImageInpaintPipeline's
     SIZE_OF_IMAGE = True           # both take the image's size when none is given
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.tokenizer = self.tokenizers["tokenizer"]
 
     def defaults(self):
@@ -155,7 +155,7 @@ class ZImagePipeline(image_inputs.LatentInpainting, Pipeline):
                                "height/8, width/8")
 
     def encode_images(self, run, vae, x):
-        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
                                              self.posterior_noise(run, run.state["shape"]))
         init = mx.broadcast_to(init, x.shape)
         if "mask" in run.state:     # what each step's blending needs: the noise, the init latents, the latent mask
