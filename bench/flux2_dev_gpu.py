@@ -89,7 +89,7 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     from mlxdiff.pacing import settle
     from mlxdiff.pipelines.base import evaluate_each_block
     from mlxdiff.policy import from_switches, installed
-    policy = from_switches()     # as a run's phases (MLXDIFF_IN_FLIGHT / _COMPILE_BLOCKS / _GGUF_LAYOUT ... apply)
+    policy = from_switches(dtype="bfloat16")     # as a run's phases (MLXDIFF_IN_FLIGHT / _COMPILE_BLOCKS ... apply)
     out = {"backend": f"mlx {mx.__version__} {mx.default_device()}", "strategy": strategy, "size": size}
     mx.reset_peak_memory()
     t = time.perf_counter()
@@ -97,7 +97,7 @@ def run_mlxdiff(path, strategy="qmm", size=1024, steps=3):
     if policy.gguf_layout:
         spec = replace(spec, gguf_layout=policy.gguf_layout)
     with installed(policy):
-        model = spec.build(mx.bfloat16)
+        model = spec.build()
         materialize(model)
     mx.synchronize()
     out["load_s"], out["load_peak_gb"] = time.perf_counter() - t, mx.get_peak_memory() / GB

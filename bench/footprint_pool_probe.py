@@ -68,10 +68,11 @@ def main(path):
         read(f"{step} (pool trimmed, rc {rc})")
 
     read("start")
-    policy = RunPolicy()
+    policy = RunPolicy(compute_dtype=mx.bfloat16)
     spec = transformer_from_file(path, flux2)
-    with installed(policy.refined(cache_limit=memory.cache_limit_for(policy))):
-        model = load_component(spec, mx.bfloat16, policy).model
+    loading = policy.refined(cache_limit=memory.cache_limit_for(policy))     # as Residency.use loads
+    with installed(loading):
+        model = load_component(spec, loading).model
     read("loaded (load_component)")
     trim("loaded")
     img, txt, img_ids, txt_ids = (mx.array(a) for a in inputs(1024))

@@ -42,11 +42,11 @@ def main(path, mode):
 
     read("start")
     spec = transformer_from_file(path, flux2)
-    policy = RunPolicy()
+    policy = RunPolicy(compute_dtype=mx.bfloat16)
     if mode == "new":
         policy = policy.refined(cache_limit=memory.cache_limit_for(policy))
     with installed(policy):
-        model = spec.build(mx.bfloat16)
+        model = spec.build()
         read("built (lazy)")
         use_strategy(model, "dequantize")
         materialize(model)

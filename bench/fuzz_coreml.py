@@ -393,7 +393,7 @@ def ours(path, ctx) -> dict:
     spec = transformer_from_file(Path(path), unet_module, ctx["config"])
     weights = spec.weights()
     out = {name: _numpy(v, ctx["targets"][name]) for name, v in weights.items()}
-    model = spec.build(mx.float32)
+    model = spec.build()
     mx.eval(model.parameters())
     return out
 

@@ -371,7 +371,7 @@ def ours(path):
            **{k: text.get(k) for k in ("head_dim", "num_attention_heads", "num_key_value_heads", "rope_theta",
                                        "rms_norm_eps", "max_position_embeddings", "hidden_size",
                                        "intermediate_size", "vocab_size")}}
-    model = spec.build(mx.float32)
+    model = spec.build()
     ids = np.arange(1, TOKENS + 1, dtype=np.int32)[None] % text["vocab_size"]
     mask = np.ones_like(ids)
     mask[0, :2] = 0   # padded rows too

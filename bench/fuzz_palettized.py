@@ -279,7 +279,7 @@ def _apply(op, t, config, layer, out, rng, done):
 def ours(path, config) -> dict:
     """{layer: float32 dense weight} of every palettized layer of the model built from the file, as a load builds
     it (ComponentSpec.build: the strict loader, the palettized layers, the value checks), every parameter evaluated."""
-    model = ComponentSpec("text_encoder", clip, config, [Path(path)]).build(mx.float32)
+    model = ComponentSpec("text_encoder", clip, config, [Path(path)]).build()
     mx.eval(model.parameters())
     return {p: np.array(m.dense_weight().astype(mx.float32)) for p, m in model.named_modules()
             if isinstance(m, PalettizedLinear)}

@@ -277,7 +277,7 @@ def ours_delta(path, ctx) -> dict:
         lora.check(SimpleNamespace(name=name, arch=archs[name], args=ctx["args"][name]), path)
     for name in lora.components(path):
         model = archs[name].Model(ctx["args"][name])
-        lora.apply_loras(model, archs[name], [(path, 1.0)], None, name)
+        lora.apply_loras(model, archs[name], [(path, 1.0)], component=name)
         for module, m in model.named_modules():
             if not isinstance(m, lora.LoRALinear):
                 continue

@@ -121,7 +121,7 @@ def run_mlxdiff(path, strategy, size, text_len):
     if policy.gguf_layout:
         spec = dataclasses.replace(spec, gguf_layout=policy.gguf_layout)
     with installed(policy):
-        model = spec.build(dtype)
+        model = spec.build()     # in the policy's compute dtype: the device's default, as `dtype`
         materialize(model)
     out["load_s"] = time.perf_counter() - t
     out["load_mlx_peak"], out["load_process_peak"] = mx.get_peak_memory(), process_peak()

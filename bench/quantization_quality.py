@@ -43,7 +43,7 @@ def main():
     def run(quantize):
         spec = sources.ComponentSpec("transformer", mmdit, config, sources.st.safetensors_files(folder),
                                      quantize=quantize)
-        model = spec.build(mx.float32)
+        model = spec.build()
         use_strategy(model, "dequantize")
         materialize(model)
         start = time.perf_counter()

@@ -278,7 +278,8 @@ def quantize_dev(model):
     for block in (*model.transformer_blocks, *model.single_transformer_blocks):
         mx.eval(block.parameters())
     mx.eval(model.parameters())
-    use_strategy(model, "dequantize", mx.bfloat16)
+    model.compute_dtype = mx.bfloat16      # as loading/build sets it: the dequantized weights' dtype
+    use_strategy(model, "dequantize")
 
 
 def old_call_sites():

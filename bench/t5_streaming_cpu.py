@@ -84,7 +84,7 @@ def run(folder, out, memory_limit):
     policy = RunPolicy(memory_limit=None if memory_limit is None else int(memory_limit * GB))
     start = time.perf_counter()
     with installed(policy):
-        loaded = load_component(spec, mx.float32, policy)
+        loaded = load_component(spec, policy)
         loaded_s = time.perf_counter() - start
         ids = mx.array(np.random.default_rng(0).integers(0, XXL["vocab_size"], (1, 256)))
         start = time.perf_counter()

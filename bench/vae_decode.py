@@ -54,16 +54,17 @@ if side == "mlxdiff":
     spec = sources.ComponentSpec("vae", arch, json.loads(open(folder + "/config.json").read()),
                                  sources.st.safetensors_files(folder))
     dtype = getattr(mx, dtype_name)
-    model = spec.build(dtype)
+    with installed(from_switches(dtype=dtype_name)):
+        model = spec.build()
     mx.eval(model.parameters())
-    policy = decide(from_switches(), model)   # the decode phase's policy, with these weights loaded
+    policy = decide(from_switches(dtype=dtype_name), model)   # the decode phase's policy, with these weights loaded
     zz = mx.array(z).astype(dtype)
     for run in range(2):   # the first run compiles kernels (CUDA) and fused norms
         mx.synchronize(); mx.clear_cache()
         base = mx.get_active_memory(); rss0 = rss()["VmRSS"]; reset_hwm(); mx.reset_peak_memory()
         t = time.perf_counter()
         with installed(policy):
-            img = decode_array(model, zz, dtype)
+            img = decode_array(model, zz)
             mx.eval(img); settle(); mx.synchronize()
         out["seconds"] = time.perf_counter() - t
         out["mlx_peak_above_weights_gb"] = (mx.get_peak_memory() - base) / GB

@@ -380,7 +380,7 @@ def whole_load_reserve(budget) -> int:
     return 0 if mx.default_device() == mx.cpu else int(min(RESERVE_SHARE * budget, RESERVE_BYTES))
 
 
-def check_fits(spec, policy: RunPolicy, compute_dtype=None):
+def check_fits(spec, policy: RunPolicy):
     """Before a component loads: the spec to load. A GGUF component whose default layout does not fit the budget
     (the memory limit, else the free memory) but whose raw blocks do (formats/gguf.py: the file's own size, decoded a
     layer at a time) gets the raw layout, unless the spec (or MLXDIFF_GGUF_LAYOUT, through the policy) fixes one. One
@@ -394,12 +394,12 @@ def check_fits(spec, policy: RunPolicy, compute_dtype=None):
     budget = min(budget)
     if policy.memory_limit is not None and budget == policy.memory_limit:
         budget -= outside_mlx_bytes()
-    need = spec.loaded_nbytes(compute_dtype=compute_dtype)
+    need = spec.loaded_nbytes(compute_dtype=policy.compute_dtype)
     if need + whole_load_reserve(budget) <= budget:
         return spec
     if any(_kept_quantized(f) for f in spec.files) and spec.gguf_layout is None:
         raw = replace(spec, gguf_layout="raw")
-        if raw.loaded_nbytes(compute_dtype=compute_dtype) + whole_load_reserve(budget) <= budget:
+        if raw.loaded_nbytes(compute_dtype=policy.compute_dtype) + whole_load_reserve(budget) <= budget:
             return raw
     return replace(spec, stream_budget=int(budget))
 

@@ -1,12 +1,15 @@
-"""The run policy: every choice of how a run spends memory and time, in one frozen object, passed explicitly.
+"""The run policy: every choice of how a run spends memory and time, and its compute dtype, in one frozen object,
+passed explicitly.
 
-A pipeline holds one `RunPolicy`, built once by `from_switches` from `mlxdiff.load(memory_limit=)` / `--memory-limit`
-and the MLXDIFF_* switches (mlxdiff/switches.py). Each phase refines it for its component once the weights are
-loaded (memory.decide: pieces in flight, block compilation, convolution bands) and installs it for the length of the
-phase with `installed(policy)`, a scoped, restorable context as mlx-lm's `use_attention_backend`. The code that
-computes reads the installed policy (`current()`): the pacing points (mlxdiff/pacing.py), the compiled blocks and
-fused pieces (models/fused.py), FLUX.2's SwiGLU ranges. Outside any installed policy nothing is paced and a model
-is plain MLX: the caller evaluates.
+A pipeline holds one `RunPolicy`, built once by `from_switches` from `mlxdiff.load(memory_limit=, dtype=)` /
+`--memory-limit`, `--dtype` and the MLXDIFF_* switches (mlxdiff/switches.py). Each phase refines it for its component
+once the weights are loaded (memory.decide: pieces in flight, block compilation, convolution bands) and installs it
+for the length of the phase with `installed(policy)`, a scoped, restorable context as mlx-lm's
+`use_attention_backend`. The code that computes reads the installed policy (`current()`): the pacing points
+(mlxdiff/pacing.py), the compiled blocks and fused pieces (models/fused.py), FLUX.2's SwiGLU ranges; the build
+(loading/build.py: a model's `compute_dtype`) and the VAE encode and decode tails read its compute dtype
+(`current_dtype()`). Outside any installed policy nothing is paced, a model is plain MLX (the caller evaluates) and
+builds in float32.
 
 The policy stack here and the running phase's pacing queue (pacing.py) are the only mutable module state.
 """
@@ -14,7 +17,7 @@ The policy stack here and the running phase's pacing queue (pacing.py) are the o
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
-from . import backend  # noqa: F401  (OpenBLAS preload before mlx)
+from . import backend
 import mlx.core as mx
 
 from . import switches
@@ -39,6 +42,9 @@ class RunPolicy:
     phase_markers: bool = False       # marker lines on stderr for mlxdiff.footprint
     paced: bool = True                # False while a compiled block is traced: the block is the unit of work
     fixed: frozenset = field(default=frozenset())   # fields a switch fixed: no phase decision changes them
+    # the run's compute dtype, chosen once (load(dtype=) / --dtype: from_switches); float32 for a model on its own
+    compute_dtype: mx.Dtype = mx.float32
+    stream_dtype: mx.Dtype | None = None   # a transformer's residual streams' when wider ("float16-mixed": float32)
 
     @property
     def split_swiglu(self) -> bool:
@@ -68,9 +74,10 @@ def _whole(name, value, low, high) -> int:
     return int(value)
 
 
-def from_switches(memory_limit_gb=None, environ=None) -> RunPolicy:
-    """The base policy of a pipeline: `memory_limit_gb` (already checked, arguments.check_number) and the MLXDIFF_*
-    switches that are set, each checked (a bad value is one MlxdiffError line)."""
+def from_switches(memory_limit_gb=None, environ=None, dtype=None) -> RunPolicy:
+    """The base policy of a pipeline: `memory_limit_gb` (already checked, arguments.check_number), the compute dtype
+    `dtype` names (backend.compute_dtype; None: the device's default) and the MLXDIFF_* switches that are set, each
+    checked (a bad value is one MlxdiffError line)."""
     given = switches.read(environ)
     fields = {}
     if "MLXDIFF_IN_FLIGHT" in given:
@@ -94,7 +101,8 @@ def from_switches(memory_limit_gb=None, environ=None) -> RunPolicy:
     if "MLXDIFF_PHASE_MARKERS" in given:
         fields["phase_markers"] = True
     limit = None if memory_limit_gb is None else int(memory_limit_gb * GB)
-    return RunPolicy(memory_limit=limit, fixed=frozenset(fields), **fields)
+    return RunPolicy(memory_limit=limit, fixed=frozenset(fields), compute_dtype=backend.compute_dtype(dtype),
+                     stream_dtype=backend.stream_dtype(dtype), **fields)
 
 
 # -- the installed policy ----------------------------------------------------------------------------------------
@@ -105,6 +113,11 @@ _stack = []   # installed policies, innermost last
 def current() -> RunPolicy | None:
     """The policy installed for the running phase, or None (a model called on its own: nothing is paced)."""
     return _stack[-1] if _stack else None
+
+
+def current_dtype() -> mx.Dtype:
+    """The dtype the running phase computes in: the installed policy's, float32 with none (a model on its own)."""
+    return (current() or RunPolicy()).compute_dtype
 
 
 def _cache_cap(policy: RunPolicy):

@@ -21,9 +21,17 @@ import pytest
 import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
+from mlxdiff.policy import RunPolicy, installed
+
 
 class Peak:
     bytes = None
+
+
+def computing_in(dtype):
+    """A model built or run on its own in `dtype` (None: float32): a policy with just that compute dtype installed,
+    as a pipeline installs its own (mlxdiff/policy.py)."""
+    return installed(RunPolicy(compute_dtype=dtype or mx.float32))
 
 
 STALL_SECONDS = 240     # mlx_peak_above_live's blocks take at most ~45 s on the 2-core CI machine
@@ -146,4 +154,5 @@ def load_ours(folder, arch, dtype=mx.float32):
     from mlxdiff.formats.safetensors import load_folder
     from mlxdiff.loading.build import build
     config = json.loads((Path(folder) / "config.json").read_text())
-    return build(arch, config, load_folder(folder), str(folder), dtype)
+    with computing_in(dtype):
+        return build(arch, config, load_folder(folder), str(folder))

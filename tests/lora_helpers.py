@@ -201,7 +201,8 @@ def ours_delta(path, cfg=None, dtype=None) -> dict:
             raise MlxdiffError(f"{path}: has LoRA layers for {name}, which this flux2 pipeline does not have")
     lora.check(SimpleNamespace(name="transformer", arch=flux2, args=args), path)
     model = flux2.Model(args)
-    lora.apply_loras(model, flux2, [(path, 1.0)], dtype or mx.float32)
+    model.compute_dtype = dtype or mx.float32     # as a build in that dtype sets it (loading/build.py)
+    lora.apply_loras(model, flux2, [(path, 1.0)])
     out = {}
     for name, m in model.named_modules():
         if isinstance(m, lora.LoRALinear):
@@ -439,12 +440,11 @@ def ours_with(folder, arch, path, scale=1.0):
     """mlxdiff's `arch` transformer of the diffusers folder `folder` with the LoRA file `path` on it at `scale`
     (lora.check first)."""
     from types import SimpleNamespace
-    import mlx.core as mx
     from helpers import load_ours
     from mlxdiff import lora
     model = load_ours(folder, arch)
     lora.check(SimpleNamespace(name="transformer", arch=arch, args=model.args), path)
-    return lora.apply_loras(model, arch, [(path, scale)], mx.float32)
+    return lora.apply_loras(model, arch, [(path, scale)])
 
 
 def scaled_reference(base, adapted, forward, scale):

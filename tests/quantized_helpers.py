@@ -18,7 +18,7 @@ QUANTIZED = (QuantizedConv2d, PalettizedConv2d)
 
 
 def _built(pipe, name):
-    model = pipe.components[name].build(mx.float32)
+    model = pipe.components[name].build()
     materialize(model)
     return model
 
@@ -55,7 +55,7 @@ def resident_after_build(spec):
     gc.collect()
     mx.clear_cache()
     before = mx.get_active_memory()
-    model = spec.build(mx.float32)
+    model = spec.build()
     materialize(model)
     gc.collect()
     mx.clear_cache()

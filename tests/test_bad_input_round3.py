@@ -318,7 +318,7 @@ def test_palettized_tables_must_fit_their_indices(palettized_default, tmp_path):
     for name, (edit, needles) in PALETTE_EDITS.items():
         path, layer = _edited_file(palettized_default, tmp_path, edit)
         with pytest.raises(MlxdiffError) as e:
-            ComponentSpec("transformer", flux2, config, [path]).build(mx.float32)
+            ComponentSpec("transformer", flux2, config, [path]).build()
         one_line(e, str(path), "palettized checkpoint", layer, *needles)
     ComponentSpec("transformer", flux2, config, [palettized_default[0] / "transformer" / "model.safetensors"]).build()
 
@@ -634,7 +634,7 @@ def test_sgm_file_with_a_32_wide_first_level(sd):
     path, models = sd["sdxl"]
     spec = sd_single_file(path).components["unet"]
     assert spec.config["block_out_channels"] == [32, 64]
-    model = spec.build(mx.float32)
+    model = spec.build()
     rng = np.random.default_rng(0)
     sample = rng.standard_normal((2, 4, 8, 8)).astype(np.float32)
     context = rng.standard_normal((2, 5, 192)).astype(np.float32)

@@ -134,7 +134,7 @@ def test_original_naming_parity(saved, original_files, which):
     assert all(mx.array_equal(mapped[k], folder_weights[k]).item() for k in mapped)
     spec = sources.transformer_from_file(path, chroma)
     inputs, mask = make_inputs(seed=1), text_mask()
-    err = max_rel_err(mlx_forward(spec.build(mx.float32), inputs, mask), torch_forward(torch_model, inputs, mask))
+    err = max_rel_err(mlx_forward(spec.build(), inputs, mask), torch_forward(torch_model, inputs, mask))
     print(f"Chroma original names ({path.name}): max_rel_err {err:.2e}")
     assert err <= 1e-4
 

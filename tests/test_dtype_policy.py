@@ -34,7 +34,8 @@ def _weights(norms_dtype):
 
 
 def _forward(weights):
-    model = build(flux2, CONFIG, weights, "test", compute_dtype=mx.bfloat16)
+    with installed(RunPolicy(compute_dtype=mx.bfloat16)):
+        model = build(flux2, CONFIG, weights, "test")
     mx.eval(model.parameters())
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, N_IMG, CONFIG["in_channels"])).astype(np.float32))
@@ -81,6 +82,6 @@ def test_float32_norm_scales_keep_bf16_activations_and_memory():
 def test_float32_compute_keeps_bf16_weights_as_stored():
     """Under float32 compute nothing is cast: bf16 weights promote to float32 anyway, and stay bf16 in memory."""
     weights = _weights(mx.float32)
-    model = build(flux2, CONFIG, weights, "test", compute_dtype=mx.float32)
+    model = build(flux2, CONFIG, weights, "test")     # float32: no policy installed
     stored = {name: w.dtype for name, w in weights.items()}
     assert {name: w.dtype for name, w in tree_flatten(model.parameters())} == stored

@@ -46,11 +46,11 @@ def test_streamed_transformer_is_exact(bfl_file):
     spec = sources.transformer_from_file(bfl_file, flux1)
     need = spec.loaded_nbytes(compute_dtype=mx.float32)
     x = inputs(seed=2)
-    resident = load_component(spec, mx.float32, RunPolicy())
+    resident = load_component(spec, RunPolicy())
     expected = forward(resident, RunPolicy(), x)
     del resident
     policy = RunPolicy(memory_limit=int(0.85 * need))
-    loaded = load_component(spec, mx.float32, policy)
+    loaded = load_component(spec, policy)
     assert streamed_count(loaded.model) > 0 and loaded.model.block_stream.bytes_read == 0
     assert any("blocks streamed from the file" in n for n in loaded.notes), loaded.notes
     got = forward(loaded, policy, x)

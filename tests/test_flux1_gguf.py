@@ -82,7 +82,7 @@ def test_gguf_parity_against_float64(gguf_file, layout):
     saved = json.loads((folder / "config.json").read_text())
     for key, value in spec.config.items():      # the config read off the GGUF's shapes is the twin's
         assert saved[key] == (list(value) if isinstance(value, tuple) else value), key
-    model = spec.build(mx.float32)
+    model = spec.build()
     kind = nn.QuantizedLinear if layout == "affine" else RawLinear
     quantized = [n for n, t in types.items() if t not in (T.F32, T.F16, T.BF16)]
     # a quantized qkv makes three layers, a quantized linear1 four (q, k, v, the MLP)

@@ -109,7 +109,7 @@ def test_original_naming_parity(single_files, which):
     spec = sources.transformer_from_file(path, flux1)
     assert spec.config == config
     inputs = make_inputs(name, seed=1)
-    err = max_rel_err(mlx_forward(spec.build(mx.float32), inputs), torch_forward(torch_model, inputs))
+    err = max_rel_err(mlx_forward(spec.build(), inputs), torch_forward(torch_model, inputs))
     print(f"{name} BFL names ({which}): max_rel_err {err:.2e}")
     assert err <= 1e-4
 

@@ -203,7 +203,7 @@ def test_original_naming_parity(single_files, which):
     assert spec.config == config
     inputs = make_inputs(name, seed=1)
     ref = torch_forward(torch_model, inputs)
-    err = max_rel_err(mlx_forward(spec.build(mx.float32), inputs), ref)
+    err = max_rel_err(mlx_forward(spec.build(), inputs), ref)
     print(f"{name} BFL names ({which}): max_rel_err {err:.2e}")
     assert err <= 1e-4
 

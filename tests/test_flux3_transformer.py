@@ -157,11 +157,11 @@ def test_streamed_transformer_is_exact(tmp_path, monkeypatch):
     make_torch_model(name, seed=3).save_pretrained(str(tmp_path))
     spec = sources.transformer_from_file(next(tmp_path.glob("*.safetensors")), flux3, CONFIGS[name])
     inputs = {k: mx.array(v) for k, v in make_inputs(name).items()}
-    resident = load_component(spec, mx.float32, RunPolicy()).model
+    resident = load_component(spec, RunPolicy()).model
     with installed(decide(RunPolicy(), resident)):
         expected = np.array(resident(**inputs))
     policy = RunPolicy(memory_limit=int(0.95 * spec.loaded_nbytes(compute_dtype=mx.float32)))
-    loaded = load_component(spec, mx.float32, policy)
+    loaded = load_component(spec, policy)
     model = loaded.model
     blocks = [*model.mode_blocks.image, *model.mode_blocks.image_cond, *model.txt_mode_blocks,
               *model.single_transformer_blocks]

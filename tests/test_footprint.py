@@ -58,7 +58,7 @@ def test_quantized_load_memory_equals_quantized_bytes(mid_transformer, bits):
     mx.clear_cache()
     base = mx.get_active_memory()
     spec = _spec(mid_transformer, {"bits": bits, "group_size": 64})
-    model = spec.build(mx.float32)
+    model = spec.build()
     materialize(model)
     held = mx.get_active_memory() - base
     expected = _header_estimate(spec, bits)   # from the file header and the quantization rule, not from the model
@@ -77,7 +77,7 @@ def test_quantize_while_loading_streams(mid_transformer):
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    model = spec.build(mx.float32)
+    model = spec.build()
     materialize(model)
     peak = mx.get_peak_memory() - base
     assert peak <= spec.loaded_nbytes() + 1.5 * largest, (peak, spec.loaded_nbytes(), largest)

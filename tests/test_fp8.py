@@ -18,7 +18,7 @@ import mlxdiff
 import mlx.core as mx
 import mlx.nn as nn
 
-from helpers import max_rel_err, randomize_
+from helpers import computing_in, max_rel_err, randomize_
 from mlxdiff.formats import fp8 as fp8_reader, loaded_nbytes, open_weights, tensor_nbytes
 from mlxdiff.formats.fp8 import Fp8Linear
 from mlxdiff.formats.quantized import Float8Weight
@@ -68,7 +68,7 @@ def test_flux2_comfy_fp8_matches_the_decoded_weights(klein, form):
 
     pipe = mlxdiff.load(str(folder), transformer=str(path))
     spec = pipe.components["transformer"]
-    model = spec.build(mx.float32)
+    model = spec.build()
     fp8_layers = [m for _, m in model.named_modules() if isinstance(m, Fp8Linear)]
     # every quantized BFL layer, the fused qkv split into q, k, v (2 streams x 3 - 2 fused tensors)
     n_quantized = len(_quantized_layers(bfl))
@@ -91,7 +91,8 @@ def test_flux2_comfy_fp8_matches_the_decoded_weights(klein, form):
     print(f"{form}: max rel err {err:.2e} against diffusers with the decoded weights")
     assert err <= 1e-4
     # bfloat16 compute: the scales stay float32 (only the decoded weight is rounded, as ComfyUI's bf16 dequantize)
-    half = spec.build(mx.bfloat16)
+    with computing_in(mx.bfloat16):
+        half = spec.build()
     layer = next(m for _, m in half.named_modules() if isinstance(m, Fp8Linear))
     assert layer["weight_scale"].dtype == mx.float32 and layer["weight"].dtype == mx.uint8
     out = half(**{k: mx.array(v) for k, v in inputs.items()})
@@ -133,7 +134,7 @@ def test_klein_pipeline_with_fp8_transformer_and_its_conversion(klein, tmp_path)
     stored = tensor_nbytes(converted / "transformer" / "model.safetensors")
     assert stored["transformer_blocks.0.attn.to_q.weight"] == bfl["double_blocks.0.img_attn.qkv.weight"].numel() // 3
     again = mlxdiff.load(str(converted))
-    model = again.components["transformer"].build(mx.float32)
+    model = again.components["transformer"].build()
     assert sum(isinstance(m, Fp8Linear) for _, m in model.named_modules()) > 0
     err = max_rel_err(again.generate(prompt, **run).latents, ours.latents)
     assert err <= 1e-5
@@ -194,7 +195,7 @@ def test_unknown_comfy_quant_format_is_one_line(klein, tmp_path, fmt):
     save_file(tensors, str(path))
     pipe = mlxdiff.load(str(folder), transformer=str(path))
     with pytest.raises(mlxdiff.MlxdiffError) as e:
-        pipe.components["transformer"].build(mx.float32)
+        pipe.components["transformer"].build()
     message = str(e.value)
     assert "\n" not in message and f"{layer}.weight" in message and fmt in message and "unexpected keys" not in message
 
@@ -224,7 +225,7 @@ def test_resident_bytes_at_the_file_size(tmp_path, form):
     mx.clear_cache()
     base = mx.get_active_memory()
     spec = sources.transformer_from_file(path, flux2)
-    model = spec.build(mx.float32)
+    model = spec.build()
     materialize(model)
     resident = mx.get_active_memory() - base
     estimate = loaded_nbytes(path, mx.float32)
@@ -272,7 +273,7 @@ def test_t5xxl_scaled_fp8_text_encoder(tmp_path):
     model.load_state_dict(decoded)
 
     spec = text_encoder_file("t5xxl", path)
-    ours = spec.build(mx.float32)
+    ours = spec.build()
     assert sum(isinstance(m, Fp8Linear) for _, m in ours.named_modules()) == 2 * 7
     assert type(ours.shared).__name__ == "Fp8Embedding" and ours.shared.weight.dtype == mx.uint8   # kept at 8 bits
     ids = np.random.default_rng(1).integers(0, config["vocab_size"], size=(2, 23)).astype(np.int64)

@@ -24,7 +24,7 @@ from gguf import GGMLQuantizationType as T
 
 import gguf_helpers
 from gguf_helpers import MIX, SCALE, dequantized, torch_state, write_city96_gguf
-from helpers import max_rel_err, randomize_
+from helpers import computing_in, max_rel_err, randomize_
 from mlxdiff.formats import gguf as gguf_reader
 from mlxdiff.loading import sources
 from mlxdiff.loading.quantize import materialize
@@ -187,7 +187,7 @@ def test_quantized_parity_against_float64(gguf_twin, layout):
     assert max_rel_err(ref32, ref) <= 1e-5   # the model is not chaotic: float32 arithmetic can get within 1e-4
 
     spec = dataclasses.replace(sources.transformer_from_file(path, arch, base_config), gguf_layout=layout)
-    ours_model = spec.build(mx.float32)
+    ours_model = spec.build()
     # exactly the layers stored quantized are QuantizedLinear (a fused qkv makes three), with float32 scales, or
     # RawLinear holding the file's blocks
     kind = nn.QuantizedLinear if layout == "affine" else RawLinear
@@ -222,7 +222,7 @@ def test_matmul_strategies_agree(gguf_twin):
     family, name, folder, path, _, _, _ = gguf_twin
     configs, _, _, make_inputs, arch, _, _ = FAMILIES[family]
     spec = sources.transformer_from_file(path, arch, json.loads((folder / "config.json").read_text()))
-    model = dataclasses.replace(spec, gguf_layout="affine").build(mx.float32)
+    model = dataclasses.replace(spec, gguf_layout="affine").build()
     inputs = make_inputs(configs[name], seed=2)
     qmm = mlx_forward(model, inputs)
     n_layers = strategy_of(model)["QuantizedLinear"]
@@ -276,12 +276,12 @@ def test_klein_pipeline_with_gguf_transformer(tmp_path, monkeypatch):
     spec = pipe.components["transformer"]
     assert [str(f) for f in spec.files] == [str(path)]
     # the CPU default keeps the file's blocks (2 x 3 split qkv + 8 others)
-    assert sum(isinstance(m, RawLinear) for _, m in spec.build(mx.float32).named_modules()) == 14
+    assert sum(isinstance(m, RawLinear) for _, m in spec.build().named_modules()) == 14
     quantized = pipe.generate("a red fox in the snow", **run)
     monkeypatch.setenv("MLXDIFF_GGUF_LAYOUT", "affine")   # the affine layout, through MLX's quantized_matmul
     affine = mlxdiff.load(str(folder), transformer=str(path), matmul="qmm")
     from mlxdiff.loading.component import load_component     # as a run loads it: the switch through the policy
-    assert strategy_of(load_component(affine.components["transformer"], mx.float32, affine.policy).model) \
+    assert strategy_of(load_component(affine.components["transformer"], affine.policy).model) \
         == {"QuantizedLinear": 14}
     qmm = affine.generate("a red fox in the snow", **run)
     qmm_err = max_rel_err(qmm.latents, dequantized_run.latents)
@@ -347,12 +347,13 @@ def test_memory_of_a_large_gguf(big_gguf):
     block_bf16 = 2 * sum(int(np.prod(t.shape)) for t in header.tensors
                          if t.name.startswith("double_blocks.0.") and types[t.name] in (T.Q4_K, T.Q5_K))
 
-    with installed(RunPolicy()):   # as a pipeline phase runs it on the CPU: paced, one piece in flight
+    # as a pipeline phase runs it on the CPU: paced, one piece in flight
+    with installed(RunPolicy(compute_dtype=mx.bfloat16)):
         gc.collect()
         mx.clear_cache()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
-        model = sources.transformer_from_file(path, flux2).build(mx.bfloat16)
+        model = sources.transformer_from_file(path, flux2).build()
         materialize(model)
         load_peak = mx.get_peak_memory() - base
         resident = mx.get_active_memory() - base
@@ -431,7 +432,8 @@ def test_resident_bytes_at_the_file_size(tmp_path, monkeypatch, qtype, dtype):
     mx.clear_cache()
     base = mx.get_active_memory()
     spec = sources.transformer_from_file(path, flux2)
-    model = spec.build(getattr(mx, dtype))
+    with computing_in(getattr(mx, dtype)):
+        model = spec.build()
     materialize(model)
     grown = mx.get_active_memory() - base
     resident = sum(a.nbytes for _, a in tree_flatten(model.parameters()))
@@ -472,11 +474,11 @@ def test_memory_budget_picks_the_raw_layout(tmp_path, monkeypatch):
     affine = spec.loaded_nbytes(compute_dtype=mx.bfloat16)
     raw = dataclasses.replace(spec, gguf_layout="raw").loaded_nbytes(compute_dtype=mx.bfloat16)
     assert raw < affine
-    result = load_component(spec, mx.bfloat16, RunPolicy(memory_limit=(raw + affine) // 2))
+    result = load_component(spec, RunPolicy(memory_limit=(raw + affine) // 2, compute_dtype=mx.bfloat16))
     model, resident = result.model, result.nbytes
     assert {type(m).__name__ for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, RawLinear))} \
         == {"RawLinear"}
     assert resident <= 1.01 * raw
     assert result.notes and "raw blocks" in result.notes[0]
     with pytest.raises(MlxdiffError, match="smaller quantization type"):
-        load_component(spec, mx.bfloat16, RunPolicy(memory_limit=raw // 2))
+        load_component(spec, RunPolicy(memory_limit=raw // 2, compute_dtype=mx.bfloat16))

@@ -77,7 +77,7 @@ def test_original_file(saved, tmp_path):
     assert spec.config == expected
     spec = transformer_from_file(path, krea2, torch_model.config, folder / "config.json")
     assert spec.args == krea2.ModelArgs.from_dict(dict(torch_model.config))
-    ours = spec.build(mx.float32)
+    ours = spec.build()
     inputs, mask = make_inputs(), text_mask()
     err = max_rel_err(mlx_forward(ours, inputs, mask), torch_forward(torch_model, inputs, mask))
     print(f"Krea 2 transformer, original-name file: max_rel_err {err:.2e}")

@@ -147,7 +147,7 @@ def ours_with(bases, family, loras, models=None):
             arch, args = arch_args(name, bases[family][name])
             lora.check(SimpleNamespace(name=name, arch=arch, args=args), path, scale)
     for name, model in models.items():
-        lora.apply_loras(model, arch_args(name, bases[family][name])[0], loras, mx.float32, name)
+        lora.apply_loras(model, arch_args(name, bases[family][name])[0], loras, component=name)
     return models
 
 

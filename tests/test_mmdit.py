@@ -144,7 +144,7 @@ def test_single_file_parity(single_file):
     for k in mapped:
         assert mx.array_equal(mapped[k], folder_weights[k]).item(), k
 
-    ours_model = build(mmdit, config, mapped, str(path), mx.float32)
+    ours_model = build(mmdit, config, mapped, str(path))
     inputs = make_inputs(name, seed=1)
     for skip in (None, [1]):
         ref = torch_forward(ref_model, inputs, skip)

@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from adversarial import refused, run_cases  # noqa: E402
+from helpers import computing_in  # noqa: E402
 
 from mlxdiff import default_model  # noqa: E402
 from mlxdiff.errors import MlxdiffError  # noqa: E402
@@ -90,7 +91,8 @@ def test_built_model_refuses_nonfinite_small_tensors(broken, name):
     pipe = mlxdiff.load(str(folders[name]), dtype=dtype)
     spec = pipe.components[_component(file)]
     with pytest.raises(MlxdiffError) as e:
-        spec.build(getattr(mx, dtype))
+        with computing_in(getattr(mx, dtype)):
+            spec.build()
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith(f"{folders[name] / file}: tensor {key!r}"), message

@@ -156,7 +156,7 @@ def test_resident_bytes_are_codes_and_tables(sd15, quantize):
     del model
     pipe = mlxdiff.load(str(sd15), quantize={"unet": quantize})
     spec = pipe.components["unet"]
-    model = spec.build(mx.float32)     # lazy: its shapes only
+    model = spec.build()     # lazy: its shapes only
     expected = 0
     for path, m in model.named_modules():
         if isinstance(m, PalettizedConv2d):
@@ -203,6 +203,6 @@ def test_lora_on_quantized_convolutions(sd15, tmp_path):
     plain = _built(mlxdiff.load(str(sd15), quantize={"unet": "p4"}), "unet")
     without = np.array(plain(sample, t, context))
     dense = _densify(plain)              # (in place)
-    lora.apply_loras(dense, pipe.components["unet"].arch, [(str(file), 0.8)], mx.float32, "unet")
+    lora.apply_loras(dense, pipe.components["unet"].arch, [(str(file), 0.8)], component="unet")
     assert max_rel_err(got, np.array(dense(sample, t, context))) <= 1e-5
     assert max_rel_err(got, without) > 1e-3     # the LoRA does change the output

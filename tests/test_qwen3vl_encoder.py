@@ -71,7 +71,7 @@ def test_hidden_states_match_transformers(saved, krea_positions):
     if krea_positions:          # Krea2Pipeline.get_text_hidden_states
         positions = (torch.from_numpy(mask).cumsum(-1) - 1).clamp(min=0)
     ref = reference(model, ids, mask, None if positions is None else positions[None].expand(3, -1, -1))
-    encoder = text_encoder_spec(folder, taps).build(mx.float32)
+    encoder = text_encoder_spec(folder, taps).build()
     assert len(encoder.layers) == 5
     ours = np.array(encoder(ids, mask, None if positions is None else positions.numpy()))
     width = TEXT["hidden_size"]
@@ -89,7 +89,7 @@ def test_positions_matter(saved):
     positions = (torch.from_numpy(mask).cumsum(-1) - 1).clamp(min=0)
     plain, moved = reference(model, ids, mask)[3], reference(model, ids, mask, positions[None].expand(3, -1, -1))[3]
     assert max_rel_err(moved[1, 14:], plain[1, 14:]) > 1e-2    # the suffix after the padding
-    encoder = text_encoder_spec(folder, (3,)).build(mx.float32)
+    encoder = text_encoder_spec(folder, (3,)).build()
     ours = np.array(encoder(ids, mask, positions.numpy()))
     assert max_rel_err(ours, moved) <= 1e-4
 
@@ -97,7 +97,7 @@ def test_positions_matter(saved):
 def test_vision_tower_and_head_are_not_read(saved):
     _, folder = saved
     spec = text_encoder_spec(folder, (2,))
-    encoder = spec.build(mx.float32)
+    encoder = spec.build()
     names = {k for k, _ in tree_flatten(encoder.parameters())}
     assert names and all(n.startswith(("embed_tokens.", "layers.0.", "layers.1.")) for n in names)
     # what it counts (and reads) is that: the embedding and layers 0, 1 in float32, no vision tower, head or norm
@@ -128,6 +128,6 @@ def test_text_alone_multimodal_rope_is_plain_rope():
 def test_bad_positions_refused(saved):
     _, folder = saved
     ids, mask = inputs()
-    encoder = text_encoder_spec(folder, (2,)).build(mx.float32)
+    encoder = text_encoder_spec(folder, (2,)).build()
     with pytest.raises(MlxdiffError, match="position_ids has shape"):
         encoder(ids, mask, np.zeros((2, L - 1), np.int32))

@@ -183,7 +183,7 @@ def test_comfyui_file(saved, tmp_path):
     save_file(original, str(path))
     spec = transformer_from_file(path, qwenimage21, dict(torch_model.config), "config.json")
     assert spec.args == qwenimage21.ModelArgs.from_dict(dict(torch_model.config))
-    ours = spec.build(mx.float32)
+    ours = spec.build()
     inputs = make_inputs(cond=True)
     err = max_rel_err(mlx_forward(ours, inputs), torch_forward(torch_model, inputs))
     print(f"Qwen-Image 2.1 transformer, ComfyUI-named file: max_rel_err {err:.2e}")
@@ -226,7 +226,7 @@ def test_lora_matches_diffusers(tmp_path):
     model = load_ours(tmp_path / "transformer", qwenimage21)
     spec = SimpleNamespace(name="transformer", arch=qwenimage21, args=model.args)
     lora.check(spec, tmp_path / "lora.safetensors")
-    model = lora.apply_loras(model, qwenimage21, [(tmp_path / "lora.safetensors", LORA_SCALE)], mx.float32)
+    model = lora.apply_loras(model, qwenimage21, [(tmp_path / "lora.safetensors", LORA_SCALE)])
     err = max_rel_err(mlx_forward(model, inputs), ref)
     print(f"Qwen-Image 2.1 LoRA (PEFT) at {LORA_SCALE}: max_rel_err {err:.2e}")
     assert err <= parity.LATENT_TOL

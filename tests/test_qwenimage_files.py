@@ -172,7 +172,7 @@ def test_q8_gguf_matches_diffusers_on_its_values(files, references):
     loaded = mlxdiff.load(transformer=str(paths["gguf"]), text_encoder=str(paths["encoder"]), vae=str(paths["vae"]),
                           tokenizer=str(paths["tokenizer"]), dtype="float32")
     assert loaded.components["transformer"].args.axes_dims_rope == TRANSFORMER["axes_dims_rope"]
-    model = loaded.components["transformer"].build(mx.float32)
+    model = loaded.components["transformer"].build()
     assert sum(isinstance(m, (nn.QuantizedLinear, RawLinear)) for _, m in model.named_modules()) == len(quantized)
     (plain_latents, _), gguf_ref = references
     err = max_rel_err(compare(loaded, gguf_ref, "q8_gguf").latents, gguf_ref[0])
@@ -238,7 +238,7 @@ def test_fp8_files_match_diffusers_with_the_decoded_weights(files, tmp_path):
                           tokenizer=str(paths["tokenizer"]), dtype="float32")
     import mlx.core as mx
     for component in ("transformer", "text_encoder"):                  # kept at 8 bits
-        model = loaded.components[component].build(mx.float32)
+        model = loaded.components[component].build()
         kinds = {type(m).__name__ for _, m in model.named_modules()}
         assert "Fp8Linear" in kinds, (component, kinds)
     compare(loaded, reference(twin_pipe), "fp8 transformer + fp8_scaled encoder")

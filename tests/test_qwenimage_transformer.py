@@ -136,7 +136,7 @@ def test_comfyui_file_is_diffusers_names_under_a_prefix(saved, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     spec = ComponentSpec("transformer", qwenimage, config, [path], prefix="model.diffusion_model.")
     inputs, mask = make_inputs("text-to-image", seed=1), text_mask()
-    err = max_rel_err(mlx_forward(spec.build(mx.float32), inputs, "text-to-image", mask),
+    err = max_rel_err(mlx_forward(spec.build(), inputs, "text-to-image", mask),
                       torch_forward(torch_model, inputs, "text-to-image", mask))
     print(f"Qwen-Image ComfyUI-style file: max_rel_err {err:.2e}")
     assert err <= 1e-4

@@ -38,7 +38,7 @@ def test_a_model_outside_any_policy_is_plain_mlx_and_gives_the_same_numbers(monk
     ranges): the same forward."""
     pipe = mlxdiff.load(str(default_model.folder()))
     spec = pipe.components["transformer"]
-    model = load_component(spec, mx.float32, RunPolicy()).model
+    model = load_component(spec, RunPolicy()).model
     args = spec.args
     inputs = _inputs(args)
     scheduled = []
@@ -96,6 +96,21 @@ def test_switches_are_read_when_a_pipeline_is_made_not_at_import(monkeypatch):
     p = subprocess.run([sys.executable, "-c", "import mlxdiff, mlxdiff.generate; print('ok')"], capture_output=True,
                        text=True, timeout=300, env={"MLXDIFF_IN_FLIGHT": "x", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr
+
+
+def test_the_compute_dtype_is_chosen_once_in_the_policy():
+    """load(dtype=) sets the policy's compute dtype (and float16-mixed's stream dtype) once; a phase's build reads it
+    from the installed policy; a model built on its own computes in float32."""
+    pipe = mlxdiff.load(str(default_model.folder()), dtype="float16-mixed")
+    assert (pipe.policy.compute_dtype, pipe.policy.stream_dtype) == (mx.float16, mx.float32)
+    assert (pipe.dtype, pipe.stream_dtype, pipe.dtype_name) == (mx.float16, mx.float32, "float16-mixed")
+    spec = pipe.components["vae"]
+    assert spec.build().compute_dtype == mx.float32 and policy.current_dtype() == mx.float32
+    with pipe.use(spec) as vae:
+        assert vae.compute_dtype == mx.float16 and policy.current_dtype() == mx.float16
+    assert policy.current() is None
+    with pytest.raises(mlxdiff.MlxdiffError, match=r"^unknown dtype 'float8'"):
+        mlxdiff.load(str(default_model.folder()), dtype="float8")
 
 
 def _modules():

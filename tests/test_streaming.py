@@ -93,14 +93,14 @@ def test_streamed_transformer_is_exact(files, form, dtype):
     compute = getattr(mx, dtype)
     need = spec.loaded_nbytes(compute_dtype=compute)
     inputs = flux2_inputs()
-    resident = load_component(spec, compute, RunPolicy())
+    resident = load_component(spec, RunPolicy(compute_dtype=compute))
     assert streamed_count(resident.model) == 0
     expected = forward(resident, RunPolicy(), inputs)
     del resident
     counts = []
     for share in (0.6, 0.85):
         policy = RunPolicy(memory_limit=int(share * need))
-        loaded = load_component(spec, compute, policy)
+        loaded = load_component(spec, dataclasses.replace(policy, compute_dtype=compute))
         counts.append(streamed_count(loaded.model))
         assert any("blocks streamed from the file" in n for n in loaded.notes), loaded.notes
         assert loaded.nbytes <= 0.5 * share * need, (loaded.nbytes, need)   # the reserve is half the budget
@@ -122,10 +122,10 @@ def test_streamed_t5_is_exact(tmp_path):
     T5EncoderModel(config).save_pretrained(str(tmp_path / "t5"))
     spec = sources.folder_component(tmp_path, "t5", "T5EncoderModel")
     ids = np.random.default_rng(2).integers(0, 320, (1, 19))
-    resident = load_component(spec, mx.float32, RunPolicy())
+    resident = load_component(spec, RunPolicy())
     expected = np.array(resident.model(ids))
     need = spec.loaded_nbytes(compute_dtype=mx.float32)
-    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.6 * need)))
+    loaded = load_component(spec, RunPolicy(memory_limit=int(0.6 * need)))
     blocks = loaded.model.encoder.block
     assert not isinstance(blocks[0], StreamedBlock) and sum(isinstance(b, StreamedBlock) for b in blocks) >= 6
     assert np.array_equal(np.array(loaded.model(ids)), expected)
@@ -145,9 +145,9 @@ def test_streamed_llm_encoders_are_exact(tmp_path, monkeypatch, kind):
         folder = convert(str(folder), tmp_path / "converted", quantize={"text_encoder": 4}, progress=lambda *_: None)
     spec = mlxdiff.load(str(folder)).components["text_encoder"].with_config(taps=list(TAPS))
     ids = mx.array(np.random.default_rng(0).integers(0, 300, (1, 9)))
-    expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(ids))
+    expected = np.array(load_component(spec, RunPolicy()).model(ids))
     need = spec.loaded_nbytes(compute_dtype=mx.float32)
-    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.95 * need)))
+    loaded = load_component(spec, RunPolicy(memory_limit=int(0.95 * need)))
     assert sum(isinstance(layer, StreamedBlock) for layer in loaded.model.layers) >= 2
     assert np.array_equal(np.array(loaded.model(ids)), expected)
 
@@ -161,10 +161,10 @@ def test_streamed_layers_take_loras(files, tmp_path):
                      peft_config(["to_q", "to_v", "ff.linear_in", "to_qkv_mlp_proj"]))
     spec = dataclasses.replace(transformer_spec(files, "folder"), loras=((lora, 0.8),))
     inputs = flux2_inputs(1)
-    expected = forward(load_component(spec, mx.float32, RunPolicy()), RunPolicy(), inputs)
+    expected = forward(load_component(spec, RunPolicy()), RunPolicy(), inputs)
     need = spec.loaded_nbytes(compute_dtype=mx.float32)
     policy = RunPolicy(memory_limit=int(0.4 * need))
-    loaded = load_component(spec, mx.float32, policy)
+    loaded = load_component(spec, policy)
     assert streamed_count(loaded.model) > 0
     assert np.array_equal(forward(loaded, policy, inputs), expected)
 
@@ -173,7 +173,7 @@ def test_refusals_are_one_line(files):
     spec = transformer_spec(files, "gguf")
     need = spec.loaded_nbytes(compute_dtype=mx.float32)
     with pytest.raises(MlxdiffError) as err:
-        load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.05 * need)))
+        load_component(spec, RunPolicy(memory_limit=int(0.05 * need)))
     message = str(err.value)
     assert "\n" not in message and "cannot hold even its streamed form" in message
     assert "the smallest limit that works is about" in message and "smaller quantization type" in message
@@ -181,7 +181,7 @@ def test_refusals_are_one_line(files):
     quantized = dataclasses.replace(folder, quantize={"bits": 4, "group_size": 64})
     with pytest.raises(MlxdiffError, match=r"quantized again at every step.*python -m mlxdiff.convert .* "
                                            r"--quantize transformer=4"):
-        load_component(quantized, mx.float32, RunPolicy(memory_limit=int(0.01 * need)))
+        load_component(quantized, RunPolicy(memory_limit=int(0.01 * need)))
 
 
 def test_file_groups():
@@ -231,8 +231,8 @@ def test_streamed_encoder_with_padded_prompts(tmp_path, monkeypatch):
     spec = mlxdiff.load(str(folder)).components["text_encoder"].with_config(taps=list(TAPS))
     ids = mx.array(np.random.default_rng(4).integers(3, 300, (2, 11)))
     mask = mx.array(np.array([[0] * 6 + [1] * 5, [1] * 11]))
-    expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(ids, mask))
-    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.95 * spec.loaded_nbytes(
+    expected = np.array(load_component(spec, RunPolicy()).model(ids, mask))
+    loaded = load_component(spec, RunPolicy(memory_limit=int(0.95 * spec.loaded_nbytes(
         compute_dtype=mx.float32))))
     assert sum(isinstance(layer, StreamedBlock) for layer in loaded.model.layers) >= 2
     assert np.array_equal(np.array(loaded.model(ids, mask)), expected)
@@ -248,8 +248,8 @@ def test_streamed_mmdit_is_exact(sd3_tiny, monkeypatch):
     rng = np.random.default_rng(5)
     args = [mx.array(rng.standard_normal(s).astype(np.float32)) for s in ((1, 16, 16, 16), (1, 9, 96), (1, 64))]
     t = mx.array([0.3])
-    expected = np.array(load_component(spec, mx.float32, RunPolicy()).model(*args, t))
+    expected = np.array(load_component(spec, RunPolicy()).model(*args, t))
     need = spec.loaded_nbytes(compute_dtype=mx.float32)
-    loaded = load_component(spec, mx.float32, RunPolicy(memory_limit=int(0.95 * need)))
+    loaded = load_component(spec, RunPolicy(memory_limit=int(0.95 * need)))
     assert sum(isinstance(b, StreamedBlock) for b in loaded.model.transformer_blocks) >= 1
     assert np.array_equal(np.array(loaded.model(*args, t)), expected)

@@ -196,7 +196,7 @@ def test_single_file_matches_diffusers_converter(layout, tmp_path):
 
     config = t5.config_from_weights(strip_prefix(load_safetensors(file), prefix))
     assert {k: config[k] for k in SINGLE} == SINGLE
-    ours = ComponentSpec("text_encoder_3", t5, config, [file], prefix).build(mx.float32)
+    ours = ComponentSpec("text_encoder_3", t5, config, [file], prefix).build()
     ids = np.random.default_rng(2).integers(0, SINGLE["vocab_size"], size=(2, 29)).astype(np.int64)
     if layout == "incl_clips":
         reference = create_diffusers_t5_model_from_checkpoint(T5EncoderModel, dict(state), config=str(config_dir),

@@ -38,6 +38,7 @@ from mlx.utils import tree_flatten
 from mlxdiff.pipelines import load
 from mlxdiff.loading.quantize import materialize
 from mlxdiff.loading.spec import ComponentSpec
+from mlxdiff.policy import installed
 group = mx.distributed.init()
 n, rank = group.size(), group.rank()
 out = sys.argv[1]
@@ -68,12 +69,14 @@ def case(name, folder, load_extra, gguf_layout=None, **run):
         if "text_encoder_out_layers" in run and part == "text_encoder":     # the taps the run built it with
             spec = spec.with_config(taps=list(run["text_encoder_out_layers"]))
         before = rchar()
-        model = spec.build(pipe.dtype)
+        with installed(pipe.policy):     # the build's compute dtype: the pipeline's
+            model = spec.build()
         materialize(model)
         read = rchar() - before
         params = tree_flatten(model.parameters())
         # what stays whole on each rank: the arrays shaped as in the unsharded model (built lazily; nothing read)
-        full = dict(tree_flatten(ComponentSpec.build(spec, pipe.dtype, check=False).parameters()))
+        with installed(pipe.policy):
+            full = dict(tree_flatten(ComponentSpec.build(spec, check=False).parameters()))
         whole = sum(v.nbytes for k, v in params if full[unwrapped(k)].shape == v.shape)
         held[part] = {{"total": sum(v.nbytes for _, v in params), "whole": whole, "read": read,
                       "stored": spec.nbytes(), "estimate": spec.loaded_nbytes(compute_dtype=pipe.dtype),

@@ -32,7 +32,7 @@ def test_decode_peak_is_activations_plus_one_band(name):
     z = mx.random.normal((1, model.args.latent_channels, SIZE // 8, SIZE // 8))
     mx.eval(z)
     with mlx_peak_above_live() as measured, installed(decide(RunPolicy(), model)):   # as the decode phase decides
-        image = decode_array(model, z, mx.float32)                                    # on the CPU: paced, row bands
+        image = decode_array(model, z)                                                # on the CPU: paced, row bands
         mx.eval(image)
     peak = measured.bytes
     # the allowance: about four full-resolution activations of the widest full-resolution block (its input, a

@@ -167,7 +167,7 @@ def test_original_names(folder, twin):
     assert sorted(renamed) == sorted(weights)
     assert all(renamed[k] is weights[k] or np.array_equal(np.array(renamed[k]), np.array(weights[k]))
                for k in weights)
-    ours = build(vae_qwenimage, dict(CONFIG), renamed, "original names", mx.float32)
+    ours = build(vae_qwenimage, dict(CONFIG), renamed, "original names")
     check(ours, twin)
 
 

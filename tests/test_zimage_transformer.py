@@ -213,7 +213,7 @@ def test_original_naming_parity(saved, original_files, reference, which):
     spec = sources.transformer_from_file(path, zimage, base_config=saved_config)
     assert spec.args.axes_dims == CONFIG["axes_dims"]
     inputs = make_inputs(seed=1)
-    err = max_rel_err(mlx_forward(spec.build(mx.float32), inputs), reference(1))
+    err = max_rel_err(mlx_forward(spec.build(), inputs), reference(1))
     print(f"Z-Image original names ({path.name}): max_rel_err {err:.2e}")
     assert err <= 1e-4
 

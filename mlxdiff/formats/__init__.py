@@ -10,6 +10,10 @@ be given (its row's `only_as`); its names are the traced module's, mapped onto t
 (coreml.open_diffusers). Key-map tables (keymaps.py) rename what the readers return. The functions below ask the
 path's row; what else the package asks of a format (is it a package, does it convert as it opens, ...) is the row's
 fields.
+
+A reader's `compute_dtype` is its own parameter: the dtype it converts what it reads to (decoded GGUF blocks, float8
+scales folded in; None: backend.compute_dtype's default), given by its caller. The run's compute dtype is chosen once,
+in its policy (mlxdiff/policy.py), and read by loading/, not here.
 """
 
 from pathlib import Path

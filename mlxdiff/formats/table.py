@@ -55,7 +55,7 @@ class Request:
     """What a reader is asked for: the compute dtype, the GGUF layout, only these tensor names, and for a package
     named after a traced program its targets ({diffusers name: PyTorch shape}) and the Linear / Conv2d weights kept
     palettized."""
-    compute_dtype: object = None
+    compute_dtype: object = None      # the reader's target dtype for what it converts (formats/__init__.py)
     gguf_layout: str | None = None
     names: object = None
     targets: dict | None = None

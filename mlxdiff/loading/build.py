@@ -14,6 +14,7 @@ from ..formats.palettized import use_palettized_layers
 from ..formats.quantized import flatten_quantized, quantized_predicate
 from ..formats.safetensors import (CHECK_WHOLE_ELEMENTS, check_safetensors, finite_flags, first_false,
                                    load_safetensors)
+from ..policy import current_dtype
 from .quantize import prepare_quantized, quantize_model, quantized_paths, use_palettized_convs
 
 
@@ -52,18 +53,18 @@ def in_model_names(model, weights: dict, native=False) -> dict:
     return saved_fp8(weights)
 
 
-def build(arch, config: dict, weights: dict, source, compute_dtype=None, native=False, quantize=None,
-          check=True):
+def build(arch, config: dict, weights: dict, source, native=False, quantize=None, check=True):
     """Make `arch.Model` from its config dict and weights in the names `arch.Model.sanitize` reads (already remapped
     from any other naming), for every architecture alike, LLM text encoders included.
 
     `arch` is a model module (mlxdiff.models.clip, ...) with `ModelArgs`, `Model` and `Model.sanitize`.
     The arrays stay lazy: nothing is read from disk until the model runs or the caller evaluates its parameters,
     except the small ones check_finite reads (`check` False: not even those; loading/streaming.py, whose
-    stand-ins must stay unread, checks what it reads itself).
+    stand-ins must stay unread, checks what it reads itself). It computes in the installed policy's compute dtype
+    (float32 with none installed), kept as `model.compute_dtype` for what later reads the model's own.
     """
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    model.compute_dtype = compute_dtype or mx.float32
+    model.compute_dtype = current_dtype()
     given = {id(v): k for k, v in weights.items()}   # a refusal names a tensor as given, where sanitize only renamed it
     rename = None if native else model.sanitize
     weights = in_model_names(model, weights, native)

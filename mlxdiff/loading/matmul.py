@@ -83,15 +83,15 @@ def to_quantized(layer: DequantizedLinear) -> nn.QuantizedLinear:
     return out
 
 
-def use_strategy(model: nn.Module, strategy: str = "qmm", compute_dtype=None) -> nn.Module:
+def use_strategy(model: nn.Module, strategy: str = "qmm") -> nn.Module:
     """Make every quantized linear layer of `model` use `strategy` ("qmm" or "dequantize"), in place.
 
-    The dequantized weights are cast to `compute_dtype` (default: `model.compute_dtype`, which `build` sets).
+    The dequantized weights are cast to `model.compute_dtype` (which `build` sets; without it, the input's dtype).
     Returns the model. Layers that are not quantized are left alone.
     """
     if strategy not in STRATEGIES:
         raise MlxdiffError(f"matmul strategy {strategy!r} is unknown; use one of: {', '.join(STRATEGIES)}")
-    dtype = compute_dtype or getattr(model, "compute_dtype", None)
+    dtype = getattr(model, "compute_dtype", None)
 
     def swap(_, module):
         if strategy == "dequantize" and isinstance(module, nn.QuantizedLinear):

@@ -29,6 +29,7 @@ from ..models import controlnet_zimage
 from ..models import krea2
 from ..models import qwenimage21, vae_qwenimage21
 from ..models.protocol import Architecture
+from ..policy import current_dtype
 from .build import build
 from .quantize import parameter_nbytes, setting
 
@@ -107,7 +108,8 @@ class ComponentSpec:
         return replace(self, config={**self.config, **changes})
 
     def weights(self, compute_dtype=None, names=None, standins=frozenset()) -> dict:
-        """The component's tensors in diffusers names (mapped from the file's), lazy where the format allows.
+        """The component's tensors in diffusers names (mapped from the file's), lazy where the format allows;
+        `compute_dtype`: the readers' target dtype where they convert (formats.open_weights), not the run's.
         `names`: only these file tensors (a streamed block's, loading/streaming.py; no `extra`); `standins`: these
         file tensors as stand-ins that read nothing (formats.open_weights), for the blocks streamed later."""
         weights = {}
@@ -191,18 +193,19 @@ class ComponentSpec:
             return 0
         return sum(lora_nbytes(f) for f, _ in self.loras)
 
-    def build(self, compute_dtype=None, standins=frozenset(), check=True):
-        """The model, its weights lazily mapped (GGUF ones read); `standins`: file tensors left as stand-ins that read
-        nothing (the blocks loading/streaming.py streams); `check`: the small tensors' values checked (build)."""
+    def build(self, standins=frozenset(), check=True):
+        """The model, its weights lazily mapped (GGUF ones read), in the installed policy's compute dtype (float32
+        with none); `standins`: file tensors left as stand-ins that read nothing (the blocks loading/streaming.py
+        streams); `check`: the small tensors' values checked (build)."""
         check_config = getattr(self.arch, "check_config", None)   # the LLM encoders: taps and quantization
         if check_config:   # once final; a folder's encoder is named by its folder, a text_encoder=FILE by the file
             single = self.config.get("file_layers") is not None
             check_config(self.config, (Path(self.files[0]) if single else Path(self.files[0]).parent) if self.files
                   else self.name)
-        model = build(self.arch, self.config, self.weights(compute_dtype, standins=standins), self.source,
-                      compute_dtype, native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize, check=check)
+        model = build(self.arch, self.config, self.weights(current_dtype(), standins=standins), self.source,
+                      native=bool(self.config.get(NATIVE_KEY)), quantize=self.quantize, check=check)
         if self.loras:
-            apply_loras(model, self.arch, self.loras, model.compute_dtype, self.name)
+            apply_loras(model, self.arch, self.loras, component=self.name)
         return model
 
 

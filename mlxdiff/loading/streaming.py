@@ -150,11 +150,11 @@ def _block_head(key):
     return None if index is None else ".".join(parts[:index + 1])
 
 
-def _mapped_block(spec, model, group, compute_dtype, native):
+def _mapped_block(spec, model, group, native):
     """(the model block the group maps onto, or None; whether it maps onto anything at all), from its stand-ins
     through the key map and sanitize: nothing is read."""
     try:
-        weights = spec.weights(compute_dtype, names=group.all_names, standins=group.all_names)
+        weights = spec.weights(model.compute_dtype, names=group.all_names, standins=group.all_names)
         keys = list(flatten_quantized(in_model_names(model, weights, native))[0])
     except MlxdiffError:          # a key map that needs more than the group (FLUX.2's checks of a whole file)
         return None, True
@@ -168,13 +168,14 @@ def _mapped_block(spec, model, group, compute_dtype, native):
     return head, True
 
 
-def plan(spec, model, compute_dtype, budget, native=False):
+def plan(spec, model, budget, native=False):
     """The StreamPlan for `spec` (`model`: built around stand-ins for all its tensors, nothing read) under `budget`
-    bytes; refused in one line if no plan fits."""
+    bytes, in the model's compute dtype; refused in one line if no plan fits."""
+    compute_dtype = model.compute_dtype
     groups, rest = _groups(spec)
     blocks, loose = [], []
     for group in groups.values():
-        block, used = _mapped_block(spec, model, group, compute_dtype, native)
+        block, used = _mapped_block(spec, model, group, native)
         group.block = block or ""
         if block:
             blocks.append(group)
@@ -337,10 +338,10 @@ class BlockStream:
     """The streamed groups of one loaded component: reads a group's weights into its block for one call, drops
     them after, reads the next group ahead; counts what it read and how long it waited."""
 
-    def __init__(self, spec, model, groups, compute_dtype, native, identities=None):
+    def __init__(self, spec, model, groups, native, identities=None):
         self.spec, self.model, self.groups = spec, model, groups
         self.identities = identities or {}     # {file: FileIdentity}: checked before each read
-        self.compute_dtype, self.native = compute_dtype, native
+        self.compute_dtype, self.native = model.compute_dtype, native   # the build's, whatever phase reads later
         self.next_of = {g.key: groups[(i + 1) % len(groups)] for i, g in enumerate(groups)}
         self.read_ahead = ReadAhead()
         self.headers = {}      # each GGUF header parsed once (formats.reuse_headers)
@@ -426,17 +427,17 @@ class StreamedBlock(nn.Module):
         return f"streamed from {group.key} ({fmt_gb(group.nbytes)})"
 
 
-def _read_into(stream, group, module, compute_dtype, source):
+def _read_into(stream, group, module, source):
     module.update(tree_unflatten(list(stream.weights_of(group, module).items())))
-    stored = keep_activations_in(module, compute_dtype)
-    check_finite(module, source, stored, compute_dtype=compute_dtype)
+    stored = keep_activations_in(module, stream.compute_dtype)
+    check_finite(module, source, stored, compute_dtype=stream.compute_dtype)
     mx.eval(module.parameters())
 
 
-def load_streamed(spec, compute_dtype, budget, strategy):
-    """(model, plan): `spec`'s model with the plan's resident blocks read (and its quantized layers given
-    `strategy`, loading/matmul.py) and its streamed blocks wrapped (nothing of them read here). The model's
-    `block_stream` counts what the streamed blocks read."""
+def load_streamed(spec, budget, strategy):
+    """(model, plan): `spec`'s model, in the installed policy's compute dtype (ComponentSpec.build), with the plan's
+    resident blocks read (and its quantized layers given `strategy`, loading/matmul.py) and its streamed blocks
+    wrapped (nothing of them read here). The model's `block_stream` counts what the streamed blocks read."""
     if spec.quantize:
         raise MlxdiffError(f"{spec.name}: its weights do not fit the memory budget of {fmt_gb(budget)} and would "
                            "have to be quantized again at every step to be streamed; quantize them once: "
@@ -447,20 +448,20 @@ def load_streamed(spec, compute_dtype, budget, strategy):
     everything = frozenset(n for f in spec.files for n in tensor_nbytes(f))
     # planned on a model built around stand-ins for everything (nothing read; without LoRAs, which the real build
     # reads once below: a block's parameters are compared as named before LoRAs wrap its layers)
-    probe = replace(spec, loras=()).build(compute_dtype, standins=everything, check=False)
-    streaming = plan(spec, probe, compute_dtype, budget, native)
+    probe = replace(spec, loras=()).build(standins=everything, check=False)
+    streaming = plan(spec, probe, budget, native)
     # built again, for real, around stand-ins for the block groups only (unread: the values checked below)
     blocks = frozenset().union(*(g.all_names for g in streaming.resident + streaming.streamed))
-    model = spec.build(compute_dtype, standins=blocks, check=False)
+    model = spec.build(standins=blocks, check=False)
     use_strategy(model, strategy)
-    stream = BlockStream(spec, model, streaming.streamed, compute_dtype, native, identities)
+    stream = BlockStream(spec, model, streaming.streamed, native, identities)
     for group in streaming.resident:
         parent, index = _container(model, group.block)
-        _read_into(stream, group, parent[index], compute_dtype, spec.source)
+        _read_into(stream, group, parent[index], spec.source)
     for group in streaming.streamed:
         parent, index = _container(model, group.block)
         parent[index] = StreamedBlock(parent[index], stream, group)
-    check_finite(model, spec.source, compute_dtype=compute_dtype)   # the rest and the resident blocks
+    check_finite(model, spec.source)   # the rest and the resident blocks
     model.streamed_blocks = len(streaming.streamed)
     model.block_stream = stream
     return model, streaming

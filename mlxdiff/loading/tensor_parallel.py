@@ -36,7 +36,7 @@ class TensorParallelSpec(ComponentSpec):
     memory budget (memory.check_fits) counts what a rank holds."""
     group: object = None
 
-    def build(self, compute_dtype=None, standins=frozenset(), check=True):
+    def build(self, standins=frozenset(), check=True):
         n = self.group.size()
         if standins:
             raise MlxdiffError(f"{self.name}: its 1/{n} share does not fit this rank's memory budget, and a "
@@ -45,7 +45,7 @@ class TensorParallelSpec(ComponentSpec):
         if self.loras:
             raise MlxdiffError(f"{self.name}: LoRAs are not added to a tensor-parallel transformer yet; use "
                                "--split guidance or --split images with --lora")
-        model = super().build(compute_dtype, check=check)
+        model = super().build(check=check)
         model.shard(self.group)
         return model
 
@@ -55,7 +55,7 @@ class TensorParallelSpec(ComponentSpec):
         if any(format_of(f, header=False).converts for f in self.files):
             return super().loaded_nbytes(quantize, compute_dtype)
         spec = replace(self, quantize=self.quantize if quantize is None else setting(quantize), loras=())
-        model = spec.build(compute_dtype, check=False)
+        model = spec.build(check=False)     # in the installed policy's compute dtype
         try:
             return parameter_nbytes(model)
         finally:

@@ -47,13 +47,20 @@ def components(path) -> list:
     return sorted({c for c, _, _ in _entries(path, _read(path)[0])})
 
 
-def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
+def model_dtype(model):
+    """The dtype `model` computes in: its own `compute_dtype` (each Model's, float32 until loading/build sets the
+    run's); float32 for a module without one."""
+    return getattr(model, "compute_dtype", mx.float32)
+
+
+def plan(model, arch, path, scale=1.0, component="transformer"):
     """[(mlxdiff layer path, A, B, scale, DoRA magnitude or None, its side ("out": per output row, "in": per input
     column), the file's key of A (the parts of one fused layer share it))] for the `component` part of one LoRA file
     on `model` (that component:
     an mlxdiff transformer, or a CLIP / T5 encoder, of `arch`), every tensor checked: its layer exists and is
     linear, no layer is reached twice, the shapes fit, the metadata agrees, and every value is finite and keeps the
-    layer's weight change within `dtype` (float32 when not given). The LoRA's tensors are read; the model's are not."""
+    layer's weight change within the model's compute dtype (model_dtype). The LoRA's tensors are read; the model's
+    are not."""
     tensors, meta, stored = _read(path)
     config = _peft_config(path, meta, component)
     denoiser = component in DENOISERS    # (its part is a file's "transformer" or "unet" one: the names tell which)
@@ -204,7 +211,7 @@ def plan(model, arch, path, scale=1.0, component="transformer", dtype=None):
                            f"{_short(second)!r}); re-save it in one naming")
     if config is not None:
         _coverage(path, config, layers, reached, component)
-    _check_values(path, planned, dtype or mx.float32)
+    _check_values(path, planned, model_dtype(model))
     return [(target, a, piece, s, m, side, key_a) for target, key_a, _, a, _, piece, s, m, side in planned]
 
 
@@ -213,16 +220,16 @@ def lora_nbytes(path) -> int:
     return sum(tensor_nbytes(path).values())
 
 
-def check(spec, path, scale=1.0, dtype=None):
+def check(spec, path, scale=1.0):
     """Refuse a LoRA whose part for the component `spec` describes does not fit it, before any of the model's weights
     is read: its layers and shapes against a lazily built (never evaluated) model of the spec's config, its metadata,
-    and its values (the LoRA's tensors are read whole) in the compute `dtype` (float32 when not given)."""
+    and its values (the LoRA's tensors are read whole) in float32, that model's compute dtype (model_dtype)."""
     if spec.name in DENOISERS and not takes_loras(spec.arch):
         takers = [arch.LORA_NAME for arch in LORA_DENOISERS]
         raise MlxdiffError(f"{path}: LoRAs apply to the denoisers that name their LoRA layers (the "
                            f"{', '.join(takers[:-1])} and {takers[-1]}: models/protocol.LoRADenoiser), not "
                            f"{spec.arch.__name__}")
-    plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name, dtype)
+    plan(spec.arch.Model(spec.args), spec.arch, path, scale, spec.name)
 
 
 def _cast(array, compute_dtype):
@@ -231,12 +238,13 @@ def _cast(array, compute_dtype):
     return array if promoted == compute_dtype else array.astype(compute_dtype)
 
 
-def apply_loras(model, arch, loras, compute_dtype=None, component="transformer") -> nn.Module:
+def apply_loras(model, arch, loras, component="transformer") -> nn.Module:
     """Add the `component` part of every (file, scale) of `loras` to `model` in place (LoRALinear around each layer
     a LoRA reaches; several on one layer stack) and evaluate the LoRA tensors (the base stays as it is, lazy or
-    not). Every file is planned and checked before the model is changed: a refusal leaves it as it was."""
-    dtype = compute_dtype or getattr(model, "compute_dtype", mx.float32)
-    plans = [plan(model, arch, path, scale, component, dtype) for path, scale in loras]
+    not), in the model's compute dtype (model_dtype). Every file is planned and checked before the model is changed:
+    a refusal leaves it as it was."""
+    dtype = model_dtype(model)
+    plans = [plan(model, arch, path, scale, component) for path, scale in loras]
     arrays = []
     modules = dict(model.named_modules())
     for planned in plans:

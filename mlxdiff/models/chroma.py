@@ -85,12 +85,13 @@ class Approximator(nn.Module):
         return self.out_proj(x)
 
 
-def approximator_input(timestep, channels: int, count: int, dtype):
+def approximator_input(timestep, channels: int, count: int):
     """ChromaCombinedTimestepTextProjEmbeddings: per batch row and modulation index i < count, [sinusoid(t),
-    sinusoid(0) (the guidance, always 0), sinusoid(1000 i) (twice as wide)] -> (B, count, channels). timestep: (B,)
-    already x 1000."""
+    sinusoid(0) (the guidance, always 0), sinusoid(1000 i) (twice as wide)] -> (B, count, channels), in the
+    timestep's dtype. timestep: (B,) already x 1000."""
     quarter = channels // 4
-    sinusoid = lambda t, dim: timestep_embedding(t, dim, flip_sin_to_cos=True, downscale_freq_shift=0).astype(dtype)
+    sinusoid = lambda t, dim: timestep_embedding(t, dim, flip_sin_to_cos=True,
+                                                 downscale_freq_shift=0).astype(timestep.dtype)
     b = timestep.shape[0]
     time_guidance = mx.concatenate([sinusoid(timestep, quarter), sinusoid(mx.zeros((b,)), quarter)], axis=-1)
     index = sinusoid(mx.arange(count).astype(mx.float32) * 1000, 2 * quarter)
@@ -168,11 +169,11 @@ class Model(flux1.Model):
                                           for _ in range(args.num_single_layers)]
         self.proj_out = nn.Linear(dim, args.patch_size * args.patch_size * (args.out_channels or args.in_channels))
 
-    def modulations(self, timestep, dtype):
-        """(B, modulations, D): every block's modulation vectors for this timestep."""
+    def modulations(self, timestep):
+        """(B, modulations, D): every block's modulation vectors for this timestep, in the compute dtype."""
         a = self.args
         return self.distilled_guidance_layer(
-            approximator_input(scaled_time(timestep, dtype), a.approximator_num_channels, a.modulations, dtype))
+            approximator_input(scaled_time(timestep, self.compute_dtype), a.approximator_num_channels, a.modulations))
 
     def __call__(self, hidden_states, encoder_hidden_states, timestep, img_ids, txt_ids, text_mask=None,
                  after_block=None, step_cache=None, stream_dtype=None):
@@ -189,7 +190,7 @@ class Model(flux1.Model):
         if text_mask is not None:     # keys only: a masked text token still attends (its output is never read)
             keys = mx.concatenate([text_mask.astype(mx.bool_), mx.ones((b, n_img), dtype=mx.bool_)], axis=1)
             mask = keys[:, None, None, :]
-        mod = self.modulations(timestep, dtype)
+        mod = self.modulations(timestep)
         x = self.x_embedder(hidden_states.astype(dtype)).astype(stream)
         context = self.context_embedder(encoder_hidden_states.astype(dtype)).astype(stream)
         img_at, txt_at = 3 * n_single, 3 * n_single + 6 * n_double

@@ -101,7 +101,7 @@ class Model(nn.Module):
         a = self.args
         after_block = after_block or (lambda *outputs: None)
         dtype = sample.dtype
-        emb = embed_time(self, a, timestep, sample.shape[0], dtype, added_cond_kwargs)
+        emb = embed_time(self, a, timestep, sample, added_cond_kwargs)
         context = encoder_hidden_states.astype(dtype)
         cond = controlnet_cond.astype(dtype).transpose(0, 2, 3, 1)
         if a.controlnet_conditioning_channel_order == "bgr":

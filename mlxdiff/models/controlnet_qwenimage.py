@@ -71,7 +71,7 @@ class Model(nn.Module):
         mask = qwenimage.key_mask(encoder_hidden_states_mask, b, n_txt, n_img)
         x = self.img_in(hidden_states.astype(dtype)) + self.controlnet_x_embedder(controlnet_cond.astype(dtype))
         timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
-        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
+        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype))
         context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype)))
         samples = []
 

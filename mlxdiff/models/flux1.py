@@ -96,13 +96,15 @@ class TimeTextEmbeddings(nn.Module):
             self.guidance_embedder = TimestepEmbedding(256, dim)
         self.text_embedder = TextProjection(pooled_dim, dim, act_fn="silu")
 
-    def _embed(self, embedder, t, dtype):
-        return embedder(timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0).astype(dtype))
+    def _embed(self, embedder, t):
+        # the sinusoid is float32, then cast to the (scaled) timestep's dtype before the MLP, as diffusers
+        return embedder(timestep_embedding(t, 256, flip_sin_to_cos=True, downscale_freq_shift=0).astype(t.dtype))
 
     def __call__(self, timestep, guidance, pooled):
-        temb = self._embed(self.timestep_embedder, timestep, pooled.dtype)
+        """`timestep`, `guidance` (scaled_time) and `pooled` in the compute dtype."""
+        temb = self._embed(self.timestep_embedder, timestep)
         if guidance is not None and "guidance_embedder" in self:
-            temb = temb + self._embed(self.guidance_embedder, guidance, pooled.dtype)
+            temb = temb + self._embed(self.guidance_embedder, guidance)
         return temb + self.text_embedder(pooled)
 
 

@@ -146,9 +146,10 @@ class TimestepProjEmbeddings(nn.Module):
         super().__init__()
         self.timestep_embedder = TimestepEmbedding(256, dim)
 
-    def __call__(self, timestep, dtype):
+    def __call__(self, timestep):
+        """`timestep` in the compute dtype (Model casts it), which the sinusoid takes."""
         t = timestep_embedding(timestep, 256, flip_sin_to_cos=True, downscale_freq_shift=0, scale=1000)
-        return self.timestep_embedder(t.astype(dtype))
+        return self.timestep_embedder(t.astype(timestep.dtype))
 
 
 def modulations(mod_layer, temb, dim) -> tuple:
@@ -280,11 +281,11 @@ class Model(nn.Module):
                                f"tokens but hidden_states has {n_img}")
         mask = key_mask(encoder_hidden_states_mask, b, n_txt, n_img)
         timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
-        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype), dtype)
+        temb = self.time_text_embed(timestep.reshape(-1).astype(dtype))
         block_args = (temb, cos, sin, mask)
         if self.args.zero_cond_t:    # the input images' tokens (after the output's grid) at timestep 0
             f, h, w = image_shapes(img_shapes)[0]
-            cond_temb = self.time_text_embed(mx.zeros_like(timestep.reshape(-1)).astype(dtype), dtype)
+            cond_temb = self.time_text_embed(mx.zeros_like(timestep.reshape(-1)).astype(dtype))
             block_args += (cond_temb, (mx.arange(n_img) < f * h * w)[None, :, None])
         x = self.img_in(hidden_states.astype(dtype)).astype(stream)
         context = self.txt_in(self.txt_norm(encoder_hidden_states.astype(dtype))).astype(stream)

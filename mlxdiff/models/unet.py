@@ -374,9 +374,11 @@ def add_embeddings(model, a: ModelArgs) -> None:
         model.add_embedding = TimestepEmbedding(a.projection_class_embeddings_input_dim, temb)
 
 
-def embed_time(model, a: ModelArgs, timestep, batch, dtype, added_cond_kwargs=None):
-    """The time embedding a UNet (or ControlNet) adds in every resnet: the timestep's sinusoids through
-    time_embedding, plus SDXL's add_embedding of the pooled text and the six size / crop ids."""
+def embed_time(model, a: ModelArgs, timestep, sample, added_cond_kwargs=None):
+    """The time embedding a UNet (or ControlNet) adds in every resnet, for `sample`'s batch, in its dtype: the
+    timestep's sinusoids through time_embedding, plus SDXL's add_embedding of the pooled text and the six size /
+    crop ids."""
+    batch, dtype = sample.shape[0], sample.dtype
     t = mx.broadcast_to(mx.array(timestep).reshape(-1), (batch,))
     emb = timestep_embedding(t, a.block_out_channels[0], a.flip_sin_to_cos, a.freq_shift).astype(dtype)
     emb = model.time_embedding(emb)
@@ -427,7 +429,7 @@ class Model(nn.Module):
         a = self.args
         after_block = after_block or (lambda *outputs: None)
         dtype = sample.dtype
-        emb = embed_time(self, a, timestep, sample.shape[0], dtype, added_cond_kwargs)
+        emb = embed_time(self, a, timestep, sample, added_cond_kwargs)
         context = encoder_hidden_states.astype(dtype)
 
         x = self.conv_in(sample.transpose(0, 2, 3, 1))

@@ -85,21 +85,21 @@ class Model(vae.Model):
         super().__init__(args)
         self.bn = LatentBatchNorm(math.prod(args.patch_size) * args.latent_channels)
 
-    def _stats(self, dtype):
+    def _stats(self, latents):
         # diffusers: mean and sqrt(var + eps) in the stats' dtype, then cast to the latents' dtype
         mean = self.bn.running_mean.reshape(1, -1, 1, 1)
         std = mx.sqrt(self.bn.running_var.reshape(1, -1, 1, 1) + self.args.batch_norm_eps)
-        return mean.astype(dtype), std.astype(dtype)
+        return mean.astype(latents.dtype), std.astype(latents.dtype)
 
     def normalize_latents(self, latents):
         """Patchified VAE latents -> the transformer's latent space."""
         latents = latents.astype(self.compute_dtype)
-        mean, std = self._stats(latents.dtype)
+        mean, std = self._stats(latents)
         return (latents - mean) / std
 
     def denormalize_latents(self, latents):
         latents = latents.astype(self.compute_dtype)
-        mean, std = self._stats(latents.dtype)
+        mean, std = self._stats(latents)
         return latents * std + mean
 
     def patchify_and_normalize(self, latents):

@@ -375,20 +375,21 @@ class Model(nn.Module):
     def __call__(self, x):
         return self.decode(self.encode(x))
 
-    def _stats(self, dtype):
-        mean = mx.array(self.args.latents_mean).reshape(1, -1, 1, 1).astype(dtype)
-        inv_std = (1.0 / mx.array(self.args.latents_std)).reshape(1, -1, 1, 1).astype(dtype)
+    def _stats(self, latents):
+        """(latents_mean, 1 / latents_std) in the latents' dtype."""
+        mean = mx.array(self.args.latents_mean).reshape(1, -1, 1, 1).astype(latents.dtype)
+        inv_std = (1.0 / mx.array(self.args.latents_std)).reshape(1, -1, 1, 1).astype(latents.dtype)
         return mean, inv_std
 
     def scale_latents(self, latents):
         """VAE latents -> the transformer's space: (latents - latents_mean) * (1 / latents_std), as
         QwenImageImg2ImgPipeline._encode_vae_image."""
-        mean, inv_std = self._stats(latents.dtype)
+        mean, inv_std = self._stats(latents)
         return (latents - mean) * inv_std
 
     def unscale_latents(self, latents):
         """The inverse (the pipelines' decode tail): latents / (1 / latents_std) + latents_mean."""
-        mean, inv_std = self._stats(latents.dtype)
+        mean, inv_std = self._stats(latents)
         return latents / inv_std + mean
 
     def sanitize(self, weights):

@@ -156,7 +156,7 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
     if matmul is not None and matmul not in STRATEGIES:
         raise MlxdiffError(f"matmul={matmul!r}: use one of {', '.join(STRATEGIES)}")
     quantize = check_quantize(quantize)       # the one check: typed settings that the plan trusts
-    policy = from_switches(check_number("memory_limit", memory_limit))
+    policy = from_switches(check_number("memory_limit", memory_limit), dtype=dtype)
     found = detect(model, LoadRequest(transformer=transformer, text_encoders=text_encoders, text_encoder=text_encoder,
                                       vae=vae, tokenizer=tokenizer, prediction_type=prediction_type),
                    HubRequest(download, revision, variant).checked())
@@ -176,7 +176,8 @@ def load(model=None, *, transformer=None, dtype=None, text_encoders=None, quanti
         group = None     # the pipeline itself runs as one process would; only its transformer's blocks are shared
     elif group is None and split is not None:
         check_split(split, group)
-    pipe = family.pipeline_for(found.pipeline_class)(found, dtype, keep, policy, check_guidance_group(group))
+    pipe = family.pipeline_for(found.pipeline_class)(found, keep=keep, policy=policy,
+                                                     group=check_guidance_group(group))
     for file, scale in check_loras(loras) or ():
         pipe.load_lora(file, scale)
     return pipe

@@ -23,7 +23,7 @@ from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..models.fused import forget_compiled
 from ..pacing import pace, settle
-from ..policy import RunPolicy, current, installed
+from ..policy import RunPolicy, current, current_dtype, installed
 from .family import check_options, family_named
 from .images import to_pil
 from .previews import latent_preview, load_tiny_vae
@@ -135,19 +135,19 @@ def denoise(velocity, step, x, timesteps, callback=None, progress_bar=True, on_s
     return x
 
 
-def decode_array(vae, z, dtype):
-    """vae.decode(z) within the installed policy's budget: evaluated stage by stage, convolutions in exact row bands
-    where their working buffer would be large (the policy's conv_band, memory.conv_band_bytes), tiles only when even
-    that does not fit the budget."""
+def decode_array(vae, z):
+    """vae.decode(z) in z's dtype within the installed policy's budget: evaluated stage by stage, convolutions in
+    exact row bands where their working buffer would be large (the policy's conv_band, memory.conv_band_bytes), tiles
+    only when even that does not fit the budget."""
     policy = current() or RunPolicy()
     vae.set_memory_policy(after_stage=evaluate_each_block, band_bytes=policy.conv_band)
-    return vae.decode(z, tiling=vae.decode_bytes(z.shape, dtype) > budget_bytes(policy))
+    return vae.decode(z, tiling=vae.decode_bytes(z.shape, z.dtype) > budget_bytes(policy))
 
 
-def decode(vae, latents, dtype) -> list:
-    """Denoised latents -> PIL images: the VAE undoes its own latent scaling (`unscale_latents`), decodes
-    (decode_array), and the output is mapped from [-1, 1] to [0, 1]."""
-    image = decode_array(vae, vae.unscale_latents(latents).astype(dtype), dtype)
+def decode(vae, latents) -> list:
+    """Denoised latents -> PIL images in the installed policy's compute dtype: the VAE undoes its own latent scaling
+    (`unscale_latents`), decodes (decode_array), and the output is mapped from [-1, 1] to [0, 1]."""
+    image = decode_array(vae, vae.unscale_latents(latents).astype(current_dtype()))
     image = mx.clip(image.astype(mx.float32) / 2 + 0.5, 0, 1)
     mx.eval(image)
     return to_pil(np.array(image))
@@ -213,18 +213,16 @@ class Pipeline:
 
     PROMPT_CACHE = 16     # conditionings kept (a few MB each at the real sizes)
 
-    def __init__(self, sources, dtype=None, keep="none", policy: RunPolicy | None = None, group=None):
+    def __init__(self, sources, keep="none", policy: RunPolicy | None = None, group=None):
         self.pipeline_class = sources.pipeline_class
         self.components = sources.components     # name -> ComponentSpec (or None for an absent text_encoder_3)
         self.tokenizers = sources.tokenizers
         self.scheduler_config = sources.scheduler_config
         self.options = sources.options
-        self.dtype = backend.compute_dtype(dtype)
-        self.stream_dtype = backend.stream_dtype(dtype)     # None, or float32 under "float16-mixed"
+        self.policy = policy or RunPolicy()     # how runs spend memory and time, their dtype (mlxdiff/policy.py)
         if self.stream_dtype is not None and not self.STREAM_DTYPE:
-            raise MlxdiffError(f"dtype {dtype!r} keeps a transformer's residual streams in float32; this pipeline "
-                               f"({self.pipeline_class}) has no such streams: use --dtype float16")
-        self.policy = policy or RunPolicy()     # how runs spend memory and time (mlxdiff/policy.py)
+            raise MlxdiffError(f"dtype {self.dtype_name!r} keeps a transformer's residual streams in float32; this "
+                               f"pipeline ({self.pipeline_class}) has no such streams: use --dtype float16")
         self.residency = Residency(keep)
         self.group = group       # guidance-parallel over two ranks (mlxdiff/distributed.py), or None
         self._prompts = {}       # encode settings -> Conditioning, most recent last
@@ -233,6 +231,16 @@ class Pipeline:
         self._cancel = threading.Event()     # cancel(): the running generate stops at its next step boundary
         self.preview_decoder = None          # set_preview_vae: a tiny VAE for on_step's previews
         backend.warn_if_slow_blas()
+
+    @property
+    def dtype(self):
+        """The compute dtype: the run policy's (chosen once, load(dtype=) / --dtype)."""
+        return self.policy.compute_dtype
+
+    @property
+    def stream_dtype(self):
+        """None, or float32 under "float16-mixed": the policy's."""
+        return self.policy.stream_dtype
 
     @property
     def dtype_name(self) -> str:
@@ -248,7 +256,7 @@ class Pipeline:
         if self.residency.keep == "auto":
             others = max((self._loaded_nbytes(s) for s in self.components.values()
                           if s is not None and s.name != spec.name), default=0)
-        return self.residency.use(spec, self.dtype, self.policy, result, others)
+        return self.residency.use(spec, self.policy, result, others)
 
     def _loaded_nbytes(self, spec):
         key = Residency.key(spec)
@@ -414,7 +422,7 @@ class Pipeline:
             # 8. decode
             x = self.unpack(run, x)
             with phase("decode"), self.use(self.components["vae"], run.result) as vae:
-                decoded = decode(vae, x, self.dtype)
+                decoded = decode(vae, x)
         # 9. finish
         return finish(run.result, self.finish_images(run, decoded), x)
 

@@ -139,19 +139,18 @@ def acting(controls, i, n) -> list:
             if scale != 0 and not (i / n < start or (i + 1) / n > end)]
 
 
-def control_latents(run, vae, index, dtype, shift, rows=1, sample=True,
-                    moments=image_inputs.encode_moments) -> mx.array:
+def control_latents(run, vae, index, shift, rows=1, sample=True, moments=image_inputs.encode_moments) -> mx.array:
     """Control image `index` at the output size -> its VAE latents (1 or `rows`, C, h, w) float32: RGB, resized,
     [-1, 1], a posterior sample (control_noise[index], else a stream of the seed), (z - shift) * scaling_factor
     (shift None: the VAE's own scale_latents, Qwen-Image's per-channel (z - latents_mean) / latents_std).
     `rows`: the ControlNet's batch, which diffusers encodes whole (SD3's CFG batch: the image twice, each row its own
     noise): control_noise may have one row or that many. `sample=False`: the posterior's mean instead (diffusers'
-    retrieve_latents(..., sample_mode="argmax"), as ZImageControlNetPipeline encodes). `moments(vae, pixels,
-    dtype)`: the VAE's (mean, logvar)."""
+    retrieve_latents(..., sample_mode="argmax"), as ZImageControlNetPipeline encodes). `moments(vae, pixels)`: the
+    VAE's (mean, logvar) in the run's compute dtype."""
     controls = run.state["controls"]
     pixels = image_inputs.to_array(image_inputs.resized(controls["images"][index].convert("RGB"), run.width,
                                                         run.height))
-    mean, logvar = moments(vae, pixels, dtype)
+    mean, logvar = moments(vae, pixels)
     mean, logvar = mean.astype(mx.float32), logvar.astype(mx.float32)
     noise = None if controls["noise"] is None else controls["noise"][index]
     if not sample:

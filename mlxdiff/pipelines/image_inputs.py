@@ -35,7 +35,7 @@ from ..arguments import MAX_SIZE, check_images, check_number, check_outpaint
 from ..errors import MlxdiffError
 from ..memory import budget_bytes
 from ..pacing import pace
-from ..policy import RunPolicy, current
+from ..policy import RunPolicy, current, current_dtype
 
 REFERENCE_MAX_AREA = 1024 * 1024      # diffusers' Flux2Pipeline: larger references are scaled to this area
 REFERENCE_T_OFFSET = 10               # the time-axis position of reference i: 10 + 10 i (_prepare_image_ids)
@@ -76,30 +76,30 @@ def over_white(image):
     return image.convert("RGB")
 
 
-def encode_tiling(vae, pixels_shape, dtype) -> bool:
+def encode_tiling(vae, pixels) -> bool:
     """Whether an encode must tile: only when an untiled one would not fit the memory budget (diffusers never tiles
     unless asked; the estimate is decode_bytes' for the same latent size, the encoder's widest full-resolution
-    activations being of the same order)."""
+    activations being of the same order), in the pixels' dtype."""
     factor = 2 ** (len(vae.args.block_out_channels) - 1)
-    b, _, h, w = pixels_shape
-    return vae.decode_bytes((b, vae.args.latent_channels, h // factor, w // factor), dtype) > \
+    b, _, h, w = pixels.shape
+    return vae.decode_bytes((b, vae.args.latent_channels, h // factor, w // factor), pixels.dtype) > \
         budget_bytes(current() or RunPolicy())
 
 
-def encode_moments(vae, pixels, dtype):
-    """VAE (mean, logvar) of [1, 3, H, W] pixels in [-1, 1], within the memory budget (stage by stage, exact conv
-    row bands where large; tiles only when even that does not fit)."""
+def encode_moments(vae, pixels):
+    """VAE (mean, logvar) of [1, 3, H, W] pixels in [-1, 1], in the installed policy's compute dtype, within its
+    memory budget (stage by stage, exact conv row bands where large; tiles only when even that does not fit)."""
     vae.set_memory_policy(after_stage=pace, band_bytes=(current() or RunPolicy()).conv_band)
-    x = mx.array(pixels).astype(dtype)
-    mean, logvar = vae.encode_moments(x, tiling=encode_tiling(vae, pixels.shape, dtype))
+    x = mx.array(pixels).astype(current_dtype())
+    mean, logvar = vae.encode_moments(x, tiling=encode_tiling(vae, x))
     mx.eval(mean, logvar)
     return mean, logvar
 
 
-def flux2_latents(vae, image, dtype):
+def flux2_latents(vae, image):
     """A prepared image -> its FLUX.2 transformer latents [1, 4 * latent channels, H/16, W/16] (float32): the
     posterior's mode, patchified, normalised by the `bn` statistics (Flux2Pipeline._encode_vae_image)."""
-    mean, _ = encode_moments(vae, to_array(image), dtype)
+    mean, _ = encode_moments(vae, to_array(image))
     latents = vae.patchify_and_normalize(mean).astype(mx.float32)
     mx.eval(latents)
     return latents
@@ -118,10 +118,10 @@ def latents_reference(latents, i, batch):
     return tokens, mx.array(np.broadcast_to(ids, (batch, *ids.shape)))
 
 
-def reference_tokens(vae, images, batch, dtype):
+def reference_tokens(vae, images, batch):
     """Prepared reference images -> (tokens [batch, N_ref, C] float32, position ids [batch, N_ref, 4] int32), in
     the order given (Flux2Pipeline.prepare_image_latents)."""
-    pairs = [latents_reference(flux2_latents(vae, image, dtype), i, batch) for i, image in enumerate(images)]
+    pairs = [latents_reference(flux2_latents(vae, image), i, batch) for i, image in enumerate(images)]
     tokens = mx.concatenate([t for t, _ in pairs], axis=1)
     mx.eval(tokens)
     return tokens, mx.concatenate([ids for _, ids in pairs], axis=1)
@@ -132,10 +132,10 @@ def reference_token_count(images, multiple) -> int:
     return sum((im.width // multiple) * (im.height // multiple) for im in images)
 
 
-def sd3_init_latents(vae, image, width, height, dtype, noise):
+def sd3_init_latents(vae, image, width, height, noise):
     """StableDiffusion3Img2ImgPipeline's init latents: the image resized to the output size, a sample of the VAE
     posterior with the given standard-normal `noise` (mean + exp(logvar / 2) * noise), then (z - shift) * scaling."""
-    mean, logvar = encode_moments(vae, to_array(resized(image, width, height)), dtype)
+    mean, logvar = encode_moments(vae, to_array(resized(image, width, height)))
     mean, logvar = mean.astype(mx.float32), logvar.astype(mx.float32)
     if tuple(noise.shape) != tuple(mean.shape):
         raise MlxdiffError(f"image_noise has shape {tuple(noise.shape)}, expected {tuple(mean.shape)} (the VAE "

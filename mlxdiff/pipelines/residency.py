@@ -53,19 +53,20 @@ class Residency:
         return self.held_bytes() + nbytes + largest_other <= budget
 
     @contextmanager
-    def use(self, spec, compute_dtype, policy: RunPolicy, result=None, largest_other=0):
+    def use(self, spec, policy: RunPolicy, result=None, largest_other=0):
         """The model of `spec`, kept from an earlier call or loaded under `policy`, used under the policy decided
         for this phase; kept or emptied on leaving by the keep policy."""
         key = self.key(spec)
         # the load too keeps MLX's buffer cache small: a GGUF load's converted chunks are not held beside the weights
-        with installed(policy.refined(cache_limit=cache_limit_for(policy))):
+        loading = policy.refined(cache_limit=cache_limit_for(policy))
+        with installed(loading):
             held = self.models.pop(key, None)
             if held is not None:
                 model, nbytes = held
                 if result is not None and spec.name not in result.reused:   # SD3.5's CLIPs serve two prompts
                     result.reused.append(spec.name)
             else:
-                loaded = load_component(spec, compute_dtype, policy)
+                loaded = load_component(spec, loading)
                 model, nbytes = loaded.model, loaded.nbytes
                 if result is not None:
                     result.notes.extend(loaded.notes)

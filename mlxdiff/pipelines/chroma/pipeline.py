@@ -47,8 +47,8 @@ class ChromaPipeline(Flux1Pipeline):
     OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "image_noise": None}
     IMG2IMG_STRENGTH = 0.9       # ChromaImg2ImgPipeline's
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super(Flux1Pipeline, self).__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super(Flux1Pipeline, self).__init__(sources, **settings)
         self.distilled_guidance = False
         self.kontext = self.fill = self.control = False
 

@@ -91,8 +91,8 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     IMG2IMG_STRENGTH = 0.6
     KONTEXT_MAX_AREA = 1024 ** 2         # FluxKontextPipeline's max_area default
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.distilled_guidance = self.components["transformer"].args.guidance_embeds
         self.kontext = self.pipeline_class == "FluxKontextPipeline"
         self.fill = self.pipeline_class == "FluxFillPipeline"
@@ -318,7 +318,7 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
             return x
         if self.kontext:     # the reference's latent mean, (z - shift) * scaling, packed, ids (1, row, col)
             (reference,) = run.state["reference"]
-            mean, _ = image_inputs.encode_moments(vae, image_inputs.to_array(reference), self.dtype)
+            mean, _ = image_inputs.encode_moments(vae, image_inputs.to_array(reference))
             tokens = pack_2x2(vae.scale_latents(mean.astype(mx.float32)).astype(mx.float32))
             _, _, hh, ww = mean.shape
             ids = latent_ids(hh // 2, ww // 2)
@@ -330,7 +330,7 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
         if self.fill:
             return self.encode_fill(run, vae, x)
         shape = run.state["shape"]
-        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
                                              self.posterior_noise(run, shape))
         init = mx.broadcast_to(pack_2x2(init), x.shape)
         if "mask" in run.state:     # FluxInpaintPipeline's blend: the noise, the init latents, the mask, all packed
@@ -356,7 +356,7 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
         patches = mx.broadcast_to(patches, (run.batch, *patches.shape[1:]))
         run.state["channels"] = mx.concatenate([masked, patches], axis=-1)
         if run.strength < 1:
-            init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+            init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
                                                  self.posterior_noise(run, shape))
             x = run.sampler.add_noise(mx.broadcast_to(pack_2x2(init), x.shape), x, run.start)
         mx.eval(x, run.state["channels"])
@@ -365,7 +365,7 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     def posterior_tokens(self, run, vae, pixels):
         """Pixels -> a sample of their VAE posterior (image_noise, else the seed's second stream), (z - shift) *
         scaling, packed and broadcast to the batch: (B, tokens, 4 x latent channels) float32."""
-        mean, logvar = image_inputs.encode_moments(vae, pixels, self.dtype)
+        mean, logvar = image_inputs.encode_moments(vae, pixels)
         z = mean.astype(mx.float32) + mx.exp(0.5 * logvar.astype(mx.float32)) * self.posterior_noise(
             run, run.state["shape"])
         tokens = pack_2x2(vae.scale_latents(z).astype(mx.float32))
@@ -383,7 +383,7 @@ class Flux1Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
                      for im in images]
         else:
             shift = vae.args.shift_factor or 0.0
-            conds = [pack_2x2(control_latents(run, vae, k, self.dtype, shift, run.batch)) for k in range(len(images))]
+            conds = [pack_2x2(control_latents(run, vae, k, shift, run.batch)) for k in range(len(images))]
         run.state.update(control_conds=conds, control_repeat=hint)
         mx.eval(conds)
         return x

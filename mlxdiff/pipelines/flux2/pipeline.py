@@ -77,8 +77,8 @@ class Flux2Pipeline(image_inputs.LatentInpainting, TapsEncoding, Pipeline):
                                    f"FLUX.2 reference image may be at most {self.REFERENCE_MAX_ASPECT}:1 (as in "
                                    "diffusers)")
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.is_klein = self.pipeline_class == "Flux2KleinPipeline"
         self.is_distilled = self.options.get("is_distilled", False)
         self.sample_size = self.options.get("sample_size")   # default image size in pixels (diffusers: 128 * factor)
@@ -197,11 +197,11 @@ class Flux2Pipeline(image_inputs.LatentInpainting, TapsEncoding, Pipeline):
         if "mask" in run.state:
             return self.encode_inpaint(run, vae, x)
         if not run.img2img:
-            tokens, ids = image_inputs.reference_tokens(vae, run.state["references"], run.batch, self.dtype)
+            tokens, ids = image_inputs.reference_tokens(vae, run.state["references"], run.batch)
             run.state.update(ref_tokens=tokens, img_ids=mx.concatenate([run.state["img_ids"], ids], axis=1))
             return x
         init = image_inputs.resized(image_inputs.over_white(run.images[0]), run.width, run.height)
-        clean = mx.broadcast_to(image_inputs.flux2_latents(vae, init, self.dtype), run.state["shape"])
+        clean = mx.broadcast_to(image_inputs.flux2_latents(vae, init), run.state["shape"])
         x = run.sampler.add_noise(pack(clean), x, run.start)
         mx.eval(x)
         return x
@@ -211,7 +211,7 @@ class Flux2Pipeline(image_inputs.LatentInpainting, TapsEncoding, Pipeline):
         and bn-normalised (Flux2Pipeline._encode_vae_image), noised to the first step run; the same latents, clean,
         as reference tokens (t = 10) in every pass; the blend's noise, init latents and bilinear token mask."""
         init = image_inputs.resized(run.images[0].convert("RGB"), run.width, run.height)
-        clean = image_inputs.flux2_latents(vae, init, self.dtype)                      # (1, C, h, w)
+        clean = image_inputs.flux2_latents(vae, init)                      # (1, C, h, w)
         tokens, ids = image_inputs.latents_reference(clean, 0, run.batch)
         clean = pack(mx.broadcast_to(clean, run.state["shape"]))
         mask = image_inputs.bilinear_mask(run.state["mask"], run.width, run.height,

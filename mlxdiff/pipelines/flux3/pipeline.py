@@ -130,8 +130,8 @@ class Flux3Pipeline(TapsEncoding, Pipeline):
     OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None, "text_encoder_out_layers": None,
                "upsample_prompt": False}
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.is_distilled = self.pipeline_class == "Flux3DistilledModularPipeline"
         self.sample_size = self.options.get("sample_size")
         self.taps = tuple(self.options.get("text_encoder_out_layers") or TAPS)
@@ -223,7 +223,7 @@ class Flux3Pipeline(TapsEncoding, Pipeline):
     def encode_images(self, run, vae, x):
         tokens, ids = [], []
         for i, ref in enumerate(run.state["references"]):
-            latents = image_inputs.flux2_latents(vae, ref.image, self.dtype)        # (1, C, h, w)
+            latents = image_inputs.flux2_latents(vae, ref.image)        # (1, C, h, w)
             _, c, h, w = latents.shape
             tokens.append(latents.reshape(c, h * w).transpose(1, 0))
             ids.append(image_ids(h, w, -(1 + i)))

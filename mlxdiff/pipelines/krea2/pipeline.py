@@ -101,8 +101,8 @@ class Krea2Pipeline(Pipeline):
     family = "krea2"
     OPTIONS = {**Pipeline.OPTIONS, "max_sequence_length": None}
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.tokenizer = self.tokenizers["tokenizer"]
         self.patch_size = self.options.get("patch_size", 2)
         self.is_distilled = bool(self.options.get("is_distilled", False))

@@ -106,8 +106,8 @@ class QwenImageEditPipeline(QwenImagePipeline):
     VAE_AREA = 1024 * 1024          # calculate_dimensions' target areas (Plus's VAE_IMAGE_SIZE, CONDITION_IMAGE_SIZE;
     CONDITION_AREA = 384 * 384      # Edit's 1024 * 1024 for both)
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.plus = self.pipeline_class == "QwenImageEditPlusPipeline"
         self.processor = self.options["processor"]
         self.image_token_id = self.options["image_token_id"]

@@ -45,7 +45,7 @@ from ...arguments import check_generate, check_images
 from ...errors import MlxdiffError
 from ...memory import budget_bytes
 from ...pacing import pace
-from ...policy import RunPolicy, current
+from ...policy import RunPolicy, current, current_dtype
 from ...tokenizers import report_truncation
 from .. import image_inputs
 from ..image_inputs import binary_mask, latent_mask
@@ -123,8 +123,8 @@ class QwenImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     INPAINT_STRENGTH = 0.6      # QwenImageInpaintPipeline's (not 1.0, unlike Z-Image's)
     EDIT_PIPELINES = EDIT_PIPELINES
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.tokenizer = self.tokenizers["tokenizer"]
 
     def defaults(self):
@@ -271,7 +271,7 @@ class QwenImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
         if "controls" in run.state:
             return self.encode_controls(run, vae, x)
         pixels = image_inputs.to_array(image_inputs.resized(run.images[0], run.width, run.height))
-        mean, logvar = vae_moments(vae, pixels, self.dtype)
+        mean, logvar = vae_moments(vae, pixels)
         z = vae.sample_latents(mean.astype(mx.float32), logvar.astype(mx.float32),
                                self.posterior_noise(run, run.state["shape"]))
         init = mx.broadcast_to(pack_2x2(vae.scale_latents(z).astype(mx.float32)), x.shape)
@@ -291,9 +291,9 @@ class QwenImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
         if mask is not None:
             repaint = binary_mask(mask, run.width, run.height) > 0.5
 
-            def moments(vae, pixels, dtype):
-                return vae_moments(vae, np.where(repaint, -1.0, pixels).astype(np.float32), dtype)
-        conds = [control_latents(run, vae, k, self.dtype, None, run.batch, moments=moments)
+            def moments(vae, pixels):
+                return vae_moments(vae, np.where(repaint, -1.0, pixels).astype(np.float32))
+        conds = [control_latents(run, vae, k, None, run.batch, moments=moments)
                  for k in range(len(self.controlnets))]
         if mask is not None:
             keep = mx.array(1 - latent_mask(mask, run.width, run.height, self.vae_scale_factor()))
@@ -355,10 +355,11 @@ class QwenImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
         return unpack_2x2(x, run.state["shape"])      # the ControlNets left in place (on_step's previews)
 
 
-def vae_moments(vae, pixels, dtype):
+def vae_moments(vae, pixels):
     """(1, 3, H, W) pixels in [-1, 1] -> the Qwen-Image VAE's (mean, logvar), stage by stage within the memory
     budget; tiled only where an untiled encode would not fit (image_inputs.encode_tiling reads AutoencoderKL's
     config)."""
+    dtype = current_dtype()      # the run's, installed for the VAE's phase
     policy = current() or RunPolicy()
     vae.set_memory_policy(after_stage=pace, band_bytes=policy.conv_band)
     latent = (1, vae.args.z_dim, pixels.shape[2] // vae.factor, pixels.shape[3] // vae.factor)

@@ -91,8 +91,8 @@ class QwenImage21Pipeline(Pipeline):
     family = "qwenimage21"
     OPTIONS = {**Pipeline.OPTIONS, "use_kv_cache": True}
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.tokenizer = self.tokenizers["processor"]
         self.sample_sigmas = self.options.get("sample_sigmas")
 

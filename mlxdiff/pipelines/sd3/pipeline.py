@@ -194,11 +194,11 @@ class SD3Pipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
             first = self.components[self.controlnets[0]].args
             shift = 0.0 if first.force_zeros_for_pooled_projection else (vae.args.shift_factor or 0.0)
             rows = 2 * run.batch if run.cfg else run.batch     # diffusers encodes the CFG batch's copies
-            run.state["control_latents"] = [control_latents(run, vae, k, self.dtype, shift, rows)
+            run.state["control_latents"] = [control_latents(run, vae, k, shift, rows)
                                             for k in range(len(self.controlnets))]
             return x
         shape = run.state["shape"]
-        init = mx.broadcast_to(image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+        init = mx.broadcast_to(image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
                                                              self.posterior_noise(run, shape)), shape)
         if "mask" in run.state:     # each step's blend: the noise, the init latents, the latent mask
             run.state.update(noise=x, image_latents=init, latent_mask=mx.array(image_inputs.latent_mask(

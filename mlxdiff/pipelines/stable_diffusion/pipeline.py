@@ -374,7 +374,7 @@ class StableDiffusionPipeline(Pipeline):
     def encode_images(self, run, vae, x):
         shape = run.state["shape"]
         if "mask" not in run.state:
-            init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+            init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
                                                  self.posterior_noise(run, shape))
             x = run.sampler.add_noise(mx.broadcast_to(init, shape), x, run.start)
             mx.eval(x)
@@ -390,7 +390,7 @@ class StableDiffusionPipeline(Pipeline):
         pure = self._from_pure_noise(run)
         if not self.inpainting_unet or not pure:
             init = mx.broadcast_to(image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
-                                                                 self.dtype, self.posterior_noise(run, shape)), shape)
+                                                                 self.posterior_noise(run, shape)), shape)
             if run.options["denoising_start"] is not None:    # the clean init latents (diffusers' add_noise=False)
                 x = init
             elif not pure:
@@ -400,7 +400,7 @@ class StableDiffusionPipeline(Pipeline):
         if self.inpainting_unet:
             full = latent_mask(st["mask"], run.width, run.height, 1)
             pixels = to_array(resized(run.images[0], run.width, run.height)) * (full < 0.5)
-            mean, logvar = encode_moments(vae, pixels, self.dtype)
+            mean, logvar = encode_moments(vae, pixels)
             noise = run.options["masked_image_noise"]
             noise = (mx.random.normal(mean.shape, key=mx.random.split(mx.random.key(run.seed), 4)[3])
                      if noise is None else mx.array(noise.astype(np.float32)))

@@ -82,8 +82,8 @@ class ZImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     INPAINT_STRENGTH = 1.0         # ZImageInpaintPipeline's
     SIZE_OF_IMAGE = True           # both take the image's size when none is given
 
-    def __init__(self, sources, dtype=None, keep="none", policy=None, group=None):
-        super().__init__(sources, dtype, keep, policy, group)
+    def __init__(self, sources, **settings):
+        super().__init__(sources, **settings)
         self.tokenizer = self.tokenizers["tokenizer"]
 
     def defaults(self):
@@ -194,12 +194,12 @@ class ZImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
     def encode_images(self, run, vae, x):
         if "controls" in run.state:     # the control latents, zero-padded to the ControlNet's control_in_dim
             shift = vae.args.shift_factor or 0.0
-            z = control_latents(run, vae, 0, self.dtype, shift, sample=False)
+            z = control_latents(run, vae, 0, shift, sample=False)
             if "mask" in run.state:     # inpainting: [control latents, 1 - mask, the masked image's latents]
                 mask = image_inputs.binary_mask(run.state["mask"], run.width, run.height)
                 pixels = image_inputs.to_array(image_inputs.resized(run.images[0].convert("RGB"), run.width,
                                                                     run.height)) * (mask < 0.5)
-                mean, _ = image_inputs.encode_moments(vae, pixels, self.dtype)
+                mean, _ = image_inputs.encode_moments(vae, pixels)
                 keep = 1 - latent_mask(run.state["mask"], run.width, run.height, self.vae_scale_factor())
                 z = mx.concatenate([z, mx.array(keep), (mean.astype(mx.float32) - shift) * vae.args.scaling_factor],
                                    axis=1)
@@ -209,7 +209,7 @@ class ZImagePipeline(ControlNets, image_inputs.LatentInpainting, Pipeline):
             run.state["control_cond"] = z
             mx.eval(z)
             return x                    # the run starts from the noise (the inpainting one too)
-        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height, self.dtype,
+        init = image_inputs.sd3_init_latents(vae, run.images[0], run.width, run.height,
                                              self.posterior_noise(run, run.state["shape"]))
         init = mx.broadcast_to(init, x.shape)
         if "mask" in run.state:     # what each step's blending needs: the noise, the init latents, the latent mask
