@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 import fixture_guard
 import mlxdiff
 from flux1_helpers import diffusers_converter, flux1_components, reference_run
+from controlnet_helpers import one_torch_thread  # noqa: F401  (autouse: this module's torch on one thread)
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.controls import controlnet_folder
@@ -75,14 +76,6 @@ def xflux_state_dict(head_dim, seed):
     shapes = xflux_shapes(48, head_dim, 4 * LATENT, 44, 36)
     return {name: torch.randn(shape, generator=g) * 0.15 + (1.0 if name.endswith(".scale") else 0.0)
             for name, shape in shapes.items()}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ import fixture_guard
 import mlxdiff
 import mlx.core as mx
 import parity
+from controlnet_helpers import one_torch_thread  # noqa: F401  (autouse: this module's torch on one thread)
 from helpers import load_ours, max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.models import controlnet_qwenimage, qwenimage
@@ -43,14 +44,6 @@ def controlnet_twin(config, seed):
     from diffusers import QwenImageControlNetModel
     torch.manual_seed(seed)
     return randomize_(QwenImageControlNetModel(**config), seed=seed, scale=0.15).eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

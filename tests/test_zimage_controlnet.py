@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 import fixture_guard
 import mlxdiff
 import parity
+from controlnet_helpers import one_torch_thread  # noqa: F401  (autouse: this module's torch on one thread)
 from helpers import max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.loading.sources import folder_component
@@ -62,14 +63,6 @@ def controlnet_twin(layout, seed, **changes):
     config = dict(all_patch_size=(2,), all_f_patch_size=(1,), dim=DIM, n_refiner_layers=2, n_heads=HEADS,
                   n_kv_heads=HEADS, **layout)
     return randomize_(ZImageControlNetModel(**{**config, **changes}), seed=seed, scale=0.15).eval()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
