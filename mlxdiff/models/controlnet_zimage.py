@@ -34,7 +34,7 @@ MODES = ("control_layers", "control_noise_refiner")
 
 
 @dataclass
-class ModelArgs(CheckedArgs):
+class ModelArgs(zimage.BlockWidths, CheckedArgs):
     # defaults: diffusers' ZImageControlNetModel, its places the Union 1.0 file's (the class has none)
     control_layers_places: tuple[int, ...] = (0, 5, 10, 15, 20, 25)
     control_refiner_layers_places: tuple[int, ...] | None = None
@@ -81,18 +81,6 @@ class ModelArgs(CheckedArgs):
             setattr(self, key, tuple(getattr(self, key)))
         if self.control_refiner_layers_places is not None:
             self.control_refiner_layers_places = tuple(self.control_refiner_layers_places)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        return int(self.dim / 3 * 8)
-
-    @property
-    def adaln_dim(self) -> int:
-        return min(self.dim, zimage.ADALN_EMBED_DIM)
 
 
 class ControlBlock(zimage.TransformerBlock):

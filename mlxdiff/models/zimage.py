@@ -46,8 +46,25 @@ QK_EPS = 1e-5            # Attention(eps=1e-5): the qk RMSNorms' eps, not norm_e
 FINAL_EPS = 1e-6         # FinalLayer's LayerNorm
 
 
+class BlockWidths:
+    """What a Z-Image block's widths derive from `dim` and `n_heads` (the transformer's and its ControlNet's
+    configs)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return int(self.dim / 3 * 8)
+
+    @property
+    def adaln_dim(self) -> int:
+        return min(self.dim, ADALN_EMBED_DIM)
+
+
 @dataclass
-class ModelArgs(CheckedArgs):
+class ModelArgs(BlockWidths, CheckedArgs):
     # defaults: Tongyi-MAI/Z-Image-Turbo transformer/config.json (diffusers' class defaults, except axes_lens: the
     # class says (1024, 512, 512), the released config (1536, 512, 512))
     all_patch_size: tuple[int, ...] = (2,)
@@ -101,17 +118,6 @@ class ModelArgs(CheckedArgs):
         for key in ("all_patch_size", "all_f_patch_size", "axes_dims", "axes_lens"):
             setattr(self, key, tuple(getattr(self, key)))
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        return int(self.dim / 3 * 8)
-
-    @property
-    def adaln_dim(self) -> int:
-        return min(self.dim, ADALN_EMBED_DIM)
 
 
 # -- position and time -------------------------------------------------------------------------------------------
