@@ -6,6 +6,8 @@
     python bench/make_random_models.py flux2-dev [--out DIR] [--device cuda] [--text-layers 30]
     python bench/make_random_models.py flux1-dev | flux1-tiny [--out DIR] [--device cuda]   # tiny: CPU chain test
     python bench/make_random_models.py sdxl | sd1.5 [--out DIR] [--device cuda]
+    python bench/make_random_models.py sdxl-controlnet [--out DIR] [--device cuda]   # ~5 GB, controlnet-canny-sdxl-1.0
+    python bench/make_random_models.py sdxl-tiny | sdxl-controlnet-tiny [--out DIR]    # tiny: CPU chain test
     python bench/make_random_models.py zimage-turbo | zimage-turbo-tiny [--out DIR] [--device cuda]   # ~20 GB
     python bench/make_random_models.py qwen-image | qwen-image-tiny [--out DIR] [--device cuda]       # ~57 GB
 
@@ -203,8 +205,23 @@ def flux2_dev(out: Path, text_layers=30):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
-def unet_family(out: Path, xl=True):
-    """SDXL base 1.0 (2.57 B UNet, CLIP-L + OpenCLIP bigG) or SD 1.5 (0.86 B UNet, CLIP-L) at their real configs."""
+SDXL_UNET = dict(   # SDXL base 1.0's unet/config.json (the parts that differ from diffusers' defaults)
+    block_out_channels=(320, 640, 1280), layers_per_block=2,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
+    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
+    projection_class_embeddings_input_dim=2816)
+SDXL_TINY_UNET = dict(   # the same layout, tiny (CLIP widths 32 + 64; 64 + 6 x 8 added-time inputs)
+    block_out_channels=(16, 32, 64), layers_per_block=1, norm_num_groups=8,
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    transformer_layers_per_block=(1, 1, 2), attention_head_dim=(1, 2, 4), cross_attention_dim=96,
+    use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=8,
+    projection_class_embeddings_input_dim=64 + 6 * 8)
+
+
+def unet_family(out: Path, xl=True, tiny=False):
+    """SDXL base 1.0 (2.57 B UNet, CLIP-L + OpenCLIP bigG) or SD 1.5 (0.86 B UNet, CLIP-L) at their real configs;
+    tiny=True (SDXL only): the same layout, tiny (a whole-chain test on the CPU)."""
     import json
     import torch
     from diffusers import AutoencoderKL, EulerDiscreteScheduler, PNDMScheduler, UNet2DConditionModel
@@ -213,30 +230,31 @@ def unet_family(out: Path, xl=True):
     from mlxdiff.tokenizers import bundled_clip_tokenizer
 
     torch.set_default_dtype(torch.bfloat16)
-    clip_l = CLIPTextConfig(vocab_size=49408, hidden_size=768, intermediate_size=3072, projection_dim=768,
-                            num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=77,
-                            hidden_act="quick_gelu", bos_token_id=49406, eos_token_id=49407, pad_token_id=1)
+    if tiny:
+        clip_l = dict(hidden_size=32, intermediate_size=64, projection_dim=32, num_hidden_layers=2, num_attention_heads=2)
+        clip_g = dict(hidden_size=64, intermediate_size=128, projection_dim=64, num_hidden_layers=2, num_attention_heads=2)
+        vae = dict(block_out_channels=(16, 16, 16, 16), layers_per_block=1, norm_num_groups=8)
+    else:
+        clip_l = dict(hidden_size=768, intermediate_size=3072, projection_dim=768, num_hidden_layers=12,
+                      num_attention_heads=12)
+        clip_g = dict(hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
+                      num_attention_heads=20)
+        vae = dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32)
+    clip = dict(vocab_size=49408, max_position_embeddings=77, bos_token_id=49406, eos_token_id=49407, pad_token_id=1)
     builders = {
         "unet": lambda: UNet2DConditionModel(
-            sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-            transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20), cross_attention_dim=2048,
-            use_linear_projection=True, addition_embed_type="text_time", addition_time_embed_dim=256,
-            projection_class_embeddings_input_dim=2816)
+            sample_size=128, up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            **(SDXL_TINY_UNET if tiny else SDXL_UNET))
         if xl else UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8),
         "vae": lambda: AutoencoderKL(
-            in_channels=3, out_channels=3, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-            latent_channels=4, norm_num_groups=32, down_block_types=("DownEncoderBlock2D",) * 4,
+            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("DownEncoderBlock2D",) * 4,
             up_block_types=("UpDecoderBlock2D",) * 4, scaling_factor=0.13025 if xl else 0.18215,
-            sample_size=1024 if xl else 512, force_upcast=xl),
-        "text_encoder": lambda: CLIPTextModel(clip_l),
+            sample_size=1024 if xl else 512, force_upcast=xl, **vae),
+        "text_encoder": lambda: CLIPTextModel(CLIPTextConfig(hidden_act="quick_gelu", **clip, **clip_l)),
     }
     if xl:
         builders["text_encoder_2"] = lambda: CLIPTextModelWithProjection(CLIPTextConfig(
-            vocab_size=49408, hidden_size=1280, intermediate_size=5120, projection_dim=1280, num_hidden_layers=32,
-            num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", bos_token_id=49406,
-            eos_token_id=49407, pad_token_id=1))
+            hidden_act="gelu", **clip, **clip_g))
     save_components(out, builders)
     bundled_clip_tokenizer("<|endoftext|>").save_pretrained(str(out / "tokenizer"))
     common = dict(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1)
@@ -416,7 +434,27 @@ def qwen_image(out: Path, tiny=False):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
-MODELS = {"sdxl": unet_family, "sd1.5": lambda out: unet_family(out, xl=False), "sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
+def sdxl_controlnet(out: Path, tiny=False):
+    """diffusers/controlnet-canny-sdxl-1.0's ControlNetModel: its config.json is what ControlNetModel.from_unet
+    derives from SDXL base's UNet config (SDXL_UNET, conditioning_embedding_out_channels (16, 32, 96, 256), 3 input
+    channels), built here from those values (no 2.57 B UNet needed); tiny=True: from SDXL_TINY_UNET, for sdxl-tiny."""
+    import torch
+    from diffusers import ControlNetModel
+    torch.set_default_dtype(torch.bfloat16)
+    config = dict(SDXL_TINY_UNET, conditioning_embedding_out_channels=(8, 8, 16, 16)) if tiny else \
+        dict(SDXL_UNET, conditioning_embedding_out_channels=(16, 32, 96, 256))
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / "config.json").exists():
+        return
+    t = time.time()
+    model = ControlNetModel(in_channels=4, conditioning_channels=3, **config).to(torch.bfloat16)
+    model.save_pretrained(str(out), max_shard_size="10GB")
+    print(f"controlnet: {sum(p.numel() for p in model.parameters()) / 1e9:.3f} B params, {time.time() - t:.0f} s",
+          flush=True)
+
+
+MODELS = {"sdxl": unet_family, "sdxl-tiny": lambda out: unet_family(out, tiny=True),
+          "sdxl-controlnet": sdxl_controlnet, "sdxl-controlnet-tiny": lambda out: sdxl_controlnet(out, tiny=True), "sd1.5": lambda out: unet_family(out, xl=False), "sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
           "flux2-dev": flux2_dev, "flux1-dev": flux1_dev, "flux1-tiny": lambda out: flux1_dev(out, tiny=True),
           "zimage-turbo": zimage_turbo, "zimage-turbo-tiny": lambda out: zimage_turbo(out, tiny=True),
           "qwen-image": qwen_image, "qwen-image-tiny": lambda out: qwen_image(out, tiny=True)}

@@ -14,36 +14,19 @@ set -u
 cd "$(dirname "$0")/.."
 L=${LOGS:-/tmp/logs}
 mkdir -p "$L"
-smi_used() { [ -n "${NO_SMI:-}" ] && echo 0 || nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1; }
+. bench/smi_ruler.sh
 for model in ${MODELS:-zimage-turbo qwen-image}; do
   for rep in $(seq 1 "${REPEAT:-2}"); do
     for side in mlxdiff diffusers; do
       tag="${model}_${side}_$rep"
       idle=$(smi_used)
       phases="$L/phases_$tag.txt"; rm -f "$phases"
-      smi=
-      if [ -z "${NO_SMI:-}" ]; then
-        nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 100 > "$L/smi_$tag.csv" &
-        smi=$!
-      fi
+      smi_start "$L/smi_$tag.csv"
       python3 bench/forward_gpu.py "$side" --model "$model" --size "${SIZE:-1024}" --device "${DEVICE:-cuda}" \
         --phase-file "$phases" > "$L/forward_$tag.txt" 2>&1 || echo "FAILED $tag (see $L/forward_$tag.txt)" >> "$L/ruler.txt"
-      [ -z "$smi" ] || { kill "$smi"; wait "$smi" 2>/dev/null; }
-      [ -n "${NO_SMI:-}" ] || [ ! -f "$phases" ] || python3 - "$L/smi_$tag.csv" "$phases" "$idle" "$model" "$side" "$rep" <<'PY' >> "$L/ruler.txt"
-import datetime, json, sys
-smi, phases, idle, model, side, rep = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
-marks = dict(line.split() for line in open(phases))
-start, end = float(marks["forward"]), float(marks["done"])
-peak_all = peak_fwd = 0.0
-for line in open(smi):
-    ts, used = [x.strip() for x in line.split(",")]
-    t = datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp()
-    peak_all = max(peak_all, float(used))
-    if start <= t <= end:
-        peak_fwd = max(peak_fwd, float(used))
-print(json.dumps({"model": model, "side": side, "rep": rep, "idle_mib": idle,
-                  "forward_peak_gib": (peak_fwd - idle) / 1024, "process_peak_gib": (peak_all - idle) / 1024}))
-PY
+      smi_stop
+      [ ! -f "$phases" ] || smi_peak "$L/smi_$tag.csv" "$idle" "$phases" \
+        "{\"model\": \"$model\", \"side\": \"$side\", \"rep\": \"$rep\"}" >> "$L/ruler.txt"
     done
   done
 done

@@ -2,6 +2,7 @@
 
     python bench/speed_gpu.py mlxdiff   FOLDER [--transformer F.gguf] [--quantize text_encoder=4] [--keep auto]
     python bench/speed_gpu.py diffusers FOLDER [--transformer F.gguf]
+    python bench/speed_gpu.py mlxdiff|diffusers SDXL_FOLDER --controlnet DIR [--control-scale 1.0]   # one ControlNet
     python bench/speed_gpu.py mflux     FOLDER                 # klein-4B only (mflux's Flux2Klein)
     python bench/speed_gpu.py table LOG...                      # the markdown table of RESULTS.md from the logs
 
@@ -16,6 +17,8 @@ Each side prints one RESULT json line. The times are wall clock around whole cal
 - mlxdiff also runs keep="none" (everything loaded again, the prompt cache kept): second_none_s, beside the bound
   compute + bytes re-read / read bandwidth, the bandwidth measured here by reading those files once more;
 - peak_gb: MLX peak (mx.get_peak_memory) / torch max_memory_allocated over the measured images.
+With --controlnet (SDXL): one ControlNet (mlxdiff: load(controlnets=) + generate(control_images=); diffusers:
+StableDiffusionXLControlNetPipeline) and the same synthetic control image on both sides (control_image()).
 Random weights: only memory and speed mean anything. Used for bench/RESULTS.md, "Speed".
 """
 
@@ -41,6 +44,18 @@ def family(folder):
     if cls in ("StableDiffusionXLPipeline", "StableDiffusionPipeline"):   # diffusers' default guidance_scale
         return cls, 5.0 if cls == "StableDiffusionXLPipeline" else 7.5
     return cls, 1.0 if index.get("is_distilled") else 4.0
+
+
+def control_image(size):
+    """The fixed synthetic control image both sides take: white edges on black (a canny map's look): a square's
+    outline, a circle and a diagonal, 3 px wide, drawn at `size` x `size`."""
+    from PIL import Image, ImageDraw
+    img = Image.new("RGB", (size, size), "black")
+    draw = ImageDraw.Draw(img)
+    draw.rectangle([size // 8, size // 8, size * 5 // 8, size * 5 // 8], outline="white", width=3)
+    draw.ellipse([size * 3 // 8, size * 3 // 8, size * 7 // 8, size * 7 // 8], outline="white", width=3)
+    draw.line([0, size - 1, size - 1, 0], fill="white", width=3)
+    return img
 
 
 def read_bandwidth(files) -> float:
@@ -79,6 +94,9 @@ def run_mlxdiff(a):
         quantize = {k: int(v) for k, v in (item.split("=") for item in a.quantize.split(","))}
     kw = dict(transformer=a.transformer, quantize=quantize)
     gen = dict(width=a.size, height=a.size, steps=a.steps, guidance=guidance, progress_bar=False)
+    if a.controlnet:
+        kw["controlnets"] = [(a.controlnet, a.control_scale)]
+        gen["control_images"] = [control_image(a.size)]
 
     def image(pipe, prompt, seed):
         t = time.perf_counter()
@@ -96,12 +114,14 @@ def run_mlxdiff(a):
            "in_flight": os.environ.get("MLXDIFF_IN_FLIGHT", "policy"), "size": a.size, "steps": a.steps, "warmup_s": warmup, "first_s": first,
            "second_same_s": same, "second_new_s": new, "step_s": r2.timings["denoise"] / a.steps,
            "peak_gb": peak / GB, "timings_second": r2.timings, "reused_second": r2.reused,
-           "reused_new": r3.reused, "timings_first": r1.timings, "notes": r2.notes}
+           "reused_new": r3.reused, "timings_first": r1.timings, "notes": r2.notes,
+           "controlnet": a.controlnet and Path(a.controlnet).name, "control_scale": a.control_scale}
     # keep="none": everything but the cached prompt is loaded again for the second image
     pipe.residency.keep = "none"
     pipe.residency.clear()
     none, r4 = image(pipe, PROMPT_A, 2)
-    files = [f for name in (pipe.DENOISER, "vae") for f in pipe.components[name].files]
+    files = [f for name in (pipe.DENOISER, "vae", *(["controlnet"] if a.controlnet else []))
+             for f in pipe.components[name].files]
     if a.transformer:
         files = [Path(a.transformer)] + [f for f in files if Path(f).suffix != ".gguf"]
     nbytes = sum(Path(f).stat().st_size for f in set(map(str, files)))
@@ -130,9 +150,16 @@ def run_diffusers(a):
             from mlxdiff.reference import transformer_file
             tcls = SD3Transformer2DModel if cls.startswith("StableDiffusion3") else Flux2Transformer2DModel
             extra["transformer"] = transformer_file.load(tcls, a.transformer, a.folder, torch.bfloat16)
+        if a.controlnet:
+            from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+            net = ControlNetModel.from_pretrained(a.controlnet, torch_dtype=torch.bfloat16)
+            return StableDiffusionXLControlNetPipeline.from_pretrained(a.folder, controlnet=net,
+                                                                       torch_dtype=torch.bfloat16).to(dev)
         return DiffusionPipeline.from_pretrained(a.folder, torch_dtype=torch.bfloat16, **extra).to(dev)
 
     stamps = []
+    if a.controlnet:
+        encode = dict(encode, image=control_image(a.size), controlnet_conditioning_scale=a.control_scale)
 
     def on_step(pipe, i, t, kwargs):
         sync()
@@ -162,7 +189,8 @@ def run_diffusers(a):
         "side": "diffusers", "class": cls, "backend": f"torch {torch.__version__} {dev}", "size": a.size,
         "steps": a.steps, "warmup_s": warmup, "first_s": first, "second_same_s": same, "second_new_s": new,
         "step_s": statistics.median(gaps) if gaps else None,
-        "peak_gb": torch.cuda.max_memory_allocated() / GB if dev == "cuda" else None}), flush=True)
+        "peak_gb": torch.cuda.max_memory_allocated() / GB if dev == "cuda" else None,
+        "controlnet": a.controlnet and Path(a.controlnet).name, "control_scale": a.control_scale}), flush=True)
 
 
 def run_mflux(a):
@@ -193,6 +221,10 @@ def run_mflux(a):
 def table(logs):
     rows = [dict(json.loads(line[len("RESULT"):]), log=Path(log).stem) for log in logs
             for line in Path(log).read_text().splitlines() if line.startswith("RESULT") and '"warmup_s"' in line]
+    for r in rows:   # the ControlNet rows apart from the plain ones (after them, their model named so)
+        if r.get("controlnet"):
+            r["class"] += f" + ControlNet {r['controlnet']} (scale {r['control_scale']:g})"
+    rows.sort(key=lambda r: bool(r.get("controlnet")))
     f = lambda v: "-" if v is None else f"{v:.2f}"
     print("| model | side | first image (load + image) | second, same prompt | second, new prompt | s/step | "
           "peak GiB | kernel warm-up image |")
@@ -216,6 +248,8 @@ if __name__ == "__main__":
     p.add_argument("--keep", default="auto")
     p.add_argument("--size", type=int, default=1024)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--controlnet", help="an SDXL ControlNet folder (diffusers layout): one ControlNet on both sides")
+    p.add_argument("--control-scale", type=float, default=1.0)
     a = p.parse_args()
     if a.side == "table":
         table(a.folder)
