@@ -221,23 +221,23 @@ def parse_layers(text):
         raise MlxdiffError(f"--skip-guidance-layers {text!r}: expected layer indices such as 7,8,9") from None
 
 
-# a Union ControlNet's modes by name, as InstantX's FLUX.1-dev-Controlnet-Union card (and Shakker-Labs' Union-Pro)
-# number them; "none": the mode of a ControlNet that is no Union one, beside one that is
-CONTROL_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "pose": 4, "gray": 5, "lq": 6, "low-quality": 6}
-
-
-def parse_control_mode(value: str):
+def parse_control_mode(value: str, modes: dict):
     """--control-mode NAME_OR_INT -> the mode's number (its range is the ControlNet's, checked once it is read), or
-    None for "none"."""
+    None for "none" (the mode of a ControlNet that is no Union one, beside one that is). `modes`: the Union
+    ControlNets' names -> numbers (the caller's registry: Family.control_modes); a later name for a number that an
+    earlier one has is an alias, left out of the refusal's list."""
     name = value.strip().lower().replace("_", "-").replace(" ", "-")
     if name == "none":
         return None
-    if name in CONTROL_MODES:
-        return CONTROL_MODES[name]
+    if name in modes:
+        return modes[name]
     if name.isdigit() and len(name) <= 5:
         return int(name)
+    first = {}
+    for mode, number in modes.items():
+        first.setdefault(number, mode)
     raise MlxdiffError(f"--control-mode {value!r}: not a Union ControlNet mode; give one of "
-                       + ", ".join(f"{k} ({v})" for k, v in CONTROL_MODES.items() if k != "low-quality")
+                       + ", ".join(f"{mode} ({number})" for number, mode in first.items())
                        + ", a mode number, or none for a ControlNet that is no Union one")
 
 

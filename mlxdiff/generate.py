@@ -242,6 +242,13 @@ def text_encoder_takers() -> dict:
             for keyword in ("text_encoder", "text_encoders")}
 
 
+def control_mode_names() -> dict:
+    """--control-mode's names -> mode numbers: the Union ControlNets' of the families that have them
+    (Family.control_modes)."""
+    from .pipelines import FAMILIES  # heavy: the pipelines import MLX and every family (about 0.6 s)
+    return {name: number for f in FAMILIES for name, number in f.control_modes.items()}
+
+
 def checked_controls(args):
     """--controlnet PATH[:SCALE] (a PATH whose name holds a colon is taken whole when it exists) and --control-image
     FILE, one per ControlNet, --control-start / --control-end, --control-mode (one per ControlNet when given; whether
@@ -278,7 +285,8 @@ def checked_controls(args):
             raise MlxdiffError(f"--controlnet given {len(controlnets)} times but --control-mode "
                                f"{len(args.control_mode)}: give one mode per ControlNet, in their order (none for "
                                "one that is no Union ControlNet)")
-        modes = [parse_control_mode(value) for value in args.control_mode]
+        names = control_mode_names()
+        modes = [parse_control_mode(value, names) for value in args.control_mode]
     return controlnets, control_images or None, modes
 
 

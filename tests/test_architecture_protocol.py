@@ -2,9 +2,12 @@
 capability whole where it has one, the hooks with the parameters the loaders call them with, and the capabilities
 the readers rely on for the modules they use them with."""
 
+import importlib
 import inspect
+import pkgutil
 import re
 import types
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +20,7 @@ from mlxdiff.pipelines import FAMILIES
 from mlxdiff.pipelines.family import family_named
 from mlxdiff.loading.spec import ARCHITECTURES
 from mlxdiff.models import clip, t5, text_llm
-from mlxdiff.models import protocol as P
+from mlxdiff.models import protocol as P, registry
 
 MODULES = sorted(set(ARCHITECTURES.values()), key=lambda m: m.__name__)
 IDS = [m.__name__.rsplit(".", 1)[-1] for m in MODULES]
@@ -38,7 +41,7 @@ def _accepts(fn, method, needs_self) -> bool:
 def test_registry_is_not_empty_and_the_check_is_not_vacuous():
     assert len(MODULES) >= 7
     assert not isinstance(types.ModuleType("empty"), P.Architecture)
-    assert P.protocol_members(P.Architecture) == ("Model", "ModelArgs")
+    assert P.protocol_members(P.Architecture) == ("CLASS_NAMES", "Model", "ModelArgs")
     assert P.protocol_members(P.ArchitectureModel) == ("sanitize",)
 
 
@@ -98,11 +101,28 @@ def test_the_readers_capabilities():
     assert [m.__name__ for m in MODULES if isinstance(m, P.PartialReader)] == ["mlxdiff.models.text_llm"]
 
 
+def test_the_registry_is_every_architecture_module():
+    """models/registry finds the architectures by convention: every module of mlxdiff.models that declares
+    CLASS_NAMES is registered (none dropped for lacking the rest: test_required_members holds them to it), under
+    exactly those names, each name one module's; the others (shared layers, helpers) declare none."""
+    package = Path(registry.__file__).parent
+    modules = {importlib.import_module(f"mlxdiff.models.{info.name}") for info in pkgutil.iter_modules([str(package)])}
+    declaring = {m for m in modules if hasattr(m, "CLASS_NAMES")}
+    assert declaring == set(MODULES) == set(registry.MODULES)
+    names = [n for m in MODULES for n in m.CLASS_NAMES]
+    assert len(names) == len(set(names)) == len(ARCHITECTURES)
+    assert all(ARCHITECTURES[n] is m for m in MODULES for n in m.CLASS_NAMES)
+    assert all(isinstance(m.CLASS_NAMES, tuple) and m.CLASS_NAMES for m in MODULES)
+
+
 def test_lora_denoisers_are_the_registered_ones():
     """lora/names.LORA_DENOISERS (the order their layer-name rows are tried in) is every registered module that takes
-    LoRAs, once; lora.ARCHITECTURES is their rows, each labelled with its module's architecture first."""
+    LoRAs, once, in rising LORA_ORDER (each module its own); lora.ARCHITECTURES is their rows, each labelled with its
+    module's architecture first."""
     takers = [m for m in MODULES if isinstance(m, P.LoRADenoiser)]
     assert len(takers) >= 9 and sorted(lora.LORA_DENOISERS, key=lambda m: m.__name__) == takers
+    orders = [m.LORA_ORDER for m in lora.LORA_DENOISERS]
+    assert all(isinstance(n, int) for n in orders) and orders == sorted(set(orders))
     for arch in lora.LORA_DENOISERS:
         rows = arch.LORA_ARCHITECTURE_PATTERNS
         assert isinstance(rows, tuple) and all(isinstance(p, re.Pattern) and labels[0] == arch.LORA_ARCHITECTURE

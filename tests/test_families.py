@@ -31,6 +31,9 @@ def test_names_and_classes_are_unique():
     classes = [cls for f in FAMILIES for cls in f.layouts]
     assert len(classes) == len(set(classes)) == len(by_pipeline_class())
     assert all(by_pipeline_class()[cls] is f for f in FAMILIES for cls in f.layouts)
+    # FAMILIES (found by convention: pipelines.family_records) is in each record's own order, one number each
+    orders = [f.order for f in FAMILIES]
+    assert all(isinstance(n, int) for n in orders) and orders == sorted(set(orders))
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=IDS)
@@ -144,12 +147,10 @@ FAMILY_WORDS = ("SDXL", "SD 1.", "SD 2.", "SD3", "stable_diffusion", "klein", "K
 # The literals outside the family folders, the model files and the references that do name a family, each with why
 # (the audit of issue 38's "Done when"): {file: [(pieces, why)]}: every such literal holds one of its file's pieces,
 # and every piece is still used. "left:" marks a debt: it should come from the registry (the closing note lists them).
-ARCHITECTURE_REGISTRY = "the architecture registry (diffusers class -> models/ module): How to add a family, step 2"
 NAMED_BY_FAMILY = ("a model file or format named after the family that made it (as diffusers names the class), "
                    "shared by the families that read it")
 NAMING_ALLOWED = {
     "loading/spec.py": [
-        (("Transformer2DModel", "ControlNetModel", "AutoencoderKLFlux2"), ARCHITECTURE_REGISTRY),
         (("as an SD 1.x / SDXL UNet only",), "a Core ML package is SD's UNet: the only diffusion models Apple's "
                                             "converter makes (the format's own fact, formats/table.COREML)")],
     "formats/__init__.py": [

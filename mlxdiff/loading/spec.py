@@ -5,8 +5,9 @@ user names are the family readers (pipelines/<family>/) on sources.py's shared o
 family.
 
 Also here: the architecture registry (diffusers / transformers class name <-> mlxdiff.models module, which is what a
-spec's `arch` is and what mlxdiff.convert saves a component as) and NATIVE_KEY, the mark of mlxdiff's own format.
-What a module in the registry provides: mlxdiff/models/protocol.py.
+spec's `arch` is and what mlxdiff.convert saves a component as), handed on from models/registry.py, which finds the
+modules by convention, and NATIVE_KEY, the mark of mlxdiff's own format. What a module in the registry provides:
+mlxdiff/models/protocol.py.
 """
 
 from dataclasses import dataclass, field, replace
@@ -22,48 +23,13 @@ from ..formats import format_of, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.coreml import read_diffusers
 from ..formats.keymaps import strip_prefix
 from ..lora import apply_loras, lora_nbytes
-from ..models import (chroma, clip, controlnet, flux1, flux2, flux3, mmdit, qwenimage, t5, text_llm, unet, vae,
-                      vae_flux2, vae_qwenimage, zimage)
-from ..models import controlnet_flux1, controlnet_qwenimage, controlnet_sd3
-from ..models import controlnet_zimage
-from ..models import krea2
-from ..models import qwenimage21, vae_qwenimage21
+from ..models import clip, text_llm
 from ..models.protocol import Architecture
+from ..models.registry import ARCHITECTURES  # noqa: F401  (handed on: loading/ and pipelines/ read it here)
 from ..policy import current_dtype
 from .build import build
 from .quantize import parameter_nbytes, setting
 
-# diffusers / transformers class name -> our model module
-ARCHITECTURES = {
-    "SD3Transformer2DModel": mmdit,
-    "AutoencoderKL": vae,
-    "CLIPTextModelWithProjection": clip,
-    "CLIPTextModel": clip,                    # SD 1.x, SDXL's first encoder: no text_projection
-    "UNet2DConditionModel": unet,
-    "ControlNetModel": controlnet,            # SD 1.x / SDXL ControlNets (load(controlnets=))
-    "SD3ControlNetModel": controlnet_sd3,     # SD3.5's
-    "FluxControlNetModel": controlnet_flux1,  # FLUX.1's
-    "ZImageControlNetModel": controlnet_zimage,   # Z-Image's (alibaba-pai's Fun ControlNet Union)
-    "QwenImageControlNetModel": controlnet_qwenimage,   # Qwen-Image's
-    "T5EncoderModel": t5,
-    "FluxTransformer2DModel": flux1,
-    "ChromaTransformer2DModel": chroma,
-    "QwenImageTransformer2DModel": qwenimage,
-    "Flux2Transformer2DModel": flux2,
-    "Flux3Transformer2DModel": flux3,
-    "ZImageTransformer2DModel": zimage,
-    "Krea2Transformer2DModel": krea2,
-    "QwenImage21Transformer2DModel": qwenimage21,
-    "AutoencoderKLFlux2": vae_flux2,
-    "AutoencoderKLQwenImage": vae_qwenimage,
-    "AutoencoderKLQwenImage21": vae_qwenimage21,
-    "Mistral3ForConditionalGeneration": text_llm,
-    "Qwen3ForCausalLM": text_llm,
-    "Qwen2_5_VLForConditionalGeneration": text_llm,   # Qwen-Image's (its language model only)
-    "Qwen3Model": text_llm,                   # Tongyi-MAI's Z-Image folders name their Qwen3 so
-    "Qwen3VLModel": text_llm,                 # Krea 2's, FLUX 3's, Qwen-Image 2.1's (the language model only)
-    "Qwen3VLForConditionalGeneration": text_llm,
-}
 # config.json key that marks mlxdiff's own format: weights saved in the module's names and layouts (no sanitize)
 NATIVE_KEY = "_mlxdiff_native"
 
@@ -74,7 +40,7 @@ def class_name_of(spec) -> str:
         return text_llm.ARCHITECTURES[spec.config.get("model_type")]
     if spec.arch is clip and not spec.args.with_projection:
         return "CLIPTextModel"
-    return next(name for name, arch in ARCHITECTURES.items() if arch is spec.arch)
+    return spec.arch.CLASS_NAMES[0]
 
 
 @dataclass

@@ -5,7 +5,8 @@ the model's own original-name rules (_Layers)."""
 import re
 
 from ..errors import MlxdiffError
-from ..models import chroma, flux1, flux2, flux3, krea2, mmdit, qwenimage, qwenimage21, unet, zimage
+from ..models import unet
+from ..models.registry import LORA_DENOISERS
 from .files import _short
 from .lycoris import LYCORIS_FACTORS, _lycoris, _tucker_locon
 
@@ -53,14 +54,13 @@ PREFIXES = (
 DENOISERS = ("transformer", "unet")
 # text encoders whose LoRAs mlxdiff applies (their module paths are transformers' own names)
 TEXT_ENCODERS = {"mlxdiff.models.clip": "CLIP", "mlxdiff.models.t5": "T5"}
-# the denoiser architectures LoRAs apply to (models/protocol.LoRADenoiser), in the order their layer-name rows
+# the denoiser architectures LoRAs apply to (models/protocol.LoRADenoiser): LORA_DENOISERS, found by the registry
+# (models/registry.py) and ordered by each module's LORA_ORDER, is the order their layer-name rows
 # (LORA_ARCHITECTURE_PATTERNS: the names only some architectures have, searched in each name) are tried, the first
-# that matches saying which: the UNet's first (its transformer blocks also have ff.net), each FLUX's own names
-# before those both generations have (flux2's second row), SD3's before those it shares with FLUX.1, Qwen-Image
-# 2.1's before Qwen-Image's (img_mlp). Each says so on its module: LORA_NAME (what messages call it),
-# LORA_ARCHITECTURE (its label in ARCHITECTURES), LORA_ARCHITECTURE_PATTERNS, lora_original_rules(args) (its
-# original-name table) and, optionally, LORA_UNMAPPED (a pattern of original names its table cannot map, and why).
-LORA_DENOISERS = (unet, flux3, flux1, chroma, flux2, mmdit, zimage, qwenimage21, qwenimage, krea2)
+# that matches saying which (why each module sits where it does: beside its LORA_ORDER). Each says so on its module:
+# LORA_NAME (what messages call it), LORA_ARCHITECTURE (its label in ARCHITECTURES), LORA_ORDER,
+# LORA_ARCHITECTURE_PATTERNS, lora_original_rules(args) (its original-name table) and, optionally, LORA_UNMAPPED (a
+# pattern of original names its table cannot map, and why).
 ARCHITECTURES = tuple(row for arch in LORA_DENOISERS for row in arch.LORA_ARCHITECTURE_PATTERNS)
 # a UNet's block names (its own row): a "transformer" part named so is the "unet" component (_entries)
 UNET_LAYERS = unet.LORA_ARCHITECTURE_PATTERNS[0][0]

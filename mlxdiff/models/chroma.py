@@ -29,6 +29,8 @@ from .mmdit import FeedForward
 EPS = flux1.EPS
 MLP_RATIO = flux1.MLP_RATIO
 
+CLASS_NAMES = ("ChromaTransformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(flux1.ModelArgs):
@@ -244,6 +246,7 @@ _GUIDANCE_LAYER = re.compile(r"distilled_guidance_layer\.layers\.(\d+)\.in_layer
 LORA_NAME = "Chroma transformer"
 # Chroma's blocks are FLUX.1's under the same names, so FLUX.1-named LoRAs (kohya, PEFT, BFL, XLabs) are its LoRAs
 LORA_ARCHITECTURE = "FLUX.1"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 40     # no rows (FLUX.1's tell its LoRAs): orders only lora's messages
 LORA_ARCHITECTURE_PATTERNS = ()     # FLUX.1's names tell its LoRAs (flux1.py's rows)
 lora_original_rules = flux1.lora_original_rules     # the same block names as FLUX.1's
 

@@ -21,6 +21,10 @@ from ..config_checks import (MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MA
 from ..errors import MlxdiffError
 from ..formats.keymaps import remap
 
+# transformers' classes (its keys in models/registry.ARCHITECTURES); CLIPTextModel, SD 1.x's and SDXL's first
+# encoder, has no text_projection
+CLASS_NAMES = ("CLIPTextModelWithProjection", "CLIPTextModel")
+
 
 @dataclass
 class ModelArgs(CheckedArgs):

@@ -27,6 +27,8 @@ from .unet import (ModelArgs as UNetArgs, UNetMidBlock2DCrossAttn, add_embedding
                    embed_time)
 from .vae import Conv2d
 
+CLASS_NAMES = ("ControlNetModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(UNetArgs):

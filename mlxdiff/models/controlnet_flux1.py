@@ -32,6 +32,11 @@ from .flux2 import check_fused_rows
 from .fused import compiled_block, double_stream
 
 HINT_WIDTHS = (16, 16, 16, 16)      # FluxControlNetModel's input_hint_block: fixed in diffusers
+# a Union ControlNet's (num_mode) modes by name, as InstantX's FLUX.1-dev-Controlnet-Union card (and Shakker-Labs'
+# Union-Pro) number them (--control-mode NAME; a later name for the same number is an alias)
+UNION_MODES = {"canny": 0, "tile": 1, "depth": 2, "blur": 3, "pose": 4, "gray": 5, "lq": 6, "low-quality": 6}
+
+CLASS_NAMES = ("FluxControlNetModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
 
 
 @dataclass

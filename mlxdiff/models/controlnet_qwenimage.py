@@ -23,6 +23,8 @@ from ..errors import MlxdiffError
 from . import qwenimage
 from .fused import double_stream
 
+CLASS_NAMES = ("QwenImageControlNetModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(qwenimage.ModelArgs):

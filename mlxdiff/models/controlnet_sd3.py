@@ -25,6 +25,8 @@ from . import mmdit
 from .embeddings import CombinedTimestepTextProjEmbeddings
 from .fused import compiled_block, gated_residual
 
+CLASS_NAMES = ("SD3ControlNetModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(mmdit.ModelArgs):

@@ -32,6 +32,8 @@ from .fused import compiled_block
 
 MODES = ("control_layers", "control_noise_refiner")
 
+CLASS_NAMES = ("ZImageControlNetModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(zimage.BlockWidths, CheckedArgs):

@@ -32,6 +32,8 @@ from .sharding import check_divides, shard_layer
 ROPE_THETA = 10000       # FluxPosEmbed(theta=10000): fixed in diffusers, not a config key
 EPS = 1e-6               # every norm of the model (qk RMSNorms and the affine-free LayerNorms)
 
+CLASS_NAMES = ("FluxTransformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(CheckedArgs):
@@ -382,8 +384,9 @@ _LINEAR1_PARTS = (("attn.to_q", 1), ("attn.to_k", 1), ("attn.to_v", 1), ("proj_m
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "FLUX.1 transformer"
 LORA_ARCHITECTURE = "FLUX.1"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 30     # its own names before those it shares with FLUX.2 and SD3 (their rows)
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 # The names it shares with FLUX.2 and SD3 are in theirs (flux2.py, mmdit.py).
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(double_blocks[._]\d+[._](img|txt)_mod|single_blocks[._]\d+[._]modulation|vector_in|"

@@ -66,6 +66,9 @@ def block_rules(timestep_key: str) -> tuple:
     )
 
 
+CLASS_NAMES = ("Flux2Transformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(CheckedArgs):
     # defaults: FLUX.2-dev (black-forest-labs/FLUX.2-dev transformer/config.json = diffusers' class defaults)
@@ -554,8 +557,9 @@ _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "FLUX.2 transformer"
 LORA_ARCHITECTURE = "FLUX.2"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 50     # its own row, then the BFL names both FLUX generations have
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(double_stream_modulation_(img|txt)|single_stream_modulation|to_qkv_mlp_proj|linear_in|"
                 r"linear_out)([._]|$)"), (LORA_ARCHITECTURE,)),

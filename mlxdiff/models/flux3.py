@@ -30,6 +30,8 @@ from .fused import compiled_block, cuda_kernels, gated_residual, norm_rope
 
 MODES = ("image", "image_cond")     # the image token modes (diffusers' in_channels_per_mode), then "txt"
 
+CLASS_NAMES = ("Flux3Transformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(CheckedArgs):
@@ -327,8 +329,9 @@ def config_from_original(weights: dict) -> dict:
 # LoRAs (lora/, the protocol's LoRADenoiser): diffusers / PEFT names are the model's own
 LORA_NAME = "FLUX 3 transformer"
 LORA_ARCHITECTURE = "FLUX 3"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 20     # its own names before the BFL block names of FLUX.2's second row
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 # In diffusers' names: its per-mode blocks, modulations and embedders
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(txt_mode_blocks|mode_blocks[._]image(_cond)?|(early|single)_stream_modulations|"

@@ -37,6 +37,8 @@ from ..pacing import pace
 from .flux2 import apply_rope, cached_rope
 from .fused import attention, compiled_block, gated_residual
 
+CLASS_NAMES = ("Krea2Transformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(CheckedArgs):
@@ -453,8 +455,9 @@ def config_from_original(weights: dict) -> dict:
 # rules, as diffusers' _convert_non_diffusers_krea2_lora_to_diffusers maps them
 LORA_NAME = "Krea 2 transformer"
 LORA_ARCHITECTURE = "Krea 2"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 100     # its names match no earlier row
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 # In diffusers' and krea-ai's names: its text fusion, time projection, gated attention and SwiGLU
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(text_fusion|txtfusion|time_mod_proj|tproj|attn[._](to_gate|wq|wk|wv|wo)|"

@@ -21,6 +21,8 @@ from .embeddings import CombinedTimestepTextProjEmbeddings, sincos_2d
 from .fused import attention, compiled_block, gated_residual, norm_modulate, norm_rope
 from .sharding import GatheredLinear, check_divides, shard_layer
 
+CLASS_NAMES = ("SD3Transformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(CheckedArgs):
@@ -459,8 +461,9 @@ def original_to_diffusers(weights: dict) -> dict:
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "SD3.5 transformer"
 LORA_ARCHITECTURE = "SD3"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 60     # its own row, then the joint-attention names FLUX.1 has too
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(joint_blocks|x_block|context_block|time_text_embed|pos_embed)([._]|$)"),
      (LORA_ARCHITECTURE,)),

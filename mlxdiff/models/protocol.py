@@ -1,7 +1,8 @@
 """What an architecture module (mlxdiff.models.<x>) provides to the loaders: written down as Protocols.
 
-The loaders take a module, not a class: a ComponentSpec's `arch` is the module itself (loading/spec.py
-ARCHITECTURES maps diffusers' / transformers' class names to them). What every one of them must have is
+The loaders take a module, not a class: a ComponentSpec's `arch` is the module itself. models/registry.py finds them
+by convention: every module of this package that meets `Architecture` is one (none is listed by hand), and
+ARCHITECTURES maps the diffusers' / transformers' class names it reads (CLASS_NAMES) to it. What every one must have is
 `Architecture`; the rest are hooks the loaders look for with getattr / hasattr, each a capability of its own
 Protocol below, with who calls it and what it returns. Nothing here is called: this is the checklist, and
 tests/test_architecture_protocol.py holds every registered module to it.
@@ -13,11 +14,11 @@ Adding an architecture (a family's models; the family itself is a folder, pipeli
    when some layers must stay in full precision; `eager_is_faster()` if its eager blocks beat compiled ones;
    `resident_blocks()` if it reads a block outside that block's call (streaming must keep it resident);
    `activation_bytes(dtype)` if its activations are known small (a streamed plan keeps only that free).
-3. Register the class name in loading/spec.py ARCHITECTURES (and the family's components in its Family.layouts).
+3. `CLASS_NAMES`: the diffusers / transformers class names it reads, which registers it (models/registry.py finds
+   the module by them; the family's components name them in its Family.layouts).
 4. Then the hooks of the capabilities it has: a denoiser read from one original file (`OriginalFile`) and its
-   LoRAs (`LoRADenoiser`; the module also goes into lora/names.LORA_DENOISERS, which orders the layer-name rows:
-   loading/spec imports lora, so lora cannot walk the registry), an encoder whose config a single file's shapes give
-   (`ConfigFromWeights`), an encoder read only partly (`PartialReader`).
+   LoRAs (`LoRADenoiser`, whose `LORA_ORDER` places its layer-name rows among the others'), an encoder whose config a
+   single file's shapes give (`ConfigFromWeights`), an encoder read only partly (`PartialReader`).
 Each capability is all or nothing: a module with its marker (CAPABILITIES) has all of its members (the test
 checks this). Family-specific readers call some functions by name (vae.config_from_ldm, vae_flux2's
 config_from_original and original_keymap, text_llm.config_from_file, t5.from_gguf, clip.sd3_clip_l_extras); those
@@ -95,13 +96,16 @@ class KnownActivations(Protocol):
 
 @runtime_checkable
 class Architecture(Protocol):
-    """Required of every module in loading/spec.py ARCHITECTURES."""
+    """Required of every module in models/registry.ARCHITECTURES (and what makes a module one)."""
 
     ModelArgs: type[ArchitectureArgs]
     """The typed config: `ModelArgs.from_dict(config, where)` (ArchitectureArgs)."""
     Model: type[ArchitectureModel]
     """`Model(ModelArgs)`: the mlx.nn.Module loading/build.build makes and loads (ArchitectureModel; optionally
     QuantRule, EagerPreference, ResidentBlocks, KnownActivations)."""
+    CLASS_NAMES: tuple
+    """models/registry: the diffusers / transformers class names (model_index.json / config.json) this module reads,
+    its keys in ARCHITECTURES; the first is what mlxdiff.convert saves a component as (loading/spec.class_name_of)."""
 
 
 @runtime_checkable
@@ -143,8 +147,12 @@ class LoRADenoiser(Protocol):
     LORA_ARCHITECTURE_PATTERNS: tuple
     """lora.ARCHITECTURES' rows it brings: ((compiled pattern, labels), ...), a pattern searched in each LoRA layer
     name and the labels (LORA_ARCHITECTURE, and any other architecture that has those names too) of the models the
-    names fit; the rows are tried in lora/names.LORA_DENOISERS' order, where the module is listed. () when another's
-    names tell its LoRAs (Chroma's are FLUX.1's)."""
+    names fit. () when another's names tell its LoRAs (Chroma's are FLUX.1's)."""
+    LORA_ORDER: int
+    """models/registry.LORA_DENOISERS: its place among the LoRA denoisers (rising; each its own number), the order
+    their LORA_ARCHITECTURE_PATTERNS rows are tried in (the first row a layer name matches says which architectures it
+    fits, so a row of names several architectures share comes after each one's own) and lora's messages list them
+    in."""
 
     def lora_original_rules(self, args) -> list:
         """lora.names._original_rules: the compiled (pattern, target, transform) rules of the original names for a model

@@ -65,6 +65,9 @@ class TransformerArgs(CheckedArgs):
         return self.num_attention_heads * self.attention_head_dim
 
 
+CLASS_NAMES = ("QwenImageTransformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(TransformerArgs):
     # defaults: Qwen/Qwen-Image transformer/config.json (diffusers' class defaults)
@@ -426,8 +429,9 @@ def config_from_original(weights: dict) -> dict:
 # musubi `diffusion_model.` names, kohya's lora_unet_) names diffusers' layers, which are mlxdiff's: no rules
 LORA_NAME = "Qwen-Image transformer"
 LORA_ARCHITECTURE = "Qwen-Image"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 90     # after Qwen-Image 2.1's (img_mlp)
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 # In diffusers' names, which all its LoRAs use: each block's per-stream modulation and MLP (its attention's to_q /
 # add_q_proj / to_add_out are SD3's and FLUX.1's names too, BFL's img_mod / img_mlp sit under double_blocks, not
 # transformer_blocks) and the text features' txt_norm

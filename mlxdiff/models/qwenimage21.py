@@ -45,6 +45,8 @@ TOKENS_PER_SLOT = 4          # one vision-language image slot = a 2x2 group of l
 MAX_POSITION = 8192          # QwenImage21Rope's tables: positions 0..8191 ...
 MAX_NEGATIVE = 1024          # ... and -1024..-1 per axis
 
+CLASS_NAMES = ("QwenImage21Transformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(TransformerArgs):
@@ -492,8 +494,9 @@ def config_from_original(weights: dict) -> dict:
 # `diffusion_model.` prefixes are lora/'s to strip); a LoRA on ComfyUI's fused gate_up is refused (LORA_UNMAPPED)
 LORA_NAME = "Qwen-Image 2.1 transformer"
 LORA_ARCHITECTURE = "Qwen-Image 2.1"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 80     # before Qwen-Image's, whose img_mlp row its names also match
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 # In diffusers' names: its bias-free SwiGLU (img_mlp.proj / gate_layer / out, ComfyUI's gate_up) and text projection
 # (Qwen-Image's MLP is img_mlp.net.*; tried before Qwen-Image's, whose img_mlp they also match)
 LORA_ARCHITECTURE_PATTERNS = (

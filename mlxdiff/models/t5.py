@@ -46,6 +46,9 @@ def _ff_valid(feed_forward_proj) -> bool:
     return len(parts) == 1 or (len(parts) == 2 and parts[0] == "gated")
 
 
+CLASS_NAMES = ("T5EncoderModel",)   # transformers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(CheckedArgs):
     """T5Config fields (defaults: google/t5-v1_1-xxl, the SD3 text_encoder_3)."""

@@ -57,6 +57,10 @@ TAPS = {"mistral3": (10, 20, 30), "qwen3": (9, 18, 27)}
 ARCHITECTURES = {"mistral3": "Mistral3ForConditionalGeneration", "qwen3": "Qwen3ForCausalLM",
                  "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",   # Qwen-Image's: its language model only
                  text_qwen3vl.MODEL_TYPE: text_qwen3vl.CLASSES[1]}      # Krea 2's (Qwen3VLModel too)
+# transformers' classes it reads (its keys in models/registry.ARCHITECTURES): those above, Tongyi-MAI's Z-Image
+# folders' name for their Qwen3, and Qwen3-VL's two (Krea 2's, FLUX 3's, Qwen-Image 2.1's: the language model only)
+CLASS_NAMES = (ARCHITECTURES["mistral3"], ARCHITECTURES["qwen3"], ARCHITECTURES["qwen2_5_vl"], "Qwen3Model",
+               *text_qwen3vl.CLASSES)
 # Mistral3's text_config model_type -> mlx-lm language model (as mlx_lm.models.mistral3 chooses it)
 MISTRAL3_TEXT_MODELS = {"mistral": llama, "llama": llama}
 

@@ -27,6 +27,8 @@ DOWN_TYPES = ("CrossAttnDownBlock2D", "DownBlock2D")
 UP_TYPES = ("CrossAttnUpBlock2D", "UpBlock2D")
 MID_TYPES = ("UNetMidBlock2DCrossAttn",)
 
+CLASS_NAMES = ("UNet2DConditionModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(CheckedArgs):
@@ -544,8 +546,9 @@ _ORIGINAL_RULES = original_rules(2, 4)
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "SD 1.x / SDXL UNet"
 LORA_ARCHITECTURE = "an SD 1.x / SDXL UNet"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 10     # its rows tried first: its transformer blocks' ff.net is in SD3's shared row too
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(down_blocks|up_blocks|mid_block|input_blocks|output_blocks|middle_block)([._]|$)"),
      (LORA_ARCHITECTURE,)),)

@@ -43,6 +43,9 @@ def _grouped(channels, groups) -> bool:
     return all(c % groups == 0 for c in channels or ())
 
 
+CLASS_NAMES = ("AutoencoderKL",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(CheckedArgs):
     in_channels: int = 3

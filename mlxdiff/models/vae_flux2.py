@@ -16,6 +16,8 @@ import mlx.nn as nn
 from ..config_checks import MAX_LEVELS, MAX_WIDTH, Rule, between, positive
 from . import vae
 
+CLASS_NAMES = ("AutoencoderKLFlux2",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
 
 @dataclass
 class ModelArgs(vae.ModelArgs):

@@ -43,6 +43,9 @@ LATENTS_STD = (2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
                3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160)
 
 
+CLASS_NAMES = ("AutoencoderKLQwenImage",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(CheckedArgs):
     """diffusers' AutoencoderKLQwenImage config; the defaults are Qwen/Qwen-Image's vae/config.json."""

@@ -43,6 +43,9 @@ LATENTS_STD = (3.2001, 3.2936, 3.4321, 3.0091, 3.1061, 4.0379, 4.0705, 3.7910, 3
                3.7662, 3.6746, 3.4563, 3.8161)
 
 
+CLASS_NAMES = ("AutoencoderKLQwenImage21",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(CheckedArgs):
     """diffusers' AutoencoderKLQwenImage21 config."""

@@ -63,6 +63,9 @@ class BlockWidths:
         return min(self.dim, ADALN_EMBED_DIM)
 
 
+CLASS_NAMES = ("ZImageTransformer2DModel",)   # diffusers' class: its key in models/registry.ARCHITECTURES
+
+
 @dataclass
 class ModelArgs(BlockWidths, CheckedArgs):
     # defaults: Tongyi-MAI/Z-Image-Turbo transformer/config.json (diffusers' class defaults, except axes_lens: the
@@ -486,8 +489,9 @@ _ORIGINAL_RULES = compile_rules(ORIGINAL_KEYMAP)
 # LoRAs (lora/, the protocol's LoRADenoiser)
 LORA_NAME = "Z-Image transformer"
 LORA_ARCHITECTURE = "Z-Image"     # its label in lora.ARCHITECTURES
+LORA_ORDER = 70     # its names match no earlier row
 # the layer names that tell a LoRA is for it: (pattern, labels) rows of lora.ARCHITECTURES (lora/names.py tries
-# them in its order, the first that a name matches saying which architectures it fits).
+# them in the modules' LORA_ORDER, the first that a name matches saying which architectures it fits).
 # In diffusers' and the original names: its refiners, caption / patch embedders, and the main blocks' attention,
 # SwiGLU and modulation under layers.N (SD3's t_embedder / final_layer and FLUX's x_embedder are not telling)
 LORA_ARCHITECTURE_PATTERNS = (

@@ -1,7 +1,10 @@
 """mlxdiff.load: what the user named -> a pipeline of the right family (holding specs, not weights). FAMILIES is the
-registry: one record per family (pipelines/<family>/__init__.py, a family.Family), and `detect` the one loop that asks
-each family in turn whether a folder, a single file or files alone are its model."""
+registry: one record per family (pipelines/<family>/__init__.py, a family.Family), found by convention (every
+sub-package of this one with a FAMILY: a new family is its folder alone), and `detect` the one loop that asks each
+family in turn whether a folder, a single file or files alone are its model."""
 
+import importlib
+import pkgutil
 from pathlib import Path
 
 from ..arguments import check_controlnets, check_load, check_loras, check_number, check_quantize
@@ -15,13 +18,18 @@ from ..loading.sources import not_a_folder, read_pipeline_folder, resolve_path
 from ..loading.spec import ARCHITECTURES, PipelineSources
 from ..loading.tensor_parallel import shardable, tensor_parallel
 from ..policy import MATMUL_STRATEGIES as STRATEGIES, from_switches
-from . import chroma, flux1, flux2, flux3, krea2, qwenimage, sd3, stable_diffusion, zimage
-from . import qwenimage21
 from .family import Family, LoadRequest, family_named, identify  # noqa: F401  (Family: the record's type)
 
+
+def family_records() -> tuple:
+    """The FAMILY of each family folder (a sub-package of mlxdiff.pipelines that has one), in rising Family.order."""
+    names = sorted(info.name for info in pkgutil.iter_modules(__path__) if info.ispkg)
+    records = (getattr(importlib.import_module(f"{__name__}.{name}"), "FAMILY", None) for name in names)
+    return tuple(sorted((r for r in records if isinstance(r, Family)), key=lambda f: f.order))
+
+
 # the registry: detection asks each in turn (their claims do not overlap: tests/test_families.py)
-FAMILIES = (sd3.FAMILY, flux1.FAMILY, chroma.FAMILY, krea2.FAMILY, flux2.FAMILY, stable_diffusion.FAMILY, zimage.FAMILY,
-            qwenimage.FAMILY, flux3.FAMILY, qwenimage21.FAMILY)
+FAMILIES = family_records()
 SINGLE_FILE_SUFFIXES = (".safetensors", ".gguf")
 
 

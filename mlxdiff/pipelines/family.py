@@ -1,7 +1,8 @@
 """What a model family is, in one record (ComfyUI's one class per family in supported_models.py; diffusers' one folder
-per pipeline). Each family folder (pipelines/<family>/) defines its FAMILY; pipelines/__init__.FAMILIES lists them
-and its one detect loop asks each in turn. Everything the rest of mlxdiff needs to know of a family is a field here,
-so that no code outside the family folders and the model files names a family.
+per pipeline). Each family folder (pipelines/<family>/) defines its FAMILY; pipelines/__init__.FAMILIES finds them
+(every sub-package with a FAMILY, in their `order`) and its one detect loop asks each in turn. Everything the rest of
+mlxdiff needs to know of a family is a field here, so that no code outside the family folders and the model files
+names a family.
 """
 
 from dataclasses import dataclass, field
@@ -42,6 +43,10 @@ class Family:
     keywords: dict              # load() keywords of PART_KEYWORDS it takes -> what they are, for the refusals of
                                 # the families that do not take them ("SD3.5's clip_l / clip_g / t5xxl files")
     reference: str              # its diffusers reference module (footprint compare): "mlxdiff.reference.sd3"
+    order: int                  # its place in pipelines.FAMILIES (rising; each family its own number, in steps of
+                                # 10 so that a new one fits between): the order detect asks the families in and
+                                # messages and README's table list them in; a family whose files another family's
+                                # claims would also take comes before that one
     optional: frozenset = frozenset()     # components a folder may set to [null, null]
     claims_file: Callable | None = None   # (tensor names) -> bool: one file holding a whole model of this family
     claims_folder: Callable | None = None  # (folder) -> bool: a folder without model_index.json it reads
@@ -62,6 +67,8 @@ class Family:
                                           # class; Qwen-Image's Edit folders), where it is not `pipeline`
     preview: object = None                # its latents' previews.LatentRGB (ComfyUI's factors), or (pipeline class)
                                           # -> LatentRGB; None: previews.first_channels
+    control_modes: dict = field(default_factory=dict)   # a Union ControlNet's modes by name -> the number its
+                                          # ControlNets take (--control-mode NAME); {}: none of them has modes
 
     def pipeline_for(self, pipeline_class):
         """The Pipeline class that runs a folder of this model_index class."""

@@ -55,6 +55,7 @@ FAMILY = Family(
     instead={"text_encoder": "give text_encoders={'t5xxl': F}",
              "tokenizer": "Chroma takes its own (or the bundled) T5 tokenizer"},
     reference="mlxdiff.reference.chroma",
+    order=30,
     preview=previews.FLUX1,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=chroma.is_original,
     read_file=read_file,

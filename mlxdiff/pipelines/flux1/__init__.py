@@ -3,7 +3,7 @@ and FluxControlPipeline folders (a transformer or VAE file may replace the folde
 ComfyUI's single files and GGUFs with their clip_l / t5xxl / ae files, or those files alone."""
 
 from ...errors import MlxdiffError
-from ...models import flux1
+from ...models import controlnet_flux1, flux1
 from .. import previews
 from ..family import Family
 from ...loading.vae_files import AUTOENCODER_KL, read_vae_file
@@ -58,6 +58,7 @@ FAMILY = Family(
     instead={"text_encoder": "give text_encoders={'clip_l': F, 't5xxl': F} (either of them)",
              "tokenizer": "FLUX.1 takes its own (or the bundled) CLIP and T5 tokenizers"},
     reference="mlxdiff.reference.flux1",
+    order=20,
     preview=previews.FLUX1,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=flux1.is_original,
     read_file=read_file,
@@ -67,4 +68,5 @@ FAMILY = Family(
     files_alone_kinds="a FLUX.1 file in BFL / ComfyUI names",
     reference_file_refusal="a FLUX.1 single file",
     read_controlnets=read_controlnets,     # FluxControlNetModel folders (FluxControlNetPipeline)
+    control_modes=controlnet_flux1.UNION_MODES,
 )

@@ -38,6 +38,7 @@ FAMILY = Family(
               "vae": "a VAE file replacing the model's", "tokenizer": "a FLUX.2 model's tokenizer folder"},
     instead={"text_encoders": "give its one encoder file as text_encoder=FILE"},
     reference="mlxdiff.reference.flux2",
+    order=50,
     preview=previews.FLUX2,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     part_of=part_of,
     read_files_alone=read_files_alone,

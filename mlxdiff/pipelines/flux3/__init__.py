@@ -29,6 +29,7 @@ FAMILY = Family(
     keywords={"transformer": "a file replacing the denoiser (FLUX 3: in diffusers' names)",
               "vae": "a VAE file replacing the model's"},
     reference="mlxdiff.reference.flux3",
+    order=90,
     part_of=part_of,
     preview=previews.FLUX2,   # the FLUX.2 VAE's latents (ComfyUI's latent_rgb_factors, pipelines/previews.py)
 )

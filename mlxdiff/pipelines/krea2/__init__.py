@@ -34,6 +34,7 @@ FAMILY = Family(
              "text_encoders": "its folder has its own Qwen3-VL; give a transformer file with transformer=",
              "vae": "its folder has its own VAE", "tokenizer": "its folder has its own tokenizer"},
     reference="mlxdiff.reference.krea2",
+    order=40,
     preview=previews.WAN21,   # the Qwen-Image VAE's latents: ComfyUI's latent_rgb_factors (pipelines/previews.py)
     part_of=part_of,
 )

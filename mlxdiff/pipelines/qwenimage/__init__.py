@@ -65,6 +65,7 @@ FAMILY = Family(
               "tokenizer": "a Qwen-Image model's tokenizer folder (with its files)"},
     instead={"text_encoders": "give its one Qwen2.5-VL file as text_encoder=FILE"},
     reference="mlxdiff.reference.qwenimage",
+    order=80,
     preview=previews.WAN21,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=qwenimage.is_original,
     read_file=read_file,

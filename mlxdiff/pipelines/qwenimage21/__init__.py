@@ -32,5 +32,6 @@ FAMILY = Family(
     instead={"text_encoder": "its folder has its own Qwen3-VL", "text_encoders": "its folder has its own Qwen3-VL",
              "vae": "its folder has its own VAE", "tokenizer": "its folder has its own processor/ tokenizer"},
     reference="mlxdiff.reference.qwenimage21",
+    order=100,
     part_of=part_of,
 )

@@ -57,6 +57,7 @@ FAMILY = Family(
     instead={"text_encoder": "give text_encoders={'clip_l': F, 'clip_g': F, 't5xxl': F} (any of them)",
              "tokenizer": "SD3.5 takes its own (or the bundled) CLIP and T5 tokenizers"},
     reference="mlxdiff.reference.sd3",
+    order=10,
     preview=previews.SD3,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=lambda names: any(n.startswith(SINGLE_FILE_MARK) for n in names),
     read_file=read_file,

@@ -58,6 +58,7 @@ FAMILY = Family(
               "prediction_type": "an SD 2.x single file's prediction (its tensors do not say)"},
     instead={"text_encoders": SD_ONLY, "text_encoder": SD_ONLY, "tokenizer": SD_ONLY},
     reference="mlxdiff.reference.stable_diffusion",
+    order=60,
     preview=lambda pipeline_class: previews.SDXL if "XL" in pipeline_class else previews.SD15,
     claims_file=lambda names: any(n.startswith(UNET_MARK) for n in names),
     read_file=read_file,

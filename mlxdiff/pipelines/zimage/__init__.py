@@ -63,6 +63,7 @@ FAMILY = Family(
               "tokenizer": "a Z-Image model's tokenizer folder (with its files)"},
     instead={"text_encoders": "give its one Qwen3 file as text_encoder=FILE"},
     reference="mlxdiff.reference.zimage",
+    order=70,
     preview=previews.FLUX1,   # ComfyUI's latent_rgb_factors (pipelines/previews.py)
     claims_file=zimage.is_original,
     read_file=read_file,
