@@ -78,6 +78,15 @@ def convert(source, dest, *, quantize=None, transformer=None, progress=print) ->
             if spec is None:
                 continue
             progress(f"converting {name} ...")
+            beside = getattr(spec.arch, "WRITTEN_WITH", None)
+            if beside:    # a part read from another component's files (a vision tower): written into its folder
+                model = replace(spec, quantize=None).build()
+                materialize(model)
+                mx.save_safetensors(str(tmp / beside / f"{name}.safetensors"), spec.arch.stored_weights(model),
+                                    metadata={"format": "mlxdiff"})
+                model.clear()
+                del model
+                continue
             # an architecture that is read partially (the LLM encoders, up to their taps) is written whole, in the
             # stored names its sanitize reads back, so that the converted folder serves any taps
             stored_prefix = getattr(spec.arch, "STORED_PREFIX", None)

@@ -2,9 +2,11 @@
 no test module imports another): the tiny QwenImage21Pipeline written by save_pretrained, the injected noise,
 diffusers' reference run and the parity check.
 
-diffusers' Qwen3VLProcessor cannot be built here (its video processor needs torchvision), so the reference pipeline
-gets TextProcessor, the processor's text path over the same tokenizer, and the folder's processor/ holds that
-tokenizer, under the class name a real folder's model_index.json gives it."""
+diffusers' Qwen3VLProcessor cannot be built whole here (its video processor needs torchvision), so the reference
+pipeline gets TextProcessor, the processor's text path over the same tokenizer, and the folder's processor/ holds that
+tokenizer, under the class name a real folder's model_index.json gives it; with `images`, transformers' own
+Qwen3VLProcessor over the PIL image processor without a video processor (ImageProcessor), and processor/ gets its
+preprocessor_config.json."""
 
 import json
 
@@ -33,6 +35,12 @@ TRANSFORMER = dict(in_channels=Z, out_channels=Z, num_layers=2, attention_head_d
 VAE = dict(base_dim=4, decoder_base_dim=6, z_dim=Z, dim_mult=[1, 2, 2, 2, 2], num_res_blocks=1,
            temperal_downsample=[False, True, True, True], latents_mean=[0.05 * i - 0.5 for i in range(Z)],
            latents_std=[0.8 + 0.07 * i for i in range(Z)])
+# with the image processor (images=True): patches of 16 px merged 2 x 2, as Qwen3-VL's, so that one image token is
+# the 2x2 latent tokens of the VAE's 16 px (the transformer puts a condition image's latents in its image slots);
+# 32^2 to 128^2 px an image; Qwen3-VL's mean / std
+IMAGE_VISION = dict(VISION, patch_size=16)
+PROCESSOR = dict(patch_size=16, merge_size=2, temporal_patch_size=2, min_pixels=32 * 32, max_pixels=128 * 128,
+                 image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 SCHEDULER = dict(num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                  base_image_seq_len=256, max_image_seq_len=8192, time_shift_type="exponential")
 
@@ -51,20 +59,43 @@ class TextProcessor:
         return self.tokenizer(text, padding=padding, padding_side=padding_side, return_tensors=return_tensors)
 
 
-def save_pipeline(root, transformer_config=TRANSFORMER):
-    """A tiny QwenImage21Pipeline: Qwen3-VL 40 wide (3 layers, a 1-block vision tower never read), a transformer 96
-    wide (3 heads of 32, RoPE axes 8, 12, 12; 2 blocks) over 20 latent channels, a 5-level residual VAE (factor 16,
-    RGBA) with its own latents_mean / latents_std; written by save_pretrained under `root`
-    (`transformer_config` in place of TRANSFORMER: more blocks to stream). Returns (the folder, the diffusers
+class ImageProcessor:
+    """transformers' Qwen3VLProcessor over Qwen2VLImageProcessorPil (PROCESSOR), without its video processor; its
+    system-message chat template the tokenizer's, as TextProcessor's."""
+
+    def __new__(cls, tokenizer):
+        import transformers
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        class ImageOnly(transformers.Qwen3VLProcessor):
+            def check_argument_for_proper_class(self, name, arg):
+                return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+            def apply_chat_template(self, conversation, tokenize=False, return_dict=False):
+                return [self.tokenizer.apply_chat_template(conversation, tokenize=True, return_dict=False)]
+        return ImageOnly(image_processor=Qwen2VLImageProcessorPil(**PROCESSOR), tokenizer=tokenizer)
+
+
+def save_pipeline(root, transformer_config=TRANSFORMER, images=False):
+    """A tiny QwenImage21Pipeline: Qwen3-VL 40 wide (3 layers; a 1-block vision tower, heads of 8, its deepstack
+    merger after block 0), a transformer 96 wide (3 heads of 32, RoPE axes 8, 12, 12; 2 blocks) over 20 latent
+    channels, a 5-level residual VAE (factor 16, RGBA) with its own latents_mean / latents_std; written by
+    save_pretrained under `root` (`transformer_config` in place of TRANSFORMER: more blocks to stream; `images`: the
+    image processor too, in processor/ and on the reference pipeline). Returns (the folder, the diffusers
     pipeline)."""
     import transformers
     from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline, \
         QwenImage21Transformer2DModel
     from transformers import AutoTokenizer
-    config = transformers.Qwen3VLConfig(text_config=TEXT, vision_config=VISION, tie_word_embeddings=False)
-    encoder = randomize_(transformers.Qwen3VLForConditionalGeneration(config).eval(), 5, 0.2)
     tok_dir = build_tokenizer(root / "tok_src", SPECIALS, TEMPLATE, "right", "<|endoftext|>", eos="<|im_end|>")
     tokenizer = AutoTokenizer.from_pretrained(str(tok_dir))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIALS}
+    config = transformers.Qwen3VLConfig(text_config=TEXT, vision_config=IMAGE_VISION if images else VISION,
+                                        tie_word_embeddings=False,
+                                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                                        vision_start_token_id=ids["<|vision_start|>"],
+                                        vision_end_token_id=ids["<|vision_end|>"])
+    encoder = randomize_(transformers.Qwen3VLForConditionalGeneration(config).eval(), 5, 0.2)
     torch.manual_seed(0)
     transformer = randomize_(QwenImage21Transformer2DModel(**transformer_config), seed=10, scale=0.2).eval()
     vae = randomize_(AutoencoderKLQwenImage21(**VAE), seed=11, scale=0.15)
@@ -81,6 +112,12 @@ def save_pipeline(root, transformer_config=TRANSFORMER):
     index = json.loads((folder / "model_index.json").read_text())
     index["processor"] = ["transformers", "Qwen3VLProcessor"]       # what a real folder names
     (folder / "model_index.json").write_text(json.dumps(index))
+    if images:
+        (folder / "processor" / "preprocessor_config.json").write_text(json.dumps({
+            "image_processor_type": "Qwen2VLImageProcessorFast", "processor_class": "Qwen3VLProcessor", **PROCESSOR,
+            "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "do_convert_rgb": True, "resample": 3}))
+        pipe.processor = ImageProcessor(tokenizer)
     return folder, pipe
 
 

@@ -491,7 +491,8 @@ def config_from_original(weights: dict) -> dict:
 
 
 # LoRAs (lora/, the protocol's LoRADenoiser): diffusers / PEFT names are the model's own (ComfyUI's and musubi's
-# `diffusion_model.` prefixes are lora/'s to strip); a LoRA on ComfyUI's fused gate_up is refused (LORA_UNMAPPED)
+# `diffusion_model.` prefixes are lora/'s to strip); kohya's `lora_unet_<ComfyUI name, dots as underscores>` (what
+# ComfyUI's model_lora_keys_unet maps for every diffusion_model weight) reach them through lora/'s folded names
 LORA_NAME = "Qwen-Image 2.1 transformer"
 LORA_ARCHITECTURE = "Qwen-Image 2.1"     # its label in lora.ARCHITECTURES
 LORA_ORDER = 80     # before Qwen-Image's, whose img_mlp row its names also match
@@ -502,10 +503,13 @@ LORA_ORDER = 80     # before Qwen-Image's, whose img_mlp row its names also matc
 LORA_ARCHITECTURE_PATTERNS = (
     (re.compile(r"(^|[._])(transformer_blocks[._]\d+[._]img_mlp[._](proj|gate_layer|gate_up|out)|"
                 r"txt_in[._](in_layer|out_layer|text_norm))([._]|$)"), (LORA_ARCHITECTURE,)),)
-LORA_UNMAPPED = (re.compile(r"(^|[._])img_mlp[._]gate_up([._]|$)"),
-                 "names ComfyUI's fused SwiGLU gate_up, which mlxdiff keeps as diffusers' two layers (gate_layer, "
-                 "proj); re-save the LoRA in diffusers' names")
+# the released checkpoint's (and ComfyUI's) fused SwiGLU: a LoRA on it is one lora_down for both halves and a
+# lora_up whose rows are the gate's then the up projection's, as ORIGINAL_KEYMAP splits the weight
+_LORA_RULES = compile_rules([
+    (r"transformer_blocks\.(\d+)\.img_mlp\.gate_up\.weight",
+     (r"transformer_blocks.\1.img_mlp.gate_layer.weight", r"transformer_blocks.\1.img_mlp.proj.weight")),
+])
 
 
 def lora_original_rules(args) -> list:
-    return []
+    return _LORA_RULES

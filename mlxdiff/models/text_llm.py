@@ -375,7 +375,11 @@ class Model(nn.Module):
         formats/fp8.Fp8Embedding, MLX's QuantizedEmbedding)."""
         return {k: v for k, v in remap(weights, KEYMAP).items() if reads(k, self.args)}
 
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, inputs_embeds=None):
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, inputs_embeds=None, rope_tables=None,
+                 deepstack=()):
+        """`rope_tables`: (cos, sin) (B, 1, L, head_dim) in place of the RoPE at positions (Qwen3-VL's multimodal
+        positions: text_qwen3vl.mrope_tables); `deepstack`: (B, L, hidden) arrays added after the first layers,
+        one each (Qwen3-VL's deepstack image features: text_qwen3vl.scatter_images)."""
         if not isinstance(input_ids, mx.array):
             input_ids = mx.array(np.asarray(input_ids), dtype=mx.int32)
         batch, length = input_ids.shape
@@ -405,10 +409,14 @@ class Model(nn.Module):
         states = {0: h}
         for i, (layer, window) in enumerate(zip(self.layers, self.windows)):
             mask, blind = masks[window]
-            if position_ids is not None:
+            if rope_tables is not None:
+                h = through(layer, text_qwen3vl.block_with_tables, h, mask, blind, *rope_tables)
+            elif position_ids is not None:
                 h = through(layer, text_qwen3vl.block_at_positions, h, mask, blind, position_ids)
             else:
                 h = layer(h, mask) if blind is None else through(layer, block_with_blind_rows, h, mask, blind)
+            if i < len(deepstack):
+                h = h + deepstack[i].astype(h.dtype)
             states[i + 1] = h
         if self.args.tapped_final_norm:
             states[self.args.depth] = self.norm(h)

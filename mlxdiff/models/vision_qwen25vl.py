@@ -32,6 +32,7 @@ from PIL import Image
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..config_checks import MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, one_of
 from ..errors import MlxdiffError
@@ -45,17 +46,18 @@ PROCESSOR = dict(min_pixels=56 * 56, max_pixels=28 * 28 * 1280, patch_size=14, t
                  rescale_factor=1 / 255, do_resize=True, do_rescale=True, do_normalize=True, do_convert_rgb=True)
 
 
-def _vision_file():
-    """mlx_vlm/models/qwen2_5_vl/vision.py, its package __init__ files not run (module docstring)."""
-    name = PACKAGE + ".models.qwen2_5_vl.vision"
+def _vision_file(model="qwen2_5_vl", who="Qwen-Image-Edit"):
+    """mlx_vlm/models/<model>/vision.py, its package __init__ files not run (module docstring); `who` names the
+    pipeline that needs it in the line when mlx-vlm is missing."""
+    name = PACKAGE + f".models.{model}.vision"
     if name not in sys.modules:
         spec = importlib.util.find_spec("mlx_vlm")     # finds the installed package; runs none of it
         if spec is None or not spec.submodule_search_locations:
-            raise MlxdiffError("Qwen-Image-Edit's vision tower is mlx-vlm's, which is not installed; pip install "
+            raise MlxdiffError(f"{who}'s vision tower is mlx-vlm's, which is not installed; pip install "
                                "'mlxdiff[edit]' (or pip install --no-deps mlx-vlm)")
         root = Path(list(spec.submodule_search_locations)[0])
         for package, folder in ((PACKAGE, root), (PACKAGE + ".models", root / "models"),
-                                (PACKAGE + ".models.qwen2_5_vl", root / "models" / "qwen2_5_vl")):
+                                (PACKAGE + f".models.{model}", root / "models" / model)):
             if package not in sys.modules:
                 module = types.ModuleType(package)
                 module.__path__, module.__package__ = [str(folder)], package
@@ -142,6 +144,20 @@ class Model(nn.Module):
         return self.tower(pixel_values.astype(self.tower.patch_embed.proj.weight.dtype), grid)
 
 
+# python -m mlxdiff.convert writes the tower into the text encoder's folder (whose files it is read from), as
+# model.visual.* in torch's layouts: what sanitize reads back
+WRITTEN_WITH = "text_encoder"
+
+
+def stored_weights(model) -> dict:
+    """The tower's float weights under STORED_PREFIX, the Conv3d kernel back in torch's (O, I, T, H, W)."""
+    out = {}
+    for name, value in tree_flatten(model.parameters()):
+        key = name[len("tower."):]
+        out[STORED_PREFIX + key] = value.transpose(0, 4, 1, 2, 3) if key == "patch_embed.proj.weight" else value
+    return out
+
+
 def reads_stored(name: str, args: ModelArgs) -> bool:
     """The tower's tensors among the text encoder folder's (ComponentSpec.nbytes counts only these)."""
     return name.startswith(PREFIXES)
@@ -157,16 +173,16 @@ def whole_model_config(config: dict) -> dict:
 
 # -- the image processor ---------------------------------------------------------------------------------------------
 
-def processor_config(config: dict | None, where="the processor config") -> dict:
+def processor_config(config: dict | None, where="the processor config", defaults=PROCESSOR) -> dict:
     """preprocessor_config.json (Qwen2VLImageProcessor's keys; `size` {shortest_edge, longest_edge} as
-    transformers 5.x writes the pixel bounds) over PROCESSOR's defaults, checked."""
-    out = dict(PROCESSOR)
+    transformers 5.x writes the pixel bounds) over `defaults` (PROCESSOR: Qwen2.5-VL's), checked."""
+    out = dict(defaults)
     config = dict(config or {})
     size = config.get("size") if isinstance(config.get("size"), dict) else {}
     for key, ours in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels")):
         if size.get(key) is not None:
             out[ours] = size[key]
-    out.update({k: config[k] for k in PROCESSOR if config.get(k) is not None})
+    out.update({k: config[k] for k in defaults if config.get(k) is not None})
     for key in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
         value = out[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -17,11 +17,14 @@ whose behaviour mlxdiff follows prepare them, then encoded by the family's VAE.
   diffusers does). The inpaint pipelines' mask_processor is `binary_mask` (resized to the output size, grayscale,
   binarized at 0.5); the latent mask is it at every factor-th pixel (`latent_mask`: interpolate "nearest";
   SD3.5, FLUX.1, Z-Image, Qwen-Image) or interpolated bilinearly to the token grid (`bilinear_mask`: FLUX.2 klein).
+- Qwen-Image-Edit's and Qwen-Image 2.1's condition images: `calculate_dimensions` (their ~1 MP sizes),
+  `expand_image_pads` (the Qwen-VL processors' <|image_pad|> expansion), `image_digest` (the prompt cache's key).
 - Latent-blend inpainting (diffusers' StableDiffusion3InpaintPipeline, FluxInpaintPipeline,
   Flux2KleinInpaintPipeline, ZImageInpaintPipeline, QwenImageInpaintPipeline): after each step the kept area is put
   back (`inpaint_blend`, the `LatentInpainting` mixin's step).
 """
 
+import hashlib
 import math
 
 import numpy as np
@@ -39,6 +42,36 @@ from ..policy import RunPolicy, current, current_dtype
 
 REFERENCE_MAX_AREA = 1024 * 1024      # diffusers' Flux2Pipeline: larger references are scaled to this area
 REFERENCE_T_OFFSET = 10               # the time-axis position of reference i: 10 + 10 i (_prepare_image_ids)
+
+
+IMAGE_PAD = "<|image_pad|>"           # the Qwen-VL processors' image placeholder token
+
+
+def calculate_dimensions(target_area, ratio) -> tuple:
+    """diffusers' calculate_dimensions (QwenImageEdit*Pipeline, QwenImage21Pipeline): (width, height) of about
+    `target_area` pixels at aspect `ratio` (w / h), each rounded to a multiple of 32."""
+    width = math.sqrt(target_area * ratio)
+    height = width / ratio
+    return round(width / 32) * 32, round(height / 32) * 32
+
+
+def expand_image_pads(text, counts) -> str:
+    """Qwen2VLProcessor's / Qwen3VLProcessor's expansion: the i-th <|image_pad|> repeated as many times as image i
+    has merged tokens."""
+    parts = text.split(IMAGE_PAD)
+    if len(parts) - 1 != len(counts):
+        raise MlxdiffError(f"the prompt holds {len(parts) - 1} {IMAGE_PAD} tokens for {len(counts)} images; leave "
+                           f"{IMAGE_PAD} out of the prompt")
+    return parts[0] + "".join(IMAGE_PAD * n + part for n, part in zip(counts, parts[1:]))
+
+
+def image_digest(images) -> str:
+    """What the prompt cache keys the images by: their sizes, modes and pixels."""
+    digest = hashlib.sha1()
+    for image in images:
+        digest.update(repr((image.size, image.mode)).encode())
+        digest.update(np.asarray(image).tobytes())
+    return digest.hexdigest()
 
 
 def to_array(image) -> np.ndarray:

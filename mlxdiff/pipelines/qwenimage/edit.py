@@ -33,9 +33,6 @@ Not taken: strength without a mask (Edit starts from noise), image_noise without
 Qwen-Image-Edit-2511's zero_cond_t transformer is models/qwenimage.py's; the pipeline is Plus's.
 """
 
-import hashlib
-import math
-
 import numpy as np
 
 from ... import backend  # noqa: F401  (OpenBLAS preload before mlx)
@@ -47,6 +44,7 @@ from ...models import vision_qwen25vl
 from ...pacing import pace
 from ...policy import RunPolicy, current
 from .. import image_inputs
+from ..image_inputs import IMAGE_PAD, calculate_dimensions, expand_image_pads, image_digest
 from ..patches import pack_2x2
 from .pipeline import Conditioning, QwenImagePipeline, valid_rows
 
@@ -59,16 +57,7 @@ EDIT_TEMPLATE = ("<|im_start|>system\nDescribe the key features of the input ima
                  "<|im_start|>assistant\n")
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 PLUS_PICTURE = "Picture {}: " + IMAGE_PLACEHOLDER
-IMAGE_PAD = "<|image_pad|>"
 EDIT_DROP_TOKENS = 64
-
-
-def calculate_dimensions(target_area, ratio) -> tuple:
-    """diffusers' calculate_dimensions: (width, height) of about `target_area` pixels at aspect `ratio` (w / h),
-    each rounded to a multiple of 32."""
-    width = math.sqrt(target_area * ratio)
-    height = width / ratio
-    return round(width / 32) * 32, round(height / 32) * 32
 
 
 def edit_template(prompt, images, plus) -> str:
@@ -76,24 +65,6 @@ def edit_template(prompt, images, plus) -> str:
     if plus:
         return EDIT_TEMPLATE.format("".join(PLUS_PICTURE.format(i + 1) for i in range(images)) + prompt)
     return EDIT_TEMPLATE.format(IMAGE_PLACEHOLDER + prompt)
-
-
-def expand_image_pads(text, counts) -> str:
-    """Qwen2VLProcessor's expansion: the i-th <|image_pad|> repeated as many times as image i has merged tokens."""
-    parts = text.split(IMAGE_PAD)
-    if len(parts) - 1 != len(counts):
-        raise MlxdiffError(f"the prompt holds {len(parts) - 1} {IMAGE_PAD} tokens for {len(counts)} images; leave "
-                           f"{IMAGE_PAD} out of the prompt")
-    return parts[0] + "".join(IMAGE_PAD * n + part for n, part in zip(counts, parts[1:]))
-
-
-def image_digest(images) -> str:
-    """What the prompt cache keys the images by: their sizes and pixels."""
-    digest = hashlib.sha1()
-    for image in images:
-        digest.update(repr((image.size, image.mode)).encode())
-        digest.update(np.asarray(image).tobytes())
-    return digest.hexdigest()
 
 
 class QwenImageEditPipeline(QwenImagePipeline):

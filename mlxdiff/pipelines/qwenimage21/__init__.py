@@ -1,7 +1,9 @@
-"""Qwen-Image 2.1 (QwenImage21Pipeline folders): text-to-image. The transformer is models/qwenimage21.py (single
-stream, block-causal, the prompt's keys / values cached across steps), the VAE models/vae_qwenimage21.py (Wan 2.2's
-residual VAE made 2-D, RGBA), the text encoder Qwen3-VL's language model through models/text_llm.py. A transformer
-file (diffusers' or ComfyUI's names, safetensors or GGUF) replaces the folder's with transformer=."""
+"""Qwen-Image 2.1 (QwenImage21Pipeline folders): text-to-image and generation from condition images (image=). The
+transformer is models/qwenimage21.py (single stream, block-causal, the prompt's and condition images' keys / values
+cached across steps), the VAE models/vae_qwenimage21.py (Wan 2.2's residual VAE made 2-D, RGBA), the text encoder
+Qwen3-VL's language model through models/text_llm.py, its vision tower models/vision_qwen3vl.py (condition images
+only). A transformer file (diffusers' or ComfyUI's names, safetensors or GGUF) replaces the folder's with
+transformer=; LoRAs in diffusers' / PEFT, ComfyUI's and kohya's names."""
 
 from ...models import qwenimage21
 from ..family import Family
