@@ -3,15 +3,20 @@ StableDiffusionInpaintPipeline (SD 1.5's 9-channel inpainting UNet, and latent b
 StableDiffusionXLInpaintPipeline (latent blending; its 0.9999 default strength and denoising_start), on tiny twins
 (tests/ldm_helpers.py) from the same noise: final latents within 1e-4 and images within 2 levels (tests/parity.py),
 each input the test claims (the mask, the init image, the prompt, the strength, denoising_start) moving diffusers'
-own result by more than both.
+own result by more than both. Outpainting (outpaint=) equals inpainting the canvas built independently
+(tests/inpaint_helpers.py), bit for bit, and matches StableDiffusionXLInpaintPipeline on that canvas; mask_blur=
+matches diffusers given `mask_processor.blur(mask)`, the blur moving its result; bad outpainting input is one line.
 
 Noise: diffusers' inpainting with `latents=` ignores the init image below strength 1 (it starts from the noise
 alone), so below 1 it gets a torch Generator and the test draws what it draws, in its order: the init image's VAE
 posterior noise (when the init latents are needed), the noise, then the masked image's posterior noise; mlxdiff takes
 them as image_noise=, latents= and masked_image_noise=."""
 
+import re
+
 import numpy as np
 import PIL.Image
+import PIL.ImageFilter
 import pytest
 import torch
 
@@ -278,3 +283,119 @@ def test_command_line(sd15_inpaint, tmp_path, capsys):
         assert main(args + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+# -- outpainting and mask blur (generate(outpaint=, mask_blur=), --outpaint / --mask-blur) --------------------------
+SMALL = picture(20, 22, seed=6)       # padded by inpaint_helpers.PAD (4, 6, 0, 4): 24 x 32, the output size
+
+
+@pytest.mark.parametrize("name", ["inpaint", "sdxl"])
+def test_outpaint_is_inpainting_the_canvas(ours, name):
+    """Bit for bit, for the 9-channel UNet and SDXL's latent blending at their default strengths: outpainting (with
+    a mask inside and mask_blur on the mask made) equals inpainting the canvas built here (tests/inpaint_helpers.py,
+    numpy's edge padding) with its mask blurred by Pillow; the output size defaults to the canvas's."""
+    from inpaint_helpers import PAD, canvas_of
+    inner = mask_picture(20, 22)
+    canvas, canvas_mask = canvas_of(SMALL, inner)
+    posterior, noise, masked_noise = draws(21, 3)
+    kw = dict(steps=STEPS, guidance=4.0, latents=noise, image_noise=posterior, progress_bar=False,
+              **({"masked_image_noise": masked_noise} if name == "inpaint" else {}))
+    out = ours[name].generate(PROMPT, image=SMALL, outpaint=PAD, mask=inner, mask_blur=3, **kw)
+    inpainted = ours[name].generate(PROMPT, image=canvas, mask=canvas_mask.filter(PIL.ImageFilter.GaussianBlur(3)),
+                                    width=W, height=H, **kw)
+    assert out.image.size == (W, H)
+    assert np.array_equal(out.latents, inpainted.latents)
+    assert np.array_equal(np.asarray(out.image), np.asarray(inpainted.image))
+    assert any("inpainting where the outpainted border (4, 6, 0, 4 pixels left, top, right, bottom)" in n
+               for n in out.notes), out.notes
+
+
+def test_sdxl_outpaint_matches_diffusers_on_the_canvas(sdxl, ours):
+    """StableDiffusionXLInpaintPipeline given the canvas and its mask (its default strength 0.9999); the padding's
+    fill (edge pixels, not grey) and the border's width move its result."""
+    from inpaint_helpers import PAD, canvas_of
+    _, pipe = sdxl
+    canvas, canvas_mask = canvas_of(SMALL)
+    grey = PIL.Image.new("RGB", (W, H), (127, 127, 127))
+    grey.paste(SMALL, PAD[:2])
+    narrower = canvas_mask.copy()
+    narrower.paste(0, (0, 0, PAD[0], H))       # the left border kept, as a pad of (0, 6, 0, 4) with that fill
+    posterior, noise = draws(23, 2)
+    run = run_reference(pipe)
+    ref_latents, ref_image = assert_inputs_matter(
+        lambda **kw: run(**kw, generator=torch.Generator().manual_seed(23)),
+        dict(prompt=PROMPT, image=canvas, mask_image=canvas_mask),
+        {"the padding's fill": {"image": grey}, "the border": {"mask_image": narrower}})
+    got = ours["sdxl"].generate(PROMPT, image=SMALL, outpaint=PAD, steps=STEPS, guidance=4.0, latents=noise,
+                                image_noise=posterior, progress_bar=False)
+    assert_matches("sdxl outpaint", got, ref_latents, ref_image)
+
+
+@pytest.mark.parametrize("name", ["inpaint", "sdxl"])
+def test_mask_blur_matches_diffusers(sd15_inpaint, sdxl, ours, name):
+    """mask_blur=R against diffusers given `mask_processor.blur(mask, blur_factor=R)` as its mask (what diffusers
+    offers for a mask blur: its inpaint pipelines take no blur argument), for the 9-channel UNet at strength 1 and
+    SDXL's latent blending at 0.9999; the blur moves diffusers' result."""
+    _, pipe = sd15_inpaint if name == "inpaint" else sdxl
+    radius = 16      # at 12 the tiny latent mask (every 4th pixel of 24 x 32) is the unblurred one
+    blurred = pipe.mask_processor.blur(MASK, blur_factor=radius)
+    if name == "inpaint":
+        noise = np.random.default_rng(2).standard_normal(SHAPE).astype(np.float32)
+        (masked_noise,) = draws(25, 1)
+        run, extra = run_reference(pipe, latents=torch.tensor(noise)), dict(latents=noise,
+                                                                            masked_image_noise=masked_noise)
+    else:
+        posterior, noise = draws(25, 2)
+        run, extra = run_reference(pipe), dict(latents=noise, image_noise=posterior)
+    ref_latents, ref_image = assert_inputs_matter(
+        lambda **kw: run(**kw, generator=torch.Generator().manual_seed(25)),
+        dict(prompt=PROMPT, image=IMAGE, mask_image=blurred), {"the blur": {"mask_image": MASK}})
+    got = ours[name].generate(PROMPT, image=IMAGE, mask=MASK, mask_blur=radius, width=W, height=H, steps=STEPS,
+                              guidance=4.0, progress_bar=False, **extra)
+    assert_matches(f"{name} mask_blur {radius}", got, ref_latents, ref_image)
+
+
+def test_outpaint_cli_is_the_api(sdxl, ours, tmp_path, capsys):
+    """--image --outpaint --mask-blur on SDXL: the API's image at the canvas's size, both in the PNG's metadata."""
+    from mlxdiff.generate import main
+    folder, _ = sdxl
+    image, out = tmp_path / "in.png", tmp_path / "out.png"
+    SMALL.save(image)
+    args = ["--model", str(folder), "--prompt", PROMPT, "--steps", "2", "--seed", "5", "--no-progress",
+            "--output", str(out)]
+    assert main(args + ["--image", str(image), "--outpaint", "4,6,0,4", "--mask-blur", "2"]) == 0
+    api = ours["sdxl"].generate(PROMPT, image=str(image), outpaint=(4, 6, 0, 4), mask_blur=2, steps=2, seed=5,
+                                progress_bar=False)
+    cli = PIL.Image.open(out)
+    assert cli.size == (W, H) == api.image.size
+    assert np.array_equal(np.asarray(cli.convert("RGB")), np.asarray(api.image))
+    assert cli.text["mlxdiff:outpaint"] == "4,6,0,4" and cli.text["mlxdiff:mask_blur"] == "2"
+
+
+def test_bad_outpaint_is_one_line(sdxl, ours, tmp_path, capsys):
+    """The other families' refusals of bad outpainting and blur input, on SDXL and the 9-channel UNet: generate()
+    raises one line; the CLI exits 2 with one line (its checks, before the model loads)."""
+    from mlxdiff.generate import main
+    folder, _ = sdxl
+    image, out = tmp_path / "in.png", tmp_path / "out.png"
+    SMALL.save(image)
+    args = ["--model", str(folder), "--prompt", PROMPT, "--steps", "2", "--no-progress", "--output", str(out)]
+    for given, needle in ((dict(image=SMALL, outpaint=(-1, 0, 0, 0)), "outpaint=(-1, 0, 0, 0): expected 4 integers"),
+                          (dict(image=SMALL, outpaint=(0, 0, 0, 0)), "at least one above 0"),
+                          (dict(image=SMALL, outpaint=(0, 0, 4090, 0)), "the 20x22 image padded is 4110x22, past "
+                                                                        "4096 pixels a side; pad less"),
+                          (dict(outpaint=(4, 0, 0, 0)), "outpaint: pads an image; give image= (--image) too"),
+                          (dict(image=SMALL, mask_blur=2), "mask_blur: blurs a mask; give mask= (--mask) or "
+                                                           "outpaint=")):
+        for pipe in (ours["sdxl"], ours["inpaint"]):
+            with pytest.raises(MlxdiffError, match=re.escape(needle)) as e:
+                pipe.generate(PROMPT, steps=2, progress_bar=False, **given)
+            assert "\n" not in str(e.value), str(e.value)
+    for extra, needle in ((["--image", str(image), "--outpaint=-1,0,0,0"], "expected 4 integers"),
+                          (["--outpaint", "4,0,0,0"], "--outpaint 4,0,0,0: pads an image; give --image FILE too"),
+                          (["--image", str(image), "--mask-blur", "3"], "--mask-blur 3: blurs a mask")):
+        capsys.readouterr()
+        assert main(args + extra) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and err[0].startswith("mlxdiff: error: ") and needle in err[0], err
+        assert not out.exists()

@@ -8,13 +8,15 @@ StableDiffusionXLPipeline (and their Img2Img, Inpaint and ControlNet twins) step
              SDXL's micro-conditioning (sizes and crop) as added time ids
     decode:  the SD VAE (latents / scaling_factor)
 
-Inpainting (image= and mask=), as StableDiffusion(XL)InpaintPipeline: the mask resized (LANCZOS) to the output
-size, grayscale, binarized at 0.5 (white repaints); an inpainting UNet (9 input channels) takes the latents, the mask
-at the latent size (every factor-th pixel: interpolate "nearest") and the latents of the image with the repainted
-area blacked out (a VAE posterior sample) on its channels; a text-to-image UNet (4 channels) gets its kept area put
-back after each step (the init latents noised to the next step; clean after the last). At strength 1 (SD's default)
-the run starts from pure noise, below it from the init latents noised to the first step run; SDXL's default strength
-is 0.9999, and denoising_start= starts from the clean init latents at that share of the schedule, as there.
+Inpainting (image= and mask=), as StableDiffusion(XL)InpaintPipeline: the mask (blurred first with mask_blur=, as
+VaeImageProcessor.blur; outpaint= pads the image and makes the mask: image_inputs.take_mask) resized (LANCZOS) to
+the output size, grayscale, binarized at 0.5 (white repaints); an inpainting UNet (9 input channels) takes the
+latents, the mask at the latent size (every factor-th pixel: interpolate "nearest") and the latents of the image
+with the repainted area blacked out (a VAE posterior sample) on its channels; a text-to-image UNet (4 channels) gets
+its kept area put back after each step (the init latents noised to the next step; clean after the last). At strength
+1 (SD's default) the run starts from pure noise, below it from the init latents noised to the first step run; SDXL's
+default strength is 0.9999, and denoising_start= starts from the clean init latents at that share of the schedule,
+as there.
 
 ControlNet (load(controlnets=), generate(control_images=)), as StableDiffusion(XL)ControlNetPipeline (MultiControlNet
 for several): each control image resized (LANCZOS) to the output size in [0, 1] (the output size defaults to the first
@@ -44,8 +46,8 @@ from .folder import LDM_SCHEDULERS
 # SDXL's micro-conditioning keywords: (height, width) / (top, left) pairs that become the UNet's added time ids
 SIZE_OPTIONS = ("original_size", "crops_coords_top_left", "target_size", "negative_original_size",
                 "negative_crops_coords_top_left", "negative_target_size")
-# inpainting's and ControlNet's keywords
-INPAINT_OPTIONS = ("mask", "masked_image_noise", "denoising_start")
+# inpainting's (beside image_inputs.MASK_OPTIONS: mask, mask_blur, outpaint) and ControlNet's keywords
+INPAINT_OPTIONS = ("masked_image_noise", "denoising_start")
 CONTROL_OPTIONS = ("control_images", "control_scales", "control_start", "control_end")
 
 
@@ -83,17 +85,20 @@ class StableDiffusionPipeline(Pipeline):
     SDXL: `original_size`, `crops_coords_top_left`, `target_size` and their `negative_` forms, as diffusers'.
     `image=, mask=` (a PIL image or file; white repaints, black keeps): inpainting as StableDiffusion(XL)
     InpaintPipeline (strength default 1.0 for SD, 0.9999 for SDXL; the output size defaults to the model's, as
-    there); `masked_image_noise`: the posterior noise of the masked image's latents (an inpainting UNet's; default:
-    from the seed); SDXL `denoising_start` (0 < d < 1): start from the clean init latents at that share of the
-    schedule (strength ignored). `control_images=[...]` (one per ControlNet given to load), `control_scales`
-    (replacing load's), `control_start` / `control_end` (shares of the schedule, one or one per ControlNet)."""
+    there); `mask_blur`: the mask blurred first (VaeImageProcessor.blur); `outpaint=(left, top, right, bottom)`:
+    the image padded (edge pixels) and the border repainted, the output size defaulting to the canvas's cut to
+    the VAE's factor (image_inputs.take_mask); `masked_image_noise`: the posterior noise of the masked image's
+    latents (an inpainting UNet's; default: from the seed); SDXL `denoising_start` (0 < d < 1): start from the
+    clean init latents at that share of the schedule (strength ignored). `control_images=[...]` (one per
+    ControlNet given to load), `control_scales` (replacing load's), `control_start` / `control_end` (shares of
+    the schedule, one or one per ControlNet)."""
     family = "sd"
     DENOISER = "unet"
     STEP_CACHE = False
     STREAM_DTYPE = False      # a UNet has no residual stream to widen: float16 as it is
     SAMPLER_KIND = samplers.DISCRETE
     SIZE_OF_IMAGE = True      # an init image sets the size left out, on the command line too (README)
-    OPTIONS = {**Pipeline.OPTIONS, "clip_skip": None, "image_noise": None,
+    OPTIONS = {**Pipeline.OPTIONS, "clip_skip": None, "image_noise": None, **image_inputs.MASK_OPTIONS,
                **{name: None for name in SIZE_OPTIONS + INPAINT_OPTIONS + CONTROL_OPTIONS}}
 
     def __init__(self, sources, *args, **kwargs):
@@ -206,7 +211,7 @@ class StableDiffusionPipeline(Pipeline):
                                f"can be at most {most}; give a smaller --clip-skip (1 or 2, as UIs use it)")
 
     def default_strength(self, options):
-        return self.INPAINT_STRENGTH if options.get("mask") is not None else self.IMG2IMG_STRENGTH
+        return self.INPAINT_STRENGTH if image_inputs.inpainting(options) else self.IMG2IMG_STRENGTH
 
     def check_inputs(self, run):
         o = run.options
@@ -229,23 +234,27 @@ class StableDiffusionPipeline(Pipeline):
             run.height = run.height or max(factor, h - h % factor)
 
     def _take_inpainting(self, run):
-        """check_inputs' part: the mask (image_inputs.take_mask: only with the one init image), the inpainting
-        UNet's need of one, masked_image_noise and SDXL's denoising_start."""
+        """check_inputs' part: the mask, its blur and outpainting (image_inputs.take_mask: only with the one init
+        image; outpainting's output size the canvas's), the inpainting UNet's need of one, masked_image_noise and
+        SDXL's denoising_start."""
         o = run.options
-        image_inputs.take_mask(run)
+        image_inputs.take_mask(run, self.vae_scale_factor())
         masked = "mask" in run.state
         if self.inpainting_unet and not masked:
             raise MlxdiffError("this model's UNet is an inpainting one (9 input channels: the latents, a mask and "
-                               "the masked image); give image= and mask= (--image FILE --mask FILE)")
+                               "the masked image); give image= and mask= (--image FILE --mask FILE) or "
+                               "outpaint= (--outpaint L,T,R,B)")
         o["masked_image_noise"] = check_latents(o["masked_image_noise"])
         if o["masked_image_noise"] is not None and not (masked and self.inpainting_unet):
             raise MlxdiffError("masked_image_noise: the VAE posterior's noise of an inpainting UNet's masked image; "
-                               "give it with image= and mask= to a 9-channel inpainting model, or leave it out")
+                               "give it with image= and mask= (or outpaint=) to a 9-channel inpainting model, or "
+                               "leave it out")
         start = o["denoising_start"] = check_number("denoising_start", o["denoising_start"])
         if start is not None:
             if not (self.xl and masked):
                 raise MlxdiffError("denoising_start: SDXL inpainting's (StableDiffusionXLInpaintPipeline) start at "
-                                   "a share of the schedule; give it to an SDXL model with image= and mask=")
+                                   "a share of the schedule; give it to an SDXL model with image= and mask= (or "
+                                   "outpaint=)")
             if start >= 1:
                 raise MlxdiffError(f"denoising_start={start:g}: must be above 0 and below 1")
 
