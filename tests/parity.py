@@ -17,12 +17,16 @@ def rel_diff(a, b) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
+def eight_bit(image) -> np.ndarray:
+    """An image as int32 8-bit levels: a float image in [0, 1] rounded as diffusers' PIL output is, else as it is."""
+    image = np.asarray(image)
+    return np.round(image * 255).astype(np.int32) if image.dtype.kind == "f" else image.astype(np.int32)
+
+
 def levels(ours_image, ref) -> int:
-    """The largest difference in 8-bit levels between a PIL image (or uint8 array) and a reference: a float image
-    in [0, 1] (rounded as diffusers' PIL output is) or another 8-bit image."""
-    ours = np.asarray(ours_image).astype(np.int32)
-    ref = np.asarray(ref)
-    ref = np.round(ref * 255).astype(np.int32) if ref.dtype.kind == "f" else ref.astype(np.int32)
+    """The largest difference in 8-bit levels between two images, each a PIL image, an 8-bit array or a float image
+    in [0, 1] (rounded as diffusers' PIL output is): assert_moves compares two reference images, often both float."""
+    ours, ref = eight_bit(ours_image), eight_bit(ref)
     assert ours.shape == ref.shape, f"shape {ours.shape} != {ref.shape}"
     return int(np.abs(ours - ref).max())
 
