@@ -8,9 +8,10 @@ import coremltools as ct
 import numpy as np
 import torch
 from coremltools.models.utils import bisect_model
-from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
+from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, decompress_weights, palettize_weights
 
 from helpers import randomize_
+from mlxdiff.formats import coreml
 
 
 class Wrapper(torch.nn.Module):
@@ -78,6 +79,44 @@ class AppleStyle(torch.nn.Module):
         return self.model(x, t, c, return_dict=False)[0]
 
 
+# -- the packages' weights as coremltools reads them: what diffusers runs in the parity tests ---------------------
+
+def decompressed(mlmodel) -> dict:
+    """coremltools' decompress_weights: {const name: value} of the decompressed program (its const ops; read from
+    the program, as get_weights_metadata trips over the text encoder's list-input ops)."""
+    program = decompress_weights(mlmodel)._mil_program
+    return {op.outputs[0].name: np.asarray(op.outputs[0].val) for op in program.functions["main"].operations
+            if op.op_type == "const"}
+
+
+def as_read(package, model, coreml_models) -> dict:
+    """`model`'s state dict as the package holds it: each weight found by mlxdiff's name mapping (formats/coreml),
+    its value coremltools' own (decompress_weights of the MLModel each program came from, in coreml.parts' order),
+    checked equal bit for bit to mlxdiff's decode and close to the module's own weight (float16 as ct.convert
+    stores it; a fused LayerNorm's beta is recomputed by the converter, so not always the module's rounding)."""
+    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
+    renamed = {("text_model." + k if type(model).__name__ == "CLIPTextModel" and not k.startswith("text_model.")
+                else k): k for k in sd}
+    targets = {n: tuple(sd[k].shape) for n, k in renamed.items()}
+    out = {}
+    for part, mlmodel in zip(coreml.parts(package), coreml_models):
+        found = coreml._mapped(part, {k: v for k, v in targets.items() if renamed[k] not in out}, None)
+        palettized = any(isinstance(v, coreml.LutWeight) for v, _ in found.values())
+        ref = decompressed(mlmodel) if palettized else {}
+        for n, (value, const) in found.items():
+            k = renamed[n]
+            if isinstance(value, coreml.LutWeight):
+                theirs = ref[const]
+                assert np.array_equal(value.dense(), theirs), n
+            else:     # stored as ct.convert stores it: the module's float16, or a value the converter fused
+                theirs = np.asarray(value)
+                assert np.allclose(theirs.astype(np.float32).reshape(sd[k].shape), sd[k].numpy(), rtol=2e-3,
+                                   atol=2e-4), n
+            out[k] = torch.from_numpy(np.ascontiguousarray(theirs.astype(np.float32).reshape(sd[k].shape)))
+    assert set(out) == set(sd)
+    return out
+
+
 # -- Apple's folder: what ml-stable-diffusion's torch2coreml.py writes, made here with coremltools as it calls it ----
 
 # a tiny SD 1.5 whose sizes follow the released model's rules that a folder without configs is read by (norm groups
@@ -127,11 +166,13 @@ class VAEEncoderWrapper(torch.nn.Module):
         return self.quant_conv(self.encoder(x))
 
 
-def convert(module, inputs: dict, outputs, target=None):
+def convert(module, inputs: dict, outputs, target=None, precision=None):
     """torch.jit.trace + ct.convert as torch2coreml._convert_to_coreml calls it: mlprogram, named float32
-    inputs and outputs, its deployment target (iOS 16 by default)."""
+    inputs and outputs, its deployment target (iOS 16 by default), its compute precision (float16 unless
+    `precision`: --xl-version's VAE is ct.precision.FLOAT32)."""
     traced = torch.jit.trace(module.eval(), tuple(inputs.values()), check_trace=False)
     return ct.convert(traced, convert_to="mlprogram", minimum_deployment_target=target or ct.target.iOS16,
+                      compute_precision=precision or ct.precision.FLOAT16,
                       inputs=[ct.TensorType(name=n, shape=v.shape, dtype=np.float32) for n, v in inputs.items()],
                       outputs=[ct.TensorType(name=n, dtype=np.float32) for n in outputs])
 
@@ -179,3 +220,135 @@ def write_apple_folder(root, unet, text_encoder, vae, vocab, nbits=6):
     for name in ("vocab.json", "merges.txt"):
         shutil.copy(Path(vocab) / name, compiled / name)
     return models
+
+
+# -- SDXL as torch2coreml.py --xl-version converts it ------------------------------------------------------------------
+
+# a tiny SDXL whose sizes follow the released model's rules that a folder without configs is read by (64-wide heads,
+# the first level without attention, transformer depths rising, six time ids): widths all differ (UNet 32 / 128,
+# text 64 (CLIP-L's place) + 128 (OpenCLIP bigG's, projected to 96), so a 192-wide text, time ids 8 wide)
+APPLE_XL_UNET = dict(sample_size=12, in_channels=4, out_channels=4, block_out_channels=(32, 128), layers_per_block=1,
+                     down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                     up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), cross_attention_dim=192,
+                     attention_head_dim=(1, 2), transformer_layers_per_block=(1, 2), use_linear_projection=True,
+                     addition_embed_type="text_time", addition_time_embed_dim=8,
+                     projection_class_embeddings_input_dim=96 + 6 * 8, norm_num_groups=32)
+APPLE_XL_CLIP_2 = dict(vocab_size=49408, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                       num_attention_heads=2, max_position_embeddings=77, hidden_act="gelu", projection_dim=96,
+                       eos_token_id=49407, bos_token_id=49406, pad_token_id=1)
+
+
+class AppleStyleXL(AppleStyle):
+    """UNet2DConditionModelXL as torch2coreml traces it: the added conditioning as two more inputs, time_ids
+    [batch, 6] and text_embeds [batch, pooled]."""
+
+    def forward(self, x, t, c, time_ids, text_embeds):
+        return self.model(x, t, c, added_cond_kwargs={"time_ids": time_ids, "text_embeds": text_embeds},
+                          return_dict=False)[0]
+
+
+class TextEncoderXLWrapper(torch.nn.Module):
+    """convert_text_encoder's wrapper with --xl-version (with_hidden_states_for_layer=-2): the penultimate hidden
+    states, and the pool (CLIPTextModelWithProjection's text_embeds, CLIPTextModel's pooler_output)."""
+
+    def __init__(self, text_encoder):
+        super().__init__()
+        self.text_encoder = text_encoder
+
+    def forward(self, input_ids):
+        output = self.text_encoder(input_ids, output_hidden_states=True)
+        pooled = output.text_embeds if "text_embeds" in output else output.pooler_output
+        return output.hidden_states[-2], pooled
+
+
+def apple_xl_twins(seed=0):
+    """(unet, text_encoder, text_encoder_2, vae) torch twins of the tiny SDXL, random."""
+    from diffusers import AutoencoderKL, UNet2DConditionModel  # heavy: diffusers, for the modules that build twins
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection  # heavy, likewise
+    torch.manual_seed(seed)
+    return (randomize_(UNet2DConditionModel(**APPLE_XL_UNET).eval(), seed=5, scale=0.1),
+            randomize_(CLIPTextModel(CLIPTextConfig(**APPLE_CLIP)).eval(), seed=6, scale=0.1),
+            randomize_(CLIPTextModelWithProjection(CLIPTextConfig(**APPLE_XL_CLIP_2)).eval(), seed=7, scale=0.1),
+            randomize_(AutoencoderKL(**APPLE_VAE).eval(), seed=8, scale=0.3))     # the image moves with the latents
+
+
+# mixed_bit_compression_apply.py's recipes: {module: nbits}, nbits of NBITS ([1, 2, 4, 6, 8]) or 16 (kept float16),
+# each weight matched to its module and palettized by k-means with its own nbits. PALETTIZE_MIN_SIZE (1e5 elements)
+# is lowered to this for the tiny model, so that most layers get a palette (above its biases, 1024 at most, as
+# the real threshold is above the real ones).
+MIXED_BIT_MIN_SIZE = 2048
+MIXED_NBITS = (1, 2, 4, 6, 8, 16)
+
+
+def mixed_bit_recipe(unet) -> dict:
+    """A recipe as mixed_bit_compression_pre_analysis writes one, over the UNet's layers with a weight of at least
+    MIXED_BIT_MIN_SIZE elements: the nbits cycled through MIXED_NBITS, so every width Apple allows occurs."""
+    names = [n[:-len(".weight")] for n, p in unet.named_parameters()
+             if n.endswith(".weight") and p.dim() > 1 and p.numel() >= MIXED_BIT_MIN_SIZE]
+    return {name: MIXED_NBITS[i % len(MIXED_NBITS)] for i, name in enumerate(names)}
+
+
+def apply_mixed_bit_recipe(mlmodel, unet, recipe):
+    """mixed_bit_compression_apply.main: each weight op matched to its module by the hash that script uses (its
+    first float16 value plus its size; the nearest wins, so two layers of one shape may trade widths, as there),
+    then palettize_weights with one OpPalettizerConfig per op name. Returns (the MLModel, {op name: the nbits it
+    was given, 16 for float16})."""
+    import coremltools.optimize.coreml as cto
+
+    def tensor_hash(tensor):
+        return float(tensor.ravel()[0]) + float(np.prod(tensor.shape))
+
+    params = dict(unet.named_parameters())
+    hashed = {tensor_hash(params[name + ".weight"].detach().numpy().astype(np.float16)): nbits
+              for name, nbits in recipe.items()}
+    hashes = np.array(list(hashed))
+    configs, applied = {}, {}
+    for name, metadata in cto.get_weights_metadata(mlmodel, weight_threshold=MIXED_BIT_MIN_SIZE).items():
+        distance = np.abs(hashes - tensor_hash(metadata.val))
+        assert distance.min() < 0.01, name
+        applied[name] = nbits = hashed[hashes[distance.argmin()]]
+        if nbits != 16:
+            configs[name] = cto.OpPalettizerConfig(mode="kmeans", nbits=nbits, weight_threshold=MIXED_BIT_MIN_SIZE)
+    return cto.palettize_weights(mlmodel, cto.OptimizationConfig(op_name_configs=configs)), applied
+
+
+def write_apple_xl_folder(root, unet, text_encoder, text_encoder_2, vae, vocab, nbits=6):
+    """Apple's SDXL folder under `root`, as torch2coreml.py --xl-version writes it: packages/ (TextEncoder and
+    TextEncoder2 (penultimate hidden states and the pool), UnetChunk1 + UnetChunk2 of the UNet with its time_ids
+    and text_embeds inputs, VAEDecoder and VAEEncoder converted in float32 as --xl-version does), the encoders
+    palettized `nbits`-bit (--quantize-nbits), the UNet by a mixed-bit recipe (mixed_bit_recipe); the whole
+    Unet.mlpackage in root/whole/; vocab.json / merges.txt in compiled/. Returns ({name: MLModel}, {the UNet's
+    weight op name: the nbits the recipe gave it})."""
+    root = Path(root)
+    packages, compiled, whole = root / "packages", root / "compiled", root / "whole"
+    for d in (packages, compiled, whole):
+        d.mkdir(parents=True)
+    h, w = LATENT
+    ids = {"input_ids": torch.zeros(1, 77, dtype=torch.int32)}
+    models = {
+        "TextEncoder": convert(TextEncoderXLWrapper(text_encoder), ids, ("hidden_embeds", "pooled_outputs")),
+        "TextEncoder2": convert(TextEncoderXLWrapper(text_encoder_2), ids, ("hidden_embeds", "pooled_outputs")),
+        "VAEDecoder": convert(VAEDecoderWrapper(vae), {"z": torch.zeros(1, 4, h, w)}, ("image",),
+                              precision=ct.precision.FLOAT32),
+        "VAEEncoder": convert(VAEEncoderWrapper(vae), {"x": torch.zeros(1, 3, 2 * h, 2 * w)}, ("latent",),
+                              precision=ct.precision.FLOAT32),
+    }
+    width, pooled = unet.config.cross_attention_dim, text_encoder_2.config.projection_dim
+    sizes = [2.0 * h, 2.0 * w, 0, 0, 2.0 * h, 2.0 * w]       # original size, crop, target size (the pixels')
+    unet_model = convert(AppleStyleXL(unet), {"sample": torch.zeros(2, 4, h, w), "timestep": torch.tensor([10.0] * 2),
+                                              "encoder_hidden_states": torch.zeros(2, 77, width),
+                                              "time_ids": torch.tensor([sizes] * 2),
+                                              "text_embeds": torch.zeros(2, pooled)}, ("noise_pred",))
+    palettizing = OptimizationConfig(global_config=OpPalettizerConfig(mode="kmeans", nbits=nbits),
+                                     op_type_configs={"gather": None})
+    models["Unet"], applied = apply_mixed_bit_recipe(unet_model, unet, mixed_bit_recipe(unet))
+    for name in ("TextEncoder", "TextEncoder2"):
+        models[name] = palettize_weights(models[name], palettizing)
+    for name, model in models.items():
+        model.save(str((whole if name == "Unet" else packages) / f"{name}.mlpackage"))
+    bisect_model(str(whole / "Unet.mlpackage"), str(root / "bisect"), check_output_correctness=False)
+    for i in (1, 2):
+        shutil.move(str(root / "bisect" / f"Unet_chunk{i}.mlpackage"), str(packages / f"UnetChunk{i}.mlpackage"))
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copy(Path(vocab) / name, compiled / name)
+    return models, applied

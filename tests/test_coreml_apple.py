@@ -30,10 +30,9 @@ from mlxdiff.loading.quantize import parameter_nbytes
 from mlxdiff.pipelines import LoadRequest, detect
 
 from coremltools.models.utils import bisect_model
-from coremltools.optimize.coreml import decompress_weights
 import fixture_guard
 from conftest import ASSETS, FIXTURES
-from coreml_helpers import apple_twins, write_apple_folder
+from coreml_helpers import apple_twins, as_read, write_apple_folder
 from helpers import max_rel_err
 from ldm_helpers import clip_tokenizer, reference, showing_moves
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
@@ -43,42 +42,6 @@ warnings.filterwarnings("ignore")
 H, W = 32, 24                 # latents 16 x 12 (the tiny VAE's factor is 2; diffusers wants multiples of 8)
 PROMPT = "a red fox in the snow"
 STEPS = 3
-
-
-def _decompressed(mlmodel) -> dict:
-    """coremltools' decompress_weights: {const name: value} of the decompressed program (its const ops; read from
-    the program, as get_weights_metadata trips over the text encoder's list-input ops)."""
-    program = decompress_weights(mlmodel)._mil_program
-    return {op.outputs[0].name: np.asarray(op.outputs[0].val) for op in program.functions["main"].operations
-            if op.op_type == "const"}
-
-
-def _as_read(package, model, coreml_models) -> dict:
-    """`model`'s state dict as the package holds it: each weight found by mlxdiff's name mapping (formats/coreml),
-    its value coremltools' own (decompress_weights of the MLModel each program came from, in coreml.parts' order),
-    checked equal bit for bit to mlxdiff's decode and close to the module's own weight (float16 as ct.convert
-    stores it; a fused LayerNorm's beta is recomputed by the converter, so not always the module's rounding)."""
-    sd = {k: v for k, v in model.state_dict().items() if not k.endswith("position_ids")}
-    renamed = {("text_model." + k if type(model).__name__ == "CLIPTextModel" and not k.startswith("text_model.")
-                else k): k for k in sd}
-    targets = {n: tuple(sd[k].shape) for n, k in renamed.items()}
-    out = {}
-    for part, mlmodel in zip(coreml.parts(package), coreml_models):
-        found = coreml._mapped(part, {k: v for k, v in targets.items() if renamed[k] not in out}, None)
-        palettized = any(isinstance(v, coreml.LutWeight) for v, _ in found.values())
-        ref = _decompressed(mlmodel) if palettized else {}
-        for n, (value, const) in found.items():
-            k = renamed[n]
-            if isinstance(value, coreml.LutWeight):
-                theirs = ref[const]
-                assert np.array_equal(value.dense(), theirs), n
-            else:     # stored as ct.convert stores it: the module's float16, or a value the converter fused
-                theirs = np.asarray(value)
-                assert np.allclose(theirs.astype(np.float32).reshape(sd[k].shape), sd[k].numpy(), rtol=2e-3,
-                                   atol=2e-4), n
-            out[k] = torch.from_numpy(np.ascontiguousarray(theirs.astype(np.float32).reshape(sd[k].shape)))
-    assert set(out) == set(sd)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +59,10 @@ def apple(tmp_path_factory):
     parts = dict(unet=unet, text_encoder=text_encoder, vae=vae, tokenizer=tokenizer, scheduler=scheduler,
                  safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     pipe = StableDiffusionPipeline(**parts)      # the twins, their conversion done: now on the packages' weights
-    pipe.unet.load_state_dict(_as_read(packages / "UnetChunk1.mlpackage", unet, [models["Unet"]]))
-    pipe.text_encoder.load_state_dict(_as_read(packages / "TextEncoder.mlpackage", text_encoder,
+    pipe.unet.load_state_dict(as_read(packages / "UnetChunk1.mlpackage", unet, [models["Unet"]]))
+    pipe.text_encoder.load_state_dict(as_read(packages / "TextEncoder.mlpackage", text_encoder,
                                                [models["TextEncoder"]]), strict=False)
-    pipe.vae.load_state_dict(_as_read(packages / "VAEDecoder.mlpackage", vae,            # + its VAEEncoder
+    pipe.vae.load_state_dict(as_read(packages / "VAEDecoder.mlpackage", vae,            # + its VAEEncoder
                                       [models["VAEDecoder"], models["VAEEncoder"]]))
     pipe.save_pretrained(str(root / "diffusers"))   # the same weights as a diffusers folder (float32)
     return root / "apple", root / "diffusers", pipe, models

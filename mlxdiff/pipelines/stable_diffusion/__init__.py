@@ -55,7 +55,8 @@ FAMILY = Family(
     read_folder=read_folder,
     claims_folder=claims_folder, read_claimed_folder=read_apple_folder,   # Apple's Core ML folders
     keywords={"transformer": "a file replacing the denoiser", "vae": "a VAE file replacing the model's",
-              "prediction_type": "an SD 2.x single file's prediction (its tensors do not say)"},
+              "prediction_type": "an SD 2.x single file's or Apple Core ML folder's prediction (its tensors do "
+                                 "not say)"},
     instead={"text_encoders": SD_ONLY, "text_encoder": SD_ONLY, "tokenizer": SD_ONLY},
     reference="mlxdiff.reference.stable_diffusion",
     order=60,
