@@ -1,8 +1,10 @@
 """Parity of mlxdiff.models.krea2 with diffusers' Krea2Transformer2DModel: a batch of two prompts with padding in
 the middle of the text (Krea2Pipeline's layout) and without, a non-square latent grid, the positions and mask
-mattering; compiled and plain blocks; a file in krea-ai's original names (the names diffusers'
+mattering; compiled and plain blocks; rows of one valid count run without their padded tokens and without a mask,
+as the masked forward; a file in krea-ai's original names (the names diffusers'
 convert_krea2_transformer_checkpoint_to_diffusers reads, checked against it), its config read off the shapes."""
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -60,6 +62,40 @@ def test_block_by_block_compiled_and_plain(saved):
     for policy in (RunPolicy(compile_blocks=True), RunPolicy(fuse=False)):
         with installed(policy):
             assert max_rel_err(mlx_forward(ours, inputs, mask), out) <= 1e-5, policy
+
+
+def test_padded_text_dropped(saved, monkeypatch):
+    """Rows that keep the same number of text tokens (here 7 of 11, the padding at different places) run without
+    the padded ones and without a mask: the same image tokens as the masked forward, diffusers' numbers."""
+    torch_model, folder = saved
+    ours = load_ours(folder, krea2)
+    two = make_inputs()
+    mask = np.ones((2, TEXT_LEN), bool)
+    mask[0, 4:8] = mask[1, 2:6] = False
+    # the masked forward: with an all-valid third row the counts differ, so the mask stays
+    three = {k: np.concatenate([v, v[:1]]) for k, v in two.items()}
+    masks_seen = []
+
+    def recording(q, k, v, scale, mask=None):
+        masks_seen.append(mask)
+        return fused_attention(q, k, v, scale, mask)
+    fused_attention = krea2.attention
+    monkeypatch.setattr(krea2, "attention", recording)
+    masked = mlx_forward(ours, three, np.concatenate([mask, np.ones((1, TEXT_LEN), bool)]))[:2]
+    assert any(m is not None for m in masks_seen)
+    masks_seen.clear()
+    shapes = []
+    trimmed = mlx_forward(ours, two, mask, after_block=lambda h: shapes.append(h.shape))
+    assert masks_seen and all(m is None for m in masks_seen)
+    assert shapes[0][1] == 7 + GRID[0] * GRID[1]
+    err = max_rel_err(trimmed, masked)
+    print(f"Krea 2 trimmed vs masked forward: max_rel_err {err:.2e}, max abs {np.abs(trimmed - masked).max():.2e}")
+    assert err <= 1e-5
+    assert max_rel_err(trimmed, torch_forward(torch_model, two, mask)) <= 1e-4
+    # one prompt (the pipeline's batch), and a batch whose counts differ keeps the mask
+    one = {k: v[:1] for k, v in two.items()}
+    assert max_rel_err(mlx_forward(ours, one, mask[:1]), masked[:1]) <= 1e-5
+    assert krea2.kept_text_tokens(text_mask(), position_ids()[:TEXT_LEN]) is None
 
 
 def test_original_file(saved, tmp_path):

@@ -10,7 +10,10 @@ image tokens at (0, row, column)) and a sigmoid output gate (to_gate), a SwiGLU 
 shared time projection (time_mod_proj of GELU-tanh(temb)) plus the block's learned scale_shift_table (6 rows:
 prescale, preshift, pregate, postscale, postshift, postgate). The timestep embedding is a cos-first sinusoid of
 1000 t; the final layer modulates with temb itself plus its own 2-row table. Padded text tokens are masked as keys
-everywhere; their own rows are never read back (the output is the image tokens').
+everywhere; their own rows are never read back (the output is the image tokens'). So when every row of the batch
+keeps the same number of text tokens (one prompt: the pipeline's case, 512 tokens of which a prompt's ~45 valid),
+the padded ones are dropped before the text fusion instead: the same numbers, shorter sequences, no mask
+(kept_text_tokens).
 
 Files: diffusers' names (a Krea2Transformer2DModel folder), and krea-ai's original names (`first`, `tmlp`, `tproj`,
 `txtmlp`, `txtfusion`, `blocks.N.attn.wq`, `.prenorm.scale`, `.mod.lin`, `last.*`; bare or under
@@ -257,6 +260,20 @@ class FinalLayer(nn.Module):
         return self.linear((1.0 + scale) * self.norm(h).astype(temb.dtype) + shift)
 
 
+def kept_text_tokens(valid, txt_ids):
+    """The valid text tokens' indices (B, n) when the key mask `valid` (B, L) can be dropped by dropping the padded
+    tokens: every row keeps the same number n >= 1 (one prompt, or prompts of one length) and the kept tokens of
+    every row have the same RoPE ids (`txt_ids` (L, 3) is shared by the batch; Krea2Pipeline's are all zero). Else
+    None: the mask stays."""
+    valid = valid.astype(bool)
+    counts = valid.sum(axis=1)
+    if counts.min() != counts.max() or counts[0] == 0:
+        return None
+    kept = np.stack([np.flatnonzero(row) for row in valid]).astype(np.int32)
+    kept_ids = txt_ids[kept]
+    return kept if (kept_ids == kept_ids[:1]).all() else None
+
+
 # the embedders, the shared time projection, the text fusion's projector and the output layers stay in full
 # precision (loading/quantize.py)
 FULL_PRECISION = re.compile(r"(img_in|time_embed\..*|time_mod_proj|txt_in\..*|text_fusion\.projector|final_layer\..*)")
@@ -302,15 +319,25 @@ class Model(nn.Module):
         if ids.shape != (n_txt + n_img, 3):
             raise MlxdiffError(f"position_ids has shape {ids.shape}; expected (text + image tokens, 3) = "
                                f"({n_txt + n_img}, 3)")
-        cos, sin = cached_rope(self, ids[n_txt:], ids[:n_txt], self.args.axes_dims_rope, self.args.rope_theta)
+        img_ids, txt_ids = ids[n_txt:], ids[:n_txt]
         text_mask = mask = None
         if encoder_attention_mask is not None:
             if tuple(encoder_attention_mask.shape) != (b, n_txt):
                 raise MlxdiffError(f"encoder_attention_mask has shape {tuple(encoder_attention_mask.shape)}; "
                                    f"expected (batch, text tokens) = ({b}, {n_txt})")
-            keys = encoder_attention_mask.astype(mx.bool_)
-            text_mask = keys[:, None, None, :]
-            mask = mx.concatenate([keys, mx.ones((b, n_img), dtype=mx.bool_)], axis=1)[:, None, None, :]
+            kept = kept_text_tokens(np.asarray(encoder_attention_mask), txt_ids)
+            if kept is not None:
+                # padded tokens only ever enter as masked keys and their rows are dropped at the output: without
+                # them the numbers are the same, the sequences shorter, and SDPA gets no mask (its fused path)
+                if kept.shape[1] < n_txt:
+                    encoder_hidden_states = mx.take_along_axis(encoder_hidden_states,
+                                                               mx.array(kept)[:, :, None, None], axis=1)
+                    txt_ids, n_txt = txt_ids[kept[0]], kept.shape[1]
+            else:
+                keys = encoder_attention_mask.astype(mx.bool_)
+                text_mask = keys[:, None, None, :]
+                mask = mx.concatenate([keys, mx.ones((b, n_img), dtype=mx.bool_)], axis=1)[:, None, None, :]
+        cos, sin = cached_rope(self, img_ids, txt_ids, self.args.axes_dims_rope, self.args.rope_theta)
         timestep = timestep if isinstance(timestep, mx.array) else mx.array(np.asarray(timestep, np.float32))
         temb = self.time_embed(timestep.reshape(-1), dtype)
         temb_mod = self.time_mod_proj(nn.gelu_approx(temb))
