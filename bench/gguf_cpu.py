@@ -67,10 +67,10 @@ def write_file(path: Path):
     import torch
     from diffusers import Flux2Transformer2DModel
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_flux2_transformer import diffusers_to_original
-    from test_gguf_models import write_city96_gguf
+    from gguf_helpers import write_city96_gguf
+    from twins import flux2_to_bfl
     with torch.device("meta"):
-        shapes = diffusers_to_original(Flux2Transformer2DModel(**KLEIN_4B).state_dict(), KLEIN_4B)
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**KLEIN_4B).state_dict(), KLEIN_4B)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
     t = time.perf_counter()

@@ -97,7 +97,7 @@ def run_diffusers(args):
     import torch
     from diffusers import DiffusionPipeline
     from diffusers.hooks.hooks import CacheContext, _set_cache_context
-    from test_step_cache import _Recorder
+    from step_cache_helpers import FirstBlockCacheRecorder
 
     class Patch:
         def setattr(self, owner, name, value):
@@ -109,7 +109,7 @@ def run_diffusers(args):
     if taps:     # the embedded default's own settings (a check of this script), which diffusers does not read
         taps["text_encoder_out_layers"] = tuple(taps["text_encoder_out_layers"])
     pipe = DiffusionPipeline.from_pretrained(args.folder, torch_dtype=torch.bfloat16).to(args.device)
-    recorder = _Recorder(Patch(), pipe.transformer, args.threshold)
+    recorder = FirstBlockCacheRecorder(Patch(), pipe.transformer, args.threshold)
     _set_cache_context(pipe.transformer, CacheContext("cond"))
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     sync()

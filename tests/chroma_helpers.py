@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import parity
-from conftest import ASSETS, FIXTURES
-from helpers import max_rel_err, randomize_
+from helpers import ASSETS, FIXTURES, max_rel_err, randomize_
 
 
 H, W = 40, 24      # non-square; multiples of 2 (the VAE) x 2 (the patches)

@@ -13,8 +13,7 @@ import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 import parity
-from conftest import ASSETS, FIXTURES
-from helpers import max_rel_err, randomize_
+from helpers import ASSETS, FIXTURES, max_rel_err, randomize_
 
 # -- the tiny FluxPipeline (tests/test_flux1_pipeline.py) --------------------------------------------------------------
 

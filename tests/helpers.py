@@ -1,7 +1,7 @@
 """Shared test helpers: the error measure used by every parity test, seeded randomisation of torch models, the round
 trip of a tiny torch model through a save_pretrained folder into mlxdiff (saved_model_fixture, load_ours), and the
 MLX peak of a block of work above what was live before it (mlx_peak_above_live), measured in a fresh process
-(in_fresh_process)."""
+(in_fresh_process); where the real tokenizer files are (ASSETS, FIXTURES)."""
 
 import base64
 import functools
@@ -22,6 +22,11 @@ import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.core as mx
 
 from mlxdiff.policy import RunPolicy, installed
+
+# the real CLIP and T5 tokenizer files the tiny twins tokenize with: mlxdiff's bundled copies, and the same files in
+# the shared fixtures folder beside the checkout where a machine has it
+ASSETS = Path(mlxdiff.__file__).parent / "assets" / "tokenizers"
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tokenizers"
 
 
 class Peak:

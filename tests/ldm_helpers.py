@@ -16,6 +16,8 @@ import re
 
 import numpy as np
 
+from helpers import ASSETS, FIXTURES
+
 RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1", "norm2": "out_layers.0",
           "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
 UNET_TOP = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
@@ -209,7 +211,6 @@ def clip_twin(with_projection, hidden, layers, heads, inter, projection=None, ac
 
 def clip_tokenizer(pad="<|endoftext|>"):
     from transformers import CLIPTokenizer
-    from conftest import ASSETS, FIXTURES
     vocab = FIXTURES / "clip" if (FIXTURES / "clip" / "vocab.json").exists() else ASSETS / "clip"
     return CLIPTokenizer(str(vocab / "vocab.json"), str(vocab / "merges.txt"), model_max_length=77, pad_token=pad)
 

@@ -12,11 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
-from conftest import ASSETS, FIXTURES
 import parity
 from chroma_helpers import check_parity, diffusers_converter, reference_run
 from gguf_helpers import dequantized, write_q8_0_gguf
-from helpers import max_rel_err, randomize_
+from helpers import ASSETS, FIXTURES, max_rel_err, randomize_
 from mlxdiff.errors import MlxdiffError
 from twins import chroma_to_original, diffusers_to_ldm
 import fixture_guard

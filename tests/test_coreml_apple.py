@@ -31,9 +31,8 @@ from mlxdiff.pipelines import LoadRequest, detect
 
 from coremltools.models.utils import bisect_model
 import fixture_guard
-from conftest import ASSETS, FIXTURES
 from coreml_helpers import apple_twins, as_read, write_apple_folder
-from helpers import max_rel_err
+from helpers import ASSETS, FIXTURES, max_rel_err
 from ldm_helpers import clip_tokenizer, reference, showing_moves
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels
 

@@ -29,7 +29,7 @@ from mlxdiff.loading.quantize import parameter_nbytes
 from mlxdiff.pipelines import LoadRequest, detect
 
 import fixture_guard
-from conftest import ASSETS, FIXTURES
+from helpers import ASSETS, FIXTURES
 from coreml_helpers import (APPLE_CLIP, APPLE_VAE, apple_xl_twins, as_read, write_apple_folder,
                             write_apple_xl_folder)
 from helpers import max_rel_err, randomize_

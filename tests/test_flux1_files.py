@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
-from conftest import ASSETS, FIXTURES
 import parity
-from helpers import randomize_
+from helpers import ASSETS, FIXTURES, randomize_
 from mlxdiff.errors import MlxdiffError
 from flux1_helpers import check_parity, flux1_components, reference_run
 from flux2_helpers import CONFIGS as FLUX2_CONFIGS, make_torch_model

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 import mlxdiff
-from conftest import sd3_tiny_components
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, levels, rel_diff
+from sd3_helpers import sd3_tiny_components
 from twins import diffusers_to_ldm, sd3_to_sai
 
 H, W = 32, 40

@@ -16,55 +16,10 @@ import mlxdiff
 from bad_input_helpers import assert_refused, gen
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.pipelines.step_cache import FirstBlockCache, parse
+from step_cache_helpers import FirstBlockCacheRecorder
 from twins import H, TAPS, W, build_pipeline, text_length
 
 STEPS = 10
-
-
-class _Recorder:
-    """diffusers' FBC applied to a transformer, with the tail mended and each decision recorded per context."""
-
-    def __init__(self, monkeypatch, transformer, threshold):
-        from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
-        from diffusers.hooks import first_block_cache as fbc
-        from diffusers.hooks.hooks import HookRegistry
-
-        self.skipped = {}
-        recorder = self
-
-        class MendedTail(fbc.FBCBlockHook):
-            def new_forward(self, module, *args, **kwargs):
-                state = self.state_manager.get_state()
-                if not state.should_compute:
-                    return super().new_forward(module, *args, **kwargs)
-                output = self.fn_ref.original_forward(*args, **kwargs)
-                head_img, head_txt = state.head_block_output
-                if isinstance(output, torch.Tensor):          # FLUX.2's single block: the joined [text; image]
-                    n_txt = head_txt.shape[1]
-                    res = (output[:, n_txt:] - head_img, output[:, :n_txt] - head_txt)
-                else:                                         # SD3.5's last block: (None, image)
-                    res = (output[self._metadata.return_hidden_states_index] - head_img, torch.zeros_like(head_txt))
-                state.tail_block_residuals = res
-                return output
-
-        def apply_block_hook(block, state_manager, is_tail=False):
-            hook = (MendedTail if is_tail else fbc.FBCBlockHook)(state_manager, is_tail)
-            HookRegistry.check_if_exists_or_initialize(block).register_hook(hook, fbc._FBC_BLOCK_HOOK)
-
-        decide = fbc.FBCHeadBlockHook._should_compute_remaining_blocks
-
-        def recorded(hook, residual):
-            compute = decide(hook, residual)
-            recorder.skipped.setdefault(hook.state_manager.context.name, []).append(not compute)
-            return compute
-
-        monkeypatch.setattr(fbc, "_apply_fbc_block_hook", apply_block_hook)
-        monkeypatch.setattr(fbc.FBCHeadBlockHook, "_should_compute_remaining_blocks", recorded)
-        apply_first_block_cache(transformer, FirstBlockCacheConfig(threshold=threshold))
-        self.transformer = transformer
-
-    def steps(self) -> dict:
-        return {name: [i for i, s in enumerate(flags) if s] for name, flags in self.skipped.items()}
 
 
 def _with_context(transformer, name="cond"):
@@ -101,7 +56,7 @@ def _check(ours, ref_image, recorder):
 @pytest.mark.parametrize("kind, guidance, threshold", [("klein_base", 3.5, 1.0), ("dev", 3.5, 0.8)])
 def test_flux2_skips_what_diffusers_skips(kind, guidance, threshold, tmp_path, monkeypatch):
     ours, ref, recorder = _flux2_both(kind, guidance, tmp_path, 2, f"first-block:{threshold}",
-                                      lambda transformer: _Recorder(monkeypatch, transformer, threshold))
+                                      lambda transformer: FirstBlockCacheRecorder(monkeypatch, transformer, threshold))
     _check(ours, ref, recorder)
 
 
@@ -126,7 +81,7 @@ def test_sd3_skips_what_diffusers_skips(sd3_tiny, monkeypatch):
     folder, pipe = _own_sd3(sd3_tiny)
     H3, W3, threshold = 40, 24, 0.9
     noise = np.random.default_rng(1).standard_normal((1, 16, H3 // 2, W3 // 2)).astype(np.float32)
-    recorder = _Recorder(monkeypatch, pipe.transformer, threshold)
+    recorder = FirstBlockCacheRecorder(monkeypatch, pipe.transformer, threshold)
     _with_context(pipe.transformer)
     ref = pipe(prompt="a cat", negative_prompt="blurry", height=H3, width=W3, num_inference_steps=STEPS,
                guidance_scale=4.0, latents=torch.from_numpy(noise), output_type="np").images[0]

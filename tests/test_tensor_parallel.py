@@ -139,7 +139,7 @@ def flux2_klein_gguf(root):
 
 def sd35(root):
     """conftest's tiny SD3.5 (dual attention in block 0) with a 4-head transformer."""
-    from conftest import sd3_tiny_components
+    from sd3_helpers import sd3_tiny_components
     from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
     import torch
     parts = sd3_tiny_components()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mlxdiff.tokenizers import bundled_clip_tokenizer, bundled_t5_tokenizer, tokenize
-from conftest import FIXTURES, ASSETS
+from helpers import ASSETS, FIXTURES
 
 LONG = "a highly detailed photograph of a small red fox sitting in fresh snow under pine trees " * 20
 

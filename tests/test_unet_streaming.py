@@ -7,14 +7,13 @@ import pytest
 import torch
 
 import mlxdiff
-from helpers import randomize_
+from helpers import ASSETS, randomize_
 
 
 @pytest.fixture(scope="module")
 def sd_folder(tmp_path_factory):
     from diffusers import (AutoencoderKL, EulerDiscreteScheduler, StableDiffusionPipeline, UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-    from conftest import ASSETS
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
         sample_size=8, in_channels=4, out_channels=4, block_out_channels=(64, 72, 80, 96), norm_num_groups=8,
