@@ -29,10 +29,9 @@ from mlxdiff.loading.quantize import parameter_nbytes
 from mlxdiff.pipelines import LoadRequest, detect
 
 import fixture_guard
-from helpers import ASSETS, FIXTURES
+from helpers import ASSETS, FIXTURES, max_rel_err, randomize_
 from coreml_helpers import (APPLE_CLIP, APPLE_VAE, apple_xl_twins, as_read, write_apple_folder,
                             write_apple_xl_folder)
-from helpers import max_rel_err, randomize_
 from ldm_helpers import clip_tokenizer, reference, showing_moves
 from parity import IMAGE_LEVELS, LATENT_TOL, assert_inputs_matter, assert_moves, levels
 
