@@ -5,13 +5,15 @@
 The base (make_base, in a subprocess: torch and coremltools' conversion): a tiny diffusers UNet (one level, its
 resnets, attention and embeddings) traced inside a wrapper and converted by coremltools as tests/test_coreml.py does
 (ct.convert, mlprogram, iOS 18), its larger weights palettized (4-bit uniform tables per group of 4 output channels)
-and the rest kept float16: a package of some hundred KB. A mutant is a copy of it with 1 to 3 edits of what a broken
-or forged package can carry: Manifest.json (gone, not JSON, its root missing or unknown, an entry's path changed,
-pointing out of the package or at another file, an extra entry), model.mlmodel's bytes (cut, bytes flipped or
-overwritten) and its protobuf fields (specification version; a weight's value type: dtype, dims; a blob reference's
-offset and file name; constexpr_lut_to_dense's indices type and shape and its table's shape), weights/weight.bin (its
-header's count and version, a blob's sentinel, dtype, size and data offset, its data bytes, the file cut), and the
-folder (a file gone or empty, a symbolic link out of the package, a directory in a file's place).
+and the rest kept float16: a package of some hundred KB, saved by tests/coreml_helpers.save_package (its bytes a
+function of the model alone: mutant i of a seed is the same bytes in every run). A mutant is a copy of it with 1 to 3
+edits of what a broken or forged package can carry: Manifest.json (gone, not JSON, its root missing or unknown, an
+entry's path changed, pointing out of the package or at another file, an extra entry), model.mlmodel's bytes (cut,
+bytes flipped or overwritten) and its protobuf fields (specification version; a weight's value type: dtype, dims; a
+blob reference's offset and file name; constexpr_lut_to_dense's indices type and shape and its table's shape),
+weights/weight.bin (its header's count and version, a blob's sentinel, dtype, size and data offset, its data bytes,
+the file cut), and the folder (a file gone or empty, a symbolic link out of the package, a directory in a file's
+place).
 
 Ours: the package as `--transformer X.mlpackage` loads it (loading.sources.transformer_from_file over the base's
 UNet config: the names mapped and checked, then ComponentSpec.weights and .build, every parameter evaluated), each
@@ -28,6 +30,7 @@ not acceptable: `WRONG: loaded, the reference refuses`, `WRONG: differs from the
 error` (several lines, or a line that names no path of the package), `hang`, `crash`.
 """
 
+import hashlib
 import io
 import json
 import os
@@ -51,7 +54,6 @@ from mlxdiff.formats.quantized import PalettizedWeight
 from mlxdiff.loading.sources import transformer_from_file
 from mlxdiff.models import unet as unet_module
 
-import torch  # coremltools imports it anyway; the suite's small base is traced from it
 import coremltools as ct   # the reference, imported once in the forking parent (its children inherit it)
 from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
 from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, palettize_weights
@@ -59,12 +61,12 @@ from coremltools.proto import Model_pb2
 
 warnings.filterwarnings("ignore")
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))   # coreml_helpers: the tiny models and the conversion tests/test_coreml.py uses
+from coreml_helpers import UNET, convert_small, palettized_unet, save_package, small_model, tiny_unet  # noqa: E402
+
 MAKE_BASE = ("import sys, json; sys.path.insert(0, sys.argv[2]); import fuzz_coreml as F; "
              "F.make_base(sys.argv[1], json.loads(sys.argv[3]))")
-# one level, widths all different: resnets, a cross-attention transformer, the mid block and the embeddings
-UNET = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16,), norm_num_groups=8,
-            layers_per_block=1, down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-            cross_attention_dim=20, attention_head_dim=4)
 # the suite's share (tests/test_coreml_fuzz.py): its one level without attention (the mid block's kept), half the ops
 # to convert and read
 SMALL_UNET = dict(UNET, down_block_types=("DownBlock2D",), up_block_types=("UpBlock2D",))
@@ -75,22 +77,10 @@ KINDS = ("manifest", "model bytes", "model fields", "weight.bin", "folder")
 
 def make_base(dest, config=None) -> Path:
     """dest/base.mlpackage and dest/config.json (the UNet's diffusers config; `config`: another than UNET's)."""
-    from diffusers import UNet2DConditionModel  # heavy: diffusers, only in this subprocess
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from coreml_helpers import Wrapper
-    from helpers import randomize_
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    model = randomize_(UNet2DConditionModel(**(config or UNET)), seed=10, scale=0.15).eval()
-    x, t, c = torch.zeros(1, 4, 8, 8), torch.tensor([10.0]), torch.zeros(1, 5, 20)
-    traced = torch.jit.trace(Wrapper(model).eval(), (x, t, c), check_trace=False)
-    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=x.shape), ct.TensorType(name="t", shape=t.shape),
-                                         ct.TensorType(name="c", shape=c.shape)],
-                         convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18)
-    mlmodel = palettize_weights(mlmodel, OptimizationConfig(global_config=OpPalettizerConfig(
-        mode="uniform", nbits=4, granularity="per_grouped_channel", group_size=4, weight_threshold=1024)))
-    mlmodel.save(str(dest / "base.mlpackage"))
+    model = tiny_unet(config)
+    save_package(palettized_unet(model, nbits=4, weight_threshold=1024), dest / "base.mlpackage")
     (dest / "config.json").write_text(json.dumps(dict(model.config)))
     return dest
 
@@ -109,34 +99,21 @@ def context(workdir: Path, config=None) -> dict:
             "targets": spec.diffusers_targets()["targets"], "mode": "unet"}
 
 
-class Small(torch.nn.Module):
-    """The suite's small base: two Linears (one without bias) and a conv, 2-D and 4-D weights."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(16, 32)
-        self.b = torch.nn.Linear(32, 8, bias=False)
-        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
-
-    def forward(self, x, y):
-        return self.b(torch.relu(self.a(x))), self.conv(y)
+def small_base(workdir: Path) -> Path:
+    """The suite's seeded share's base package, workdir/small.mlpackage: tests/coreml_helpers' Small (two Linears,
+    one without bias, and a conv: 2-D and 4-D weights) converted (iOS 18), its weights palettized at 4 bits in
+    tables per 4 output channels, the biases float16: a few KB, in a second where the UNet takes a minute."""
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    mlmodel = palettize_weights(convert_small(small_model(), "iOS18"), OptimizationConfig(
+        global_config=OpPalettizerConfig(mode="uniform", nbits=4, granularity="per_grouped_channel", group_size=4,
+                                         weight_threshold=64)))
+    return save_package(mlmodel, Path(workdir) / "small.mlpackage")
 
 
 def small_context(workdir: Path) -> dict:
-    """The suite's seeded share's base, made in this process (ct.convert of Small, iOS 18, its weights palettized
-    at 4 bits in tables per 4 output channels, the biases float16): a few KB, in a second where the UNet takes a
-    minute; read through formats/coreml.read (ours) and coremltools_weights (the reference), names kept."""
-    torch.manual_seed(0)
-    model = Small().eval()
-    x, y = torch.randn(2, 16), torch.randn(1, 4, 6, 6)
-    traced = torch.jit.trace(model, (x, y))
-    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=x.shape),
-                                         ct.TensorType(name="y", shape=y.shape)],
-                         convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18)
-    mlmodel = palettize_weights(mlmodel, OptimizationConfig(global_config=OpPalettizerConfig(
-        mode="uniform", nbits=4, granularity="per_grouped_channel", group_size=4, weight_threshold=64)))
-    package = Path(workdir) / "small.mlpackage"
-    mlmodel.save(str(package))
+    """small_base made in this process, read through formats/coreml.read (ours) and coremltools_weights (the
+    reference), names kept."""
+    package = small_base(workdir)
     weights = {k: np.asarray(v) for k, v in coreml.decode_all(coreml.read(package)).items()}
     return {"package": package, "consts": {k: k for k in weights}, "targets": {k: v.shape for k, v in weights.items()},
             "mode": "weights"}
@@ -145,12 +122,13 @@ def small_context(workdir: Path) -> dict:
 # -- mutations ------------------------------------------------------------------------------------------------------
 
 def _blob_values(spec):
-    """Every Value of the main function's ops that refers to weight.bin: [(op, its Value message)]."""
+    """Every Value of the main function's ops that refers to weight.bin: [(op, its Value message)], in the program's
+    order (the maps' entries by key: protobuf iterates a map in its hash table's order, another in every process)."""
     f = spec.mlProgram.functions["main"]
     out = []
     for op in f.block_specializations[f.opset].operations:
-        values = [a.value for b in op.inputs.values() for a in b.arguments if a.HasField("value")]
-        values += list(op.attributes.values())
+        values = [a.value for k in sorted(op.inputs) for a in op.inputs[k].arguments if a.HasField("value")]
+        values += [op.attributes[k] for k in sorted(op.attributes)]
         out += [(op, v) for v in values if v.HasField("blobFileValue")]
     return out
 
@@ -236,7 +214,7 @@ def _edit_fields(pkg: Path, rng) -> str:
                 i = rng.randrange(len(dims))
                 t.dimensions[i].constant.size = rng.choice([1, 2, 3, 8, 16, 32, dims[i] * 2, max(1, dims[i] // 2)])
                 what = f"{name}: {key} dims {dims} -> dim {i} = {t.dimensions[i].constant.size}"
-    (pkg / MODEL).write_bytes(spec.SerializeToString())
+    (pkg / MODEL).write_bytes(spec.SerializeToString(deterministic=True))   # (save_package's map order)
     return what
 
 
@@ -432,7 +410,8 @@ def coremltools_weights(path, weights_only=None) -> dict:
 
 def reference(path, ctx, got=None) -> dict:
     """{diffusers name: float32 numpy} by coremltools' reading, the base's const names; Refuse(why) where it refuses.
-    The small base's (`got`: what ours read): the base's weights and those ours read under new names, by name."""
+    The small base's (`got`: what ours read): the base's weights and those ours read under new names, by name, each
+    in coremltools' shape (a mutant's type may give a weight another shape: both readers must read the same)."""
     try:
         values = coremltools_weights(path)
     except Exception as e:
@@ -444,9 +423,9 @@ def reference(path, ctx, got=None) -> dict:
             raise Refuse(f"coremltools: {type(e).__name__}: {str(e)[:200]}") from None
         ctx = {**ctx, "refused_elsewhere": f"{type(e).__name__}: {str(e)[:120]}"}
     consts, targets = ctx["consts"], ctx["targets"]
-    if ctx["mode"] == "weights" and got is not None:
+    if ctx["mode"] == "weights" and got is not None:   # as the format's reader: each in the shape its type gives
         consts = {**{k: k for k in got}, **{k: k for k in consts if k in values}}
-        targets = {**{k: v.shape for k, v in got.items()}, **targets}
+        targets = {k: np.shape(values[k]) for k in consts.values() if k in values}
     out = {}
     for name, const in consts.items():
         if const not in values:
@@ -553,19 +532,51 @@ class _Package(type(Path())):
         return buf.getvalue()
 
 
+def digest(pkg: Path, workdir: Path) -> str:
+    """A package folder's bytes as one hash: its paths, its files' bytes, its links' targets (`workdir` in them
+    written as <workdir>: a link out points into this run's own folder)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(pkg).rglob("*")):
+        h.update(str(f.relative_to(pkg)).encode() + b"\0")
+        if f.is_symlink():
+            h.update(os.readlink(f).replace(str(workdir), "<workdir>").encode() + b"\0")
+        elif f.is_file():
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def digests(n, seed, workdir) -> list:
+    """The digests of the small base (small_base, made in this process) and its `n` mutants of `seed`, unclassified:
+    what run() makes, to compare across processes."""
+    workdir = Path(workdir)
+    base = small_base(workdir)
+    (workdir / "outside").mkdir()
+    out = [digest(base, workdir)]
+    for i in range(n):
+        pkg = workdir / f"mutant-{i}.mlpackage"
+        shutil.copytree(base, pkg, symlinks=True)
+        mutate({}, pkg, random.Random(f"coreml-{seed}-{i}"), workdir / "outside")
+        out.append(digest(pkg, workdir))
+        shutil.rmtree(pkg, ignore_errors=True)
+    return out
+
+
 def run(n, seed, workdir) -> dict:
     """The suite's seeded share: `n` mutants of the small base classified in this process (no fork: a crash fails
-    the test itself), counted as fuzz_readers counts them, with the kinds of edit made."""
+    the test itself), counted as fuzz_readers counts them, with the kinds of edit made and the digests of the base
+    and of each mutant (as digests() makes them)."""
     workdir = Path(workdir)
     ctx = small_context(workdir)
     outside = workdir / "outside"
     outside.mkdir()
     counts, failures, kinds = Counter(), [], Counter()
     base = classify(ctx["package"], ctx, lambda provisional: None)
+    made = [digest(ctx["package"], workdir)]
     for i in range(n):
         pkg = workdir / f"mutant-{i}.mlpackage"
         shutil.copytree(ctx["package"], pkg, symlinks=True)
         what = mutate(ctx, pkg, random.Random(f"coreml-{seed}-{i}"), outside)
+        made.append(digest(pkg, workdir))
         kinds.update(k for k in KINDS if f"[{k}]" in what)
         try:
             cls, detail = classify(pkg, ctx, lambda provisional: None)
@@ -576,4 +587,4 @@ def run(n, seed, workdir) -> dict:
             failures.append({"i": i, "mutation": what, "class": cls, "detail": detail})
         shutil.rmtree(pkg, ignore_errors=True)
     return {"n": n, "base": base, "counts": dict(counts), "kinds": dict(kinds), "unacceptable": len(failures),
-            "failures": failures}
+            "failures": failures, "digests": made}

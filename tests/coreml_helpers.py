@@ -1,7 +1,9 @@
 """Core ML test pieces shared by several test modules (no test module imports another)."""
 
 import copy
+import json
 import shutil
+import uuid
 from pathlib import Path
 
 import coremltools as ct
@@ -9,6 +11,7 @@ import numpy as np
 import torch
 from coremltools.models.utils import bisect_model
 from coremltools.optimize.coreml import OpPalettizerConfig, OptimizationConfig, decompress_weights, palettize_weights
+from coremltools.proto import Model_pb2
 
 from helpers import randomize_
 from mlxdiff.formats import coreml
@@ -23,6 +26,88 @@ class Wrapper(torch.nn.Module):
 
     def forward(self, x, t, c):
         return self.unet(x, t, c, return_dict=False)[0]
+
+
+def save_package(mlmodel, path) -> Path:
+    """mlmodel.save(path), the package then a function of the model alone (issue 45: the fuzzer's mutant k of seed s
+    is the same bytes in every run): model.mlmodel re-serialized with its protobuf maps in key order (protobuf writes
+    map entries in its hash table's order, which changes from process to process) and Manifest.json's item
+    identifiers (random UUIDs, meaningless beyond naming the root item) made from each item's path."""
+    path = Path(path)
+    mlmodel.save(str(path))
+    model = path / "Data" / "com.apple.CoreML" / "model.mlmodel"
+    spec = Model_pb2.Model()
+    spec.ParseFromString(model.read_bytes())
+    model.write_bytes(spec.SerializeToString(deterministic=True))
+    manifest = json.loads((path / "Manifest.json").read_text())
+    entries = manifest["itemInfoEntries"]
+    new_id = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, entry["path"])) for old, entry in entries.items()}
+    manifest["itemInfoEntries"] = {new_id[old]: entry for old, entry in entries.items()}
+    manifest["rootModelIdentifier"] = new_id[manifest["rootModelIdentifier"]]
+    (path / "Manifest.json").write_text(json.dumps(manifest, indent=4, sort_keys=True) + "\n")
+    return path
+
+
+# -- tiny models, traced and converted as coremltools' users do (tests/test_coreml.py, bench/fuzz_coreml.py) ---------
+
+class Small(torch.nn.Module):
+    """A linear stack and a conv: 2-D and 4-D weights, a layer without bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 32)
+        self.b = torch.nn.Linear(32, 8, bias=False)
+        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
+
+    def forward(self, x, y):
+        return self.b(torch.relu(self.a(x))), self.conv(y)
+
+
+def small_inputs():
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2, 16, generator=g), torch.randn(1, 4, 6, 6, generator=g)
+
+
+def small_model():
+    torch.manual_seed(0)
+    return randomize_(Small(), seed=1, scale=0.3).eval()
+
+
+def convert_small(model, target=None):
+    """Small traced and converted to an ML program (`target`: a ct.target name, None for coremltools' default)."""
+    x, y = small_inputs()
+    traced = torch.jit.trace(model, (x, y))
+    kw = {} if target is None else dict(minimum_deployment_target=getattr(ct.target, target))
+    return ct.convert(traced, inputs=[ct.TensorType(name="x", shape=x.shape), ct.TensorType(name="y", shape=y.shape)],
+                      convert_to="mlprogram", **kw)
+
+
+# one level (ct.convert's time grows with the op count), widths all different: resnets with shortcuts, a
+# cross-attention transformer, the mid block and the embeddings
+UNET = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16,), norm_num_groups=8,
+            layers_per_block=1, down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
+            cross_attention_dim=20, attention_head_dim=4)
+
+
+def tiny_unet(config=None):
+    """A random diffusers UNet of `config` (UNET's by default)."""
+    from diffusers import UNet2DConditionModel  # heavy: diffusers, for the modules that build a UNet
+    torch.manual_seed(0)
+    return randomize_(UNet2DConditionModel(**(config or UNET)), seed=10, scale=0.15).eval()
+
+
+def palettized_unet(unet, nbits, weight_threshold):
+    """The UNet traced inside Wrapper, converted (mlprogram, iOS 18) and palettized: uniform `nbits`-bit tables per
+    group of 4 output channels (k-means over every layer takes coremltools ~20 s here; the op form is the same) for
+    the weights of more than `weight_threshold` elements, the rest kept float16."""
+    x, t, c = torch.zeros(1, 4, 8, 8), torch.tensor([10.0]), torch.zeros(1, 5, unet.config.cross_attention_dim)
+    traced = torch.jit.trace(Wrapper(unet).eval(), (x, t, c), check_trace=False)
+    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=x.shape), ct.TensorType(name="t", shape=t.shape),
+                                         ct.TensorType(name="c", shape=c.shape)],
+                         convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18)
+    return palettize_weights(mlmodel, OptimizationConfig(global_config=OpPalettizerConfig(
+        mode="uniform", nbits=nbits, granularity="per_grouped_channel", group_size=4,
+        weight_threshold=weight_threshold)))
 
 
 class Conv1x1(torch.nn.Module):

@@ -14,8 +14,8 @@ import pytest
 import mlxdiff  # noqa: F401
 import mlx.core as mx
 
-from coreml_helpers import Wrapper      # the UNet as `self.unet`, returning the sample
-from helpers import max_rel_err, randomize_
+from coreml_helpers import UNET, convert_small, palettized_unet, small_inputs, small_model, tiny_unet
+from helpers import max_rel_err
 from mlxdiff.errors import MlxdiffError
 from mlxdiff.formats import coreml
 
@@ -45,37 +45,10 @@ ROW_TABLES = {name for name, _, o in CASES if "channel_axis" not in o and "clust
               and "enable_per_channel_scale" not in o}
 
 
-class Small(torch.nn.Module):
-    """A linear stack and a conv: 2-D and 4-D weights, a layer without bias."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(16, 32)
-        self.b = torch.nn.Linear(32, 8, bias=False)
-        self.conv = torch.nn.Conv2d(4, 8, 3, padding=1)
-
-    def forward(self, x, y):
-        return self.b(torch.relu(self.a(x))), self.conv(y)
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(2, 16, generator=g), torch.randn(1, 4, 6, 6, generator=g)
-
-
 @pytest.fixture(scope="module")
 def small():
-    torch.manual_seed(0)
-    model = randomize_(Small(), seed=1, scale=0.3).eval()
-    x, y = _inputs()
-    traced = torch.jit.trace(model, (x, y))
-    converted = {}
-    for target in (None, "iOS18", "iOS26"):
-        kw = {} if target is None else dict(minimum_deployment_target=getattr(ct.target, target))
-        converted[target] = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=x.shape),
-                                                       ct.TensorType(name="y", shape=y.shape)],
-                                       convert_to="mlprogram", **kw)
-    return model, converted
+    model = small_model()
+    return model, {target: convert_small(model, target) for target in (None, "iOS18", "iOS26")}
 
 
 def _reference(mlmodel) -> dict:
@@ -139,7 +112,7 @@ def test_small_model_outputs(small, tmp_path):
     targets = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     ours = coreml.read_diffusers(tmp_path / "m.mlpackage", targets)
     ref = _reference(mlmodel)
-    x, y = _inputs()
+    x, y = small_inputs()
 
     def f32(v):
         if isinstance(v, coreml.LutWeight):
@@ -166,25 +139,10 @@ def test_small_model_outputs(small, tmp_path):
 
 # -- a tiny diffusers UNet --------------------------------------------------------------------------------------------
 
-# one level (ct.convert's time grows with the op count): resnets with shortcuts, attentions, mid block, embeddings
-UNET = dict(sample_size=8, in_channels=4, out_channels=4, block_out_channels=(16,), norm_num_groups=8,
-            layers_per_block=1, down_block_types=("CrossAttnDownBlock2D",), up_block_types=("CrossAttnUpBlock2D",),
-            cross_attention_dim=20, attention_head_dim=4)
-
-
 @pytest.fixture(scope="module")
 def unet_package(tmp_path_factory):
-    from diffusers import UNet2DConditionModel
-    torch.manual_seed(0)
-    unet = randomize_(UNet2DConditionModel(**UNET), seed=10, scale=0.15).eval()
-    x, t, c = torch.zeros(1, 4, 8, 8), torch.tensor([10.0]), torch.zeros(1, 5, 20)
-    traced = torch.jit.trace(Wrapper(unet).eval(), (x, t, c), check_trace=False)
-    mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=x.shape), ct.TensorType(name="t", shape=t.shape),
-                                         ct.TensorType(name="c", shape=c.shape)],
-                         convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18)
-    # uniform tables: k-means over every layer takes coremltools ~20 s here; the op form is the same
-    mlmodel = palettize_weights(mlmodel, OptimizationConfig(global_config=OpPalettizerConfig(
-        mode="uniform", nbits=6, granularity="per_grouped_channel", group_size=4, weight_threshold=0)))
+    unet = tiny_unet()
+    mlmodel = palettized_unet(unet, nbits=6, weight_threshold=0)
     path = tmp_path_factory.mktemp("coreml") / "unet.mlpackage"
     mlmodel.save(str(path))
     return unet, path, _reference(mlmodel)
@@ -319,6 +277,54 @@ def test_refuse_offset_out_of_range(package, tmp_path):
     with pytest.raises(MlxdiffError) as e:
         _read_all(pkg)
     assert "outside the weight file" in _one_line(e)
+
+
+# (what one flipped or overwritten byte of model.mlmodel made of a const's val in the fuzzer's runs (seed 7, 300
+# mutants of the small base before it was deterministic; "type": seed 2's #894 of 1000 on the UNet): coremltools'
+# loader refuses each; the expected words of our one line)
+MALFORMED_CONSTS = {"docstring": "docString", "no value": "has no value", "count": "has 1 elements, its type says 2",
+                    "rank": "gives rank 1 for 0 dimensions", "type": "has a value of no type"}
+
+
+@pytest.mark.parametrize("edit", list(MALFORMED_CONSTS))
+def test_refuse_malformed_const(package, tmp_path, edit):
+    """A const's val whose immediateValue became a docString (field 3 -> 1) or is gone, an immediate of fewer
+    elements than its type's shape (a conv's dilations [1, 1] -> [147]), a weight's type whose dimensions are gone
+    but not its rank, or a val without a type: refused in one line naming the file (and the const where it is
+    known), as coremltools' loader refuses it."""
+    from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+    from coremltools.proto import MIL_pb2
+    pkg, _, model = _copy(package, tmp_path)
+    spec = ct.utils.load_spec(str(package))
+    f = spec.mlProgram.functions["main"]
+    consts = [op for op in f.block_specializations[f.opset].operations if op.type == "const"]
+    if edit == "count":
+        const = next(op for op in consts if len(op.attributes["val"].immediateValue.tensor.ints.values) == 2)
+        del const.attributes["val"].immediateValue.tensor.ints.values[1:]
+    elif edit == "rank":
+        const = next(op for op in consts if op.attributes["val"].HasField("immediateValue")    # the conv's bias
+                     and op.attributes["val"].type.tensorType.dataType == MIL_pb2.FLOAT16
+                     and op.attributes["val"].type.tensorType.rank == 1)
+        del const.attributes["val"].type.tensorType.dimensions[:]
+    else:                # a string const (a conv's pad_type): not a weight, yet a value coremltools loads
+        const = next(op for op in consts if op.attributes["val"].type.tensorType.dataType == MIL_pb2.STRING)
+        val = const.attributes["val"]
+        if edit == "type":
+            val.ClearField("type")
+        else:
+            if edit == "docstring":
+                val.docString = val.immediateValue.SerializeToString().decode("latin-1")
+            val.ClearField("immediateValue")
+    model.write_bytes(spec.SerializeToString())
+    with pytest.raises(MlxdiffError) as e:
+        coreml.read(pkg)
+    msg = _one_line(e)
+    assert str(model) in msg and MALFORMED_CONSTS[edit] in msg
+    if edit != "rank":
+        assert const.outputs[0].name in msg
+    mlmodel = ct.models.MLModel(str(pkg), skip_model_load=True)
+    with pytest.raises(Exception):      # the reference: coremltools' program loader refuses it too
+        milproto_load(mlmodel.get_spec(), spec.specificationVersion, mlmodel.weights_dir)
 
 
 def test_refuse_garbled_program(package, tmp_path):

@@ -34,7 +34,8 @@ FUNCTION = dict(inputs=1, opset=2, blocks=3)
 BLOCK = dict(outputs=2, operations=3)
 OPERATION = dict(type=1, inputs=2, outputs=3, blocks=4, attributes=5)
 NAMED_TYPE = dict(name=1, type=2)
-VALUE = dict(type=2, immediate=3, blob=5)
+VALUE = dict(doc=1, type=2, immediate=3, blob=5)
+VALUE_KINDS = {1: "tensor", 2: "list", 3: "tuple", 4: "dictionary", 5: "state"}   # ValueType's oneof
 
 
 class _Bad(Exception):
@@ -306,12 +307,17 @@ class _Blobs:
 # -- the program ---------------------------------------------------------------------------------------------------
 
 class _Value:
-    """A typed value of the program: dtype code, shape, and either a blob offset or immediate TensorValue fields."""
+    """A typed value of the program: dtype code, shape, and either a blob offset or immediate TensorValue fields;
+    `held`: whether it has either (a blob or an immediate value of any type), `documented`: whether it carries a
+    docString, `kind`: its ValueType's field number (VALUE_KINDS; None where it has none)."""
 
     def __init__(self, buf, span):
         f = _fields(buf, span)
         self.dtype, self.shape, self.blob, self.immediate = None, None, None, None
+        self.held = VALUE["blob"] in f or VALUE["immediate"] in f
+        self.documented = any(b > a for a, b in f.get(VALUE["doc"], ()))
         vtype = _fields(buf, _one(f, VALUE["type"], (0, 0)))
+        self.kind = next((k for k in vtype if k in VALUE_KINDS), None)    # the ValueType's oneof field
         if 1 in vtype:                                     # ValueType.tensorType
             tt = _fields(buf, vtype[1][-1])
             self.dtype = _one(tt, 1, 0)
@@ -321,6 +327,10 @@ class _Value:
                 if 1 not in dim:
                     raise _Bad("a weight has a dynamic dimension")
                 dims.append(_one(_fields(buf, dim[1][-1]), 1, 0))
+            rank = _one(tt, 2, 0)                          # TensorType.rank: coremltools refuses a mismatch
+            if rank != len(dims):
+                raise _Bad(f"a value's type gives rank {rank if isinstance(rank, int) else '(not a number)'} for "
+                           f"{len(dims)} dimensions")
             self.shape = tuple(dims)
         if VALUE["blob"] in f:
             bf = _fields(buf, f[VALUE["blob"]][-1])

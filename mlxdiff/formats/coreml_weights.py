@@ -24,8 +24,8 @@ import numpy as np
 
 from ..errors import MlxdiffError
 from .coreml_mil import (BLOCK, DTYPE_NAMES, DTYPES, FUNCTION, MODEL_PROGRAM, MODEL_VERSION, PROGRAM, SIGNED_SUB_BYTE,
-                         _Bad, _Blobs, _fields, _guard, _map, _model_file, _one, _operations, _text, _Value, _varint,
-                         check_text, inside_package, named_type, unpack_bits)
+                         VALUE_KINDS, _Bad, _Blobs, _fields, _guard, _map, _model_file, _one, _operations, _text,
+                         _Value, _varint, check_text, inside_package, named_type, unpack_bits)
 from .palettized import palettized
 
 
@@ -166,6 +166,20 @@ def _check_dataflow(inputs, ops, outputs) -> None:
     missing = [n for n in outputs if n not in defined]
     if missing:
         raise _Bad(f"the program's output {missing[0]!r} is given by no op")
+
+
+def _check_values(op, name) -> None:
+    """Every value of a const or constexpr op (its val, its name, an input given as a value) is one coremltools'
+    program loader reads (milproto's _load_value): a tensor or dictionary value, without a docString (which it
+    refuses: the docString would be lost). No package it reads has another."""
+    values = [*op.attributes.values(),
+              *(b for bindings in op.inputs.values() for b in bindings if not isinstance(b, str))]
+    for v in values:
+        if v.documented:
+            raise _Bad(f"op {name!r} ({op.type}) has a value with a docString, which coremltools does not read")
+        if v.kind not in (1, 4):
+            raise _Bad(f"op {name!r} ({op.type}) has a value of {VALUE_KINDS.get(v.kind, 'no')} type, which "
+                       "coremltools does not read")
 
 
 class _Program:
@@ -355,20 +369,28 @@ class _Program:
 
     def _checked_const(self, op, name):
         """A const op's value, checked as Core ML checks every constant of a program, weight or not: its attributes
-        (name and val, no inputs), its data type one coremltools reads, and a value in weight.bin whose blob
-        metadata agrees with its type (nothing of the data read)."""
+        (name and val, no inputs), a val that holds a value, its data type one coremltools reads, and either a value
+        in weight.bin whose blob metadata agrees with its type (nothing of the data read) or an immediate value of
+        as many elements as its type's shape (decoded: immediates are small, shapes, pads, biases)."""
         if op.inputs or not set(op.attributes) <= {"name", "val"}:
             raise _Bad(f"constant {name!r} has inputs or attributes {sorted({*op.inputs, *op.attributes})} (a const "
                        "op has a name and a val)")
         val = op.attributes.get("val")
-        if val is not None and val.dtype is not None and val.dtype not in CONST_DTYPES:
+        if val is None or not val.held:
+            raise _Bad(f"constant {name!r} has no value (neither in weight.bin nor immediate)")
+        if val.dtype is not None and val.dtype not in CONST_DTYPES:
             raise _Bad(f"constant {name!r} is of data type {DTYPE_NAMES.get(val.dtype, val.dtype)}, which "
                        "coremltools does not read")
-        if val is not None and val.blob is not None:
+        if val.blob is not None:
             blob_name, offset = val.blob
             if Path(blob_name).name != "weight.bin" or ".." in blob_name:
                 raise _Bad(f"a weight in blob file {blob_name!r}; only weights/weight.bin is read")
             self.blobs().check(offset, val.dtype, math.prod(val.shape or ()))
+        elif val.immediate is not None and val.dtype in DTYPES:    # (not strings, bools, int64: never weights)
+            try:
+                self.value(val)
+            except _Bad as e:
+                raise _Bad(f"constant {name!r}: {e}") from None
         return val
 
     def weights(self) -> dict:
@@ -383,6 +405,7 @@ class _Program:
             if op.type not in self.READ or not op.outputs:
                 continue
             name = op.outputs[0]
+            _check_values(op, name)
             val = self._checked_const(op, name) if op.type == "const" else None    # every const, a weight or not
             users = self.consumers.get(name, [])
             if users and all(u.type.startswith("constexpr_") for u, _ in users):
