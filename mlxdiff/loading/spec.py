@@ -23,7 +23,7 @@ from ..formats import format_of, loaded_nbytes, open_weights, tensor_nbytes
 from ..formats.coreml import read_diffusers
 from ..formats.keymaps import strip_prefix
 from ..lora import apply_loras, lora_nbytes
-from ..models import clip, text_llm
+from ..models import clip, text_llm, unet   # unet: a Core ML package is read as a UNet only
 from ..models.protocol import Architecture
 from ..models.registry import ARCHITECTURES  # noqa: F401  (handed on: loading/ and pipelines/ read it here)
 from ..policy import current_dtype
