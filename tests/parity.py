@@ -1,7 +1,15 @@
 """One rule for every pipeline parity test (issue 47): compare the final latents (float32, max relative error
 <= LATENT_TOL) beside the image (<= IMAGE_LEVELS 8-bit levels), and prove that each input the test claims to cover
-reaches the reference: changing that input alone moves diffusers' own output by more than those tolerances, or the
-test is broken (a twin too weak to see the input would let a swapped CFG or a dropped prompt pass)."""
+reaches the reference: changing that input alone moves diffusers' own latents by more than LATENT_TOL (so the latent
+comparison, the stricter of the two, cannot pass with the input dropped or swapped) and changes its decoded image
+(at least one level: the input reaches the image), or the test is broken (a twin too weak to see the input would let
+a swapped CFG or a dropped prompt pass).
+
+Why the image need not move past IMAGE_LEVELS: the tiny VAEs decode a latent change of 1e-3 to 1e-2 into 1-2 levels
+for many inputs (init, control and reference images, prompts at low guidance: measured when levels() was mended to
+read float reference images, which it had truncated, so this half of the rule had never been checked for them);
+the latents carry the proof, the image comparison proves the decode.
+"""
 
 import numpy as np
 
@@ -31,17 +39,17 @@ def levels(ours_image, ref) -> int:
     return int(np.abs(ours - ref).max())
 
 
-def assert_moves(name, base_latents, moved_latents, base_image=None, moved_image=None,
-                 latent_tol=LATENT_TOL, image_levels=IMAGE_LEVELS):
+def assert_moves(name, base_latents, moved_latents, base_image=None, moved_image=None, latent_tol=LATENT_TOL):
     """The reference run with input `name` changed moved its latents by more than latent_tol (relative) and, where
-    images are given, its image by more than image_levels: else the parity test cannot see that input."""
+    images are given, changed its image (at least one level; the module's docstring says why not IMAGE_LEVELS):
+    else the parity test cannot see that input."""
     moved = rel_diff(moved_latents, base_latents)
     assert moved > latent_tol, (f"the reference's latents moved by {moved:.2e} when {name} changed: not more than "
                                 f"the {latent_tol:g} tolerance, so the test cannot see {name}")
     if base_image is not None:
         shift = levels(moved_image, base_image)
-        assert shift > image_levels, (f"the reference's image moved by {shift} levels when {name} changed: not "
-                                      f"more than the {image_levels}-level tolerance, so the test cannot see {name}")
+        assert shift >= 1, (f"the reference's image did not change when {name} changed (its latents moved by "
+                            f"{moved:.2e}): {name} does not reach the decoded image")
     return moved
 
 

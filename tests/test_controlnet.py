@@ -4,7 +4,7 @@ ControlNet and with two at once (MultiControlNetModel) with control_guidance_sta
 StableDiffusionXLControlNetPipeline with one, on tiny twins (tests/ldm_helpers.py; the ControlNets' zero-initialised
 convolutions randomised like every other weight) from the same injected noise: final latents within 1e-4, images
 within 2 levels (tests/parity.py), the control image, the scale, the start / end and the prompt each moving
-diffusers' own result past both. Bad input (a ControlNet of another family or size, a control image missing or
+diffusers' own result past the latent tolerance. Bad input (a ControlNet of another family or size, a control image missing or
 extra): one line, exit 2 on the command line."""
 
 import json

@@ -4,7 +4,7 @@ at the model level), then mlxdiff.load(controlnets=) + generate(control_images=)
 tiny FLUX.1 dev twin (tests/flux1_helpers.py) with one ControlNet (embedded guidance; true CFG), and with two at
 once (FluxMultiControlNetModel: a plain one and a Union one with its mode, with control_guidance_start / end), from
 the same injected noise: final latents within 1e-4, images within 2 levels (tests/parity.py), the control image and
-the conditioning scale (the second's mode, the first's end) each moving diffusers' own result past both. diffusers
+the conditioning scale (the second's mode, the first's end) each moving diffusers' own result past the latent tolerance. diffusers
 draws each control image's VAE posterior first from the run's generator; the test draws the same noise and gives it
 as control_noise=. Bad input (a ControlNet of another size or family, a control image missing, a mode where none
 belongs): one line, exit 2 on the command line."""

@@ -4,7 +4,7 @@ transformer's patch embedding, the pooled prompt), then mlxdiff.load(controlnets
 against StableDiffusion3ControlNetPipeline on the session's tiny SD3.5 folder (conftest sd3_tiny) with one ControlNet
 and with two at once (SD3MultiControlNetModel, with control_guidance_start / end), from the same injected noise:
 final latents within 1e-4, images within 2 levels (tests/parity.py), the control image and the conditioning scale
-(and the second's image, the first's end) each moving diffusers' own result past both. The control images' VAE
+(and the second's image, the first's end) each moving diffusers' own result past the latent tolerance. The control images' VAE
 posterior noise: diffusers draws it from torch's global generator (vae.encode(...).latent_dist.sample() without a
 generator), so the test seeds that generator, draws the same noise and gives it as control_noise=. Bad input (a
 ControlNet of another size or family, a control image missing): one line, exit 2 on the command line."""

@@ -5,7 +5,7 @@ VAEDecoder, VAEEncoder, vocab.json / merges.txt in compiled/), from a tiny rando
 against diffusers' StableDiffusionPipeline on the packages' weights (the palettized ones as coremltools'
 decompress_weights gives them, the others as stored, float16) with Apple's default scheduler (PNDM), from the same
 noise: latents within 1e-4, images within 2 levels (tests/parity.py; the prompt and guidance each move diffusers'
-result past both). The chunks joined are also read as transformer= of a diffusers folder (the same weights saved by
+result past the latent tolerance). The chunks joined are also read as transformer= of a diffusers folder (the same weights saved by
 diffusers), the whole Unet.mlpackage in Apple's folder draws the same, and the VAE's encoder (img2img's) matches
 diffusers'; each component's resident bytes are measured (-s prints them). Bad input (a chunk missing, chunks of two
 models, a link leaving a package, compiled bundles alone, a part missing) is one line, exit 2 on the command line.
@@ -79,7 +79,7 @@ def _noise(seed):
 @pytest.fixture(scope="module")
 def reference_run(apple):
     """diffusers on the packages' weights: (latents, image) of the base run, the prompt and guidance checked to
-    move it past both tolerances."""
+    move it past the latent tolerance (tests/parity.py)."""
     _, _, pipe, _ = apple
     noise = _noise(1)
     run = lambda **kw: reference(pipe, height=H, width=W, num_inference_steps=STEPS, latents=torch.tensor(noise),

@@ -84,7 +84,7 @@ BASE = dict(prompt=PROMPT, negative_prompt=NEGATIVE, height=H, width=W, num_infe
 @pytest.fixture(scope="module")
 def cfg_reference(krea_tiny):
     """diffusers' run of BASE (Krea's CFG with a negative prompt); the prompt, the guidance and the negative prompt
-    each move its output past both tolerances (parity.assert_inputs_matter)."""
+    each move its output past the latent tolerance (tests/parity.py) (parity.assert_inputs_matter)."""
     _, pipe, _ = krea_tiny
     return parity.assert_inputs_matter(
         lambda **kw: reference(pipe, **kw), dict(BASE, latents=torch.from_numpy(noise())),

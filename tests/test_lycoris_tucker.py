@@ -16,7 +16,7 @@ kohya / LyCORIS names (`lora_unet_<module>.<role>`, `.alpha` with alpha != rank)
   layers (the double block's qkv, the single block's linear1: the column norms are over all the parts' rows);
 - through the pipelines: a LoHa Tucker with conv DoRA on SD 1.5 and a per-column DoRA on FLUX.1 dev, mlxdiff.load(
   loras=) against diffusers' pipeline holding LyCORIS's merged weights, from the same noise: latents within 1e-4,
-  image within 2 levels (tests/parity.py), and the LoRA moves diffusers' result past both;
+  image within 2 levels (tests/parity.py), and the LoRA moves diffusers' result past the latent tolerance;
 - bad input in one line naming the key: a Tucker core of the wrong rank, a lora_mid without its pair.
 """
 

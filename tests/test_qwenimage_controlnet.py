@@ -4,7 +4,7 @@ transformer taking them (QwenImageTransformer2DModel's controlnet_block_samples,
 then mlxdiff.load(controlnets=) + generate(control_images=) against QwenImageControlNetPipeline on the tiny
 Qwen-Image folder (tests/qwenimage_helpers.py) with true CFG, from the same injected noise: final latents within
 1e-4, images within 2 levels (tests/parity.py), the control image, the conditioning scale and the control end each
-moving diffusers' own result past both. diffusers draws the control image's VAE posterior first from the run's
+moving diffusers' own result past the latent tolerance. diffusers draws the control image's VAE posterior first from the run's
 generator; the test draws the same noise and gives it as control_noise=. Bad input (a ControlNet of another width,
 read before its weights; an Inpainting ControlNet without its mask, or beside another; a control image missing):
 one line. The Inpainting ControlNet against QwenImageControlNetInpaintPipeline: the masked control image and the

@@ -3,7 +3,7 @@ StableDiffusionInpaintPipeline (SD 1.5's 9-channel inpainting UNet, and latent b
 StableDiffusionXLInpaintPipeline (latent blending; its 0.9999 default strength and denoising_start), on tiny twins
 (tests/ldm_helpers.py) from the same noise: final latents within 1e-4 and images within 2 levels (tests/parity.py),
 each input the test claims (the mask, the init image, the prompt, the strength, denoising_start) moving diffusers'
-own result by more than both. Outpainting (outpaint=) equals inpainting the canvas built independently
+own result by more than the latent tolerance. Outpainting (outpaint=) equals inpainting the canvas built independently
 (tests/inpaint_helpers.py), bit for bit, and matches StableDiffusionXLInpaintPipeline on that canvas; mask_blur=
 matches diffusers given `mask_processor.blur(mask)`, the blur moving its result; bad outpainting input is one line.
 

@@ -6,7 +6,7 @@ folders; the single files (diffusers' names, their config read off the shapes: t
 layers every 5th of 30 or 15 every 2nd) on a 30-layer transformer, as diffusers' from_single_file reads them with the
 folder's config; then mlxdiff.load(controlnets=) + generate(control_images=) against ZImageControlNetPipeline from
 the same injected noise (final latents within 1e-4, images within 2 levels: tests/parity.py), the control image and
-the conditioning scale each moving diffusers' own result past both. Bad input (a ControlNet of another width, places
+the conditioning scale each moving diffusers' own result past the latent tolerance. Bad input (a ControlNet of another width, places
 past the transformer, an unknown file layout, two ControlNets, control_noise): one line."""
 
 import json
