@@ -15,10 +15,7 @@ with Qwen3-VL's defaults (PROCESSOR)."""
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
-import mlx.core as mx
 import mlx.nn as nn
 
 from ..config_checks import MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, one_of
@@ -79,13 +76,14 @@ class ModelArgs(CheckedArgs):
         return super().from_dict(params, where)
 
 
-class Model(nn.Module):
-    """mlx-vlm's Qwen3-VL VisionModel. __call__(pixel_values (N, 3 t p p), grid_thw (images, 3)) -> (features
-    (N / merge^2, out_hidden_size): each image's merged tokens in order, [deepstack features, same shape, one per
-    deepstack index]), as transformers' get_image_features concatenates them."""
+class Model(vision_qwen25vl.Model):
+    """mlx-vlm's Qwen3-VL VisionModel; sanitize and __call__ are Qwen2.5-VL's (the same stored names and call).
+    __call__(pixel_values (N, 3 t p p), grid_thw (images, 3)) -> (features (N / merge^2, out_hidden_size): each
+    image's merged tokens in order, [deepstack features, same shape, one per deepstack index]), as transformers'
+    get_image_features concatenates them."""
 
     def __init__(self, args: ModelArgs):
-        super().__init__()
+        nn.Module.__init__(self)   # not Qwen2.5-VL's __init__: another mlx-vlm model file and config
         self.args = args
         vision = vision_qwen25vl._vision_file("qwen3_vl", "Qwen-Image 2.1")
         config = vision.VisionConfig(model_type="qwen3_vl", depth=args.depth, hidden_size=args.hidden_size,
@@ -96,22 +94,6 @@ class Model(nn.Module):
                                      num_position_embeddings=args.num_position_embeddings,
                                      deepstack_visual_indexes=list(args.deepstack_visual_indexes))
         self.tower = vision.VisionModel(config)
-
-    def sanitize(self, weights: dict) -> dict:
-        out = {}
-        for name, value in weights.items():
-            prefix = next((p for p in PREFIXES if name.startswith(p)), None)
-            if prefix is None:
-                continue
-            key = name[len(prefix):]
-            if key == "patch_embed.proj.weight" and value.ndim == 5:
-                value = value.transpose(0, 2, 3, 4, 1)      # torch Conv3d (O, I, T, H, W) -> MLX (O, T, H, W, I)
-            out["tower." + key] = value
-        return out
-
-    def __call__(self, pixel_values, grid_thw):
-        grid = mx.array(np.asarray(grid_thw, np.int32))
-        return self.tower(pixel_values.astype(self.tower.patch_embed.proj.weight.dtype), grid)
 
 
 def reads_stored(name: str, args: ModelArgs) -> bool:
