@@ -65,8 +65,34 @@ def _vision_file(model="qwen2_5_vl", who="Qwen-Image-Edit"):
     return importlib.import_module(name)
 
 
+# What Qwen2.5-VL's and Qwen3-VL's tower configs share (models/vision_qwen3vl.py reads them too)
+HEADS_RULE = Rule("num_heads", lambda a: a.hidden_size % a.num_heads == 0 and (a.hidden_size // a.num_heads) % 4 == 0,
+                  lambda a: f"must divide hidden_size {a.hidden_size} into heads of a multiple of 4 (the 2-D RoPE)")
+
+
 @dataclass
-class ModelArgs(CheckedArgs):
+class VisionArgs(CheckedArgs):
+    """A tower config: from_dict takes the vision_config of a whole model's config.json, or that dict itself."""
+
+    @classmethod
+    def from_dict(cls, params, where=None):
+        if isinstance(params, dict) and isinstance(params.get("vision_config"), dict):
+            params = params["vision_config"]
+        return super().from_dict(params, where)
+
+
+def check_processor(processor: dict, args, where, config_path) -> None:
+    """The image processor's patching must be the tower's, or its patches are not the tower's input."""
+    if (processor["patch_size"], processor["merge_size"], processor["temporal_patch_size"]) != (
+            args.patch_size, args.spatial_merge_size, args.temporal_patch_size):
+        raise MlxdiffError(f"{where}: patch_size {processor['patch_size']}, merge_size {processor['merge_size']}, "
+                           f"temporal_patch_size {processor['temporal_patch_size']}, but the vision tower "
+                           f"({config_path}) takes {args.patch_size}, {args.spatial_merge_size}, "
+                           f"{args.temporal_patch_size}; the processor does not belong to this encoder")
+
+
+@dataclass
+class ModelArgs(VisionArgs):
     """The tower's config: the text encoder's config.json `vision_config` (Qwen2_5_VLVisionConfig's names; the
     whole config.json is taken too). Defaults: Qwen2.5-VL-7B's."""
     depth: int = 32
@@ -98,17 +124,11 @@ class ModelArgs(CheckedArgs):
         "fullatt_block_indexes": between(0, MAX_LAYERS, items=(0, MAX_LAYERS)),
     }
     RULES = (
-        Rule("num_heads", lambda a: a.hidden_size % a.num_heads == 0 and (a.hidden_size // a.num_heads) % 4 == 0,
-             lambda a: f"must divide hidden_size {a.hidden_size} into heads of a multiple of 4 (the 2-D RoPE)"),
+        HEADS_RULE,
         Rule("window_size", lambda a: a.window_size % (a.patch_size * a.spatial_merge_size) == 0,
              lambda a: f"must be a multiple of patch_size * spatial_merge_size ({a.patch_size * a.spatial_merge_size})"),
     )
 
-    @classmethod
-    def from_dict(cls, params, where=None):
-        if isinstance(params, dict) and isinstance(params.get("vision_config"), dict):
-            params = params["vision_config"]
-        return super().from_dict(params, where)
 
 
 class Model(nn.Module):

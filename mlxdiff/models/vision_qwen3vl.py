@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from .. import backend  # noqa: F401  (OpenBLAS preload before mlx)
 import mlx.nn as nn
 
-from ..config_checks import MAX_HEADS, MAX_LAYERS, MAX_WIDTH, CheckedArgs, Rule, between, one_of
+from ..config_checks import MAX_HEADS, MAX_LAYERS, MAX_WIDTH, Rule, between, one_of
 from . import vision_qwen25vl
 from .vision_qwen25vl import PREFIXES, WRITTEN_WITH, stored_weights  # noqa: F401  (convert's, as Qwen2.5-VL's)
+from .vision_qwen25vl import check_processor  # noqa: F401  (the folder's processor check, as Qwen2.5-VL's)
 
 # Qwen3-VL's preprocessor_config.json: patches of 16 px merged 2 x 2, mean / std 0.5, 256^2 .. 4096^2 pixels
 PROCESSOR = dict(vision_qwen25vl.PROCESSOR, min_pixels=65536, max_pixels=16777216, patch_size=16,
@@ -28,7 +29,7 @@ PROCESSOR = dict(vision_qwen25vl.PROCESSOR, min_pixels=65536, max_pixels=1677721
 
 
 @dataclass
-class ModelArgs(CheckedArgs):
+class ModelArgs(vision_qwen25vl.VisionArgs):
     """The tower's config: the text encoder's config.json `vision_config` (Qwen3VLVisionConfig's names; the whole
     config.json is taken too). Defaults: Qwen3-VL-8B's."""
     depth: int = 27
@@ -60,8 +61,7 @@ class ModelArgs(CheckedArgs):
         "deepstack_visual_indexes": between(0, MAX_LAYERS, items=(0, MAX_LAYERS)),
     }
     RULES = (
-        Rule("num_heads", lambda a: a.hidden_size % a.num_heads == 0 and (a.hidden_size // a.num_heads) % 4 == 0,
-             lambda a: f"must divide hidden_size {a.hidden_size} into heads of a multiple of 4 (the 2-D RoPE)"),
+        vision_qwen25vl.HEADS_RULE,
         Rule("num_position_embeddings", lambda a: round(a.num_position_embeddings ** 0.5) ** 2
              == a.num_position_embeddings,
              lambda a: "must be a square (the position table is a square grid)"),
@@ -69,11 +69,6 @@ class ModelArgs(CheckedArgs):
              lambda a: f"must name blocks below depth {a.depth}"),
     )
 
-    @classmethod
-    def from_dict(cls, params, where=None):
-        if isinstance(params, dict) and isinstance(params.get("vision_config"), dict):
-            params = params["vision_config"]
-        return super().from_dict(params, where)
 
 
 class Model(vision_qwen25vl.Model):

@@ -108,12 +108,7 @@ def edit_parts(root, config, config_path, specs) -> tuple:
     folder = tokenizer_folder(root, "processor")
     where = folder / "preprocessor_config.json"
     processor = vision_qwen25vl.processor_config(read_json(where, "the image processor config", root), where)
-    if (processor["patch_size"], processor["merge_size"], processor["temporal_patch_size"]) != (
-            args.patch_size, args.spatial_merge_size, args.temporal_patch_size):
-        raise MlxdiffError(f"{where}: patch_size {processor['patch_size']}, merge_size {processor['merge_size']}, "
-                           f"temporal_patch_size {processor['temporal_patch_size']}, but the vision tower "
-                           f"({config_path}) takes {args.patch_size}, {args.spatial_merge_size}, "
-                           f"{args.temporal_patch_size}; the processor does not belong to this encoder")
+    vision_qwen25vl.check_processor(processor, args, where, config_path)
     return folder, {"processor": processor, "image_token_id": token_id}
 
 

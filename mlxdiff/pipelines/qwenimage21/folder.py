@@ -84,12 +84,7 @@ def condition_image_parts(root, config_path, folder, specs, tokenizer) -> dict:
                            f"model's hidden_size is {width}; the vision tower does not belong to this encoder")
     specs["vision"] = ComponentSpec("vision", vision_qwen3vl, dict(vision), list(specs["text_encoder"].files))
     processor = vision_qwen3vl.processor_config(read_json(where, "the image processor config", root), where)
-    if (processor["patch_size"], processor["merge_size"], processor["temporal_patch_size"]) != (
-            args.patch_size, args.spatial_merge_size, args.temporal_patch_size):
-        raise MlxdiffError(f"{where}: patch_size {processor['patch_size']}, merge_size {processor['merge_size']}, "
-                           f"temporal_patch_size {processor['temporal_patch_size']}, but the vision tower "
-                           f"({config_path}) takes {args.patch_size}, {args.spatial_merge_size}, "
-                           f"{args.temporal_patch_size}; the processor does not belong to this encoder")
+    vision_qwen3vl.check_processor(processor, args, where, config_path)
     token_id = config.get("image_token_id", 151655)
     vocab = tokenizer.get_vocab()
     missing = [t for t in VISION_TOKENS if t not in vocab]
