@@ -128,3 +128,20 @@ def test_lora_denoisers_are_the_registered_ones():
         assert isinstance(rows, tuple) and all(isinstance(p, re.Pattern) and labels[0] == arch.LORA_ARCHITECTURE
                                                 for p, labels in rows), arch.__name__
     assert lora.ARCHITECTURES == tuple(row for arch in lora.LORA_DENOISERS for row in arch.LORA_ARCHITECTURE_PATTERNS)
+
+
+def test_a_half_written_architecture_is_named_at_import(monkeypatch):
+    """A module of mlxdiff.models that declares CLASS_NAMES without ModelArgs or Model is refused when the registry
+    is built, naming the module and what it lacks, rather than left out of ARCHITECTURES unseen."""
+    half = types.ModuleType("mlxdiff.models.half_written")
+    half.CLASS_NAMES = ("HalfWrittenModel",)
+    half.ModelArgs = object
+    real_import = importlib.import_module
+    monkeypatch.setattr(registry.pkgutil, "iter_modules",
+                        lambda paths: [types.SimpleNamespace(name="half_written")])
+    monkeypatch.setattr(registry.importlib, "import_module",
+                        lambda name: half if name == "mlxdiff.models.half_written" else real_import(name))
+    with pytest.raises(ImportError, match=r"^mlxdiff\.models\.half_written declares CLASS_NAMES but has no Model: "):
+        registry.architecture_modules()
+    del half.CLASS_NAMES                      # without CLASS_NAMES it is a helper module: left out, no error
+    assert registry.architecture_modules() == ()

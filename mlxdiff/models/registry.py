@@ -24,7 +24,14 @@ def architecture_modules() -> tuple:
     helpers the architectures share)."""
     names = sorted(info.name for info in pkgutil.iter_modules([str(Path(__file__).parent)])
                    if info.name not in _NOT_ARCHITECTURES)
-    modules = (importlib.import_module(f"{__package__}.{name}") for name in names)
+    modules = [importlib.import_module(f"{__package__}.{name}") for name in names]
+    for module in modules:
+        # a module that declares CLASS_NAMES means to be an architecture: one lacking the rest is a mistake to name
+        # at import, not a family that silently goes missing
+        missing = [m for m in ("ModelArgs", "Model") if not hasattr(module, m)]
+        if hasattr(module, "CLASS_NAMES") and missing:
+            raise ImportError(f"{module.__name__} declares CLASS_NAMES but has no {' or '.join(missing)}: an "
+                              "architecture module needs both (models/protocol.Architecture)")
     return tuple(module for module in modules if isinstance(module, protocol.Architecture))
 
 
