@@ -199,16 +199,12 @@ def timed(fn, sync):
     return statistics.median(times)
 
 
-def run_mlxdiff(name, cfg, size, text_tokens, device):
+def mlxdiff_model(name, cfg):
+    """The mlxdiff transformer of `name` at `cfg` with random bf16 weights -> (model, its models/ module)."""
     import mlxdiff  # noqa: F401
     import mlx.core as mx
     import mlx.nn as nn
-    from mlxdiff.models import flux2
-    from mlxdiff.pipelines.base import evaluate_each_block
-    from mlxdiff.pacing import settle
-    from mlxdiff.policy import from_switches, installed
-    from mlxdiff.models import flux1, flux3, krea2, qwenimage, zimage
-    policy = from_switches()
+    from mlxdiff.models import flux1, flux2, flux3, krea2, qwenimage, zimage
     arch = (flux1 if name in FLUX1 else zimage if name in ZIMAGE else qwenimage if name in QWEN else
             krea2 if name in KREA2 else flux3 if name in FLUX3 else flux2)
     model = arch.Model(arch.ModelArgs(**cfg))
@@ -221,6 +217,18 @@ def run_mlxdiff(name, cfg, size, text_tokens, device):
     model.update(nn.utils.tree_map(lambda a: a if a.dtype == mx.bfloat16 else a.astype(mx.bfloat16),
                                    model.parameters()))   # the model's own arrays (Z-Image's pad tokens)
     mx.eval(model.parameters())
+    return model, arch
+
+
+def run_mlxdiff(name, cfg, size, text_tokens, device):
+    import mlxdiff  # noqa: F401  (OpenBLAS preload before mlx)
+    import mlx.core as mx
+    from mlxdiff.models import flux1, flux2, flux3, krea2, qwenimage, zimage
+    from mlxdiff.pipelines.base import evaluate_each_block
+    from mlxdiff.pacing import settle
+    from mlxdiff.policy import from_switches, installed
+    policy = from_switches()
+    model, arch = mlxdiff_model(name, cfg)
     if arch is zimage:
         lat, cap = (mx.array(a).astype(mx.bfloat16) for a in zimage_inputs(size, cfg, text_tokens))
         t = mx.array([0.5], dtype=mx.float32)
@@ -277,15 +285,15 @@ def run_mlxdiff(name, cfg, size, text_tokens, device):
             "weights_gb": weights / GB}
 
 
-def run_diffusers(name, cfg, size, text_tokens, device):
+def diffusers_model(name, cfg, device):
+    """diffusers' transformer of `name` at `cfg`, built on `device` in bf16 (its float32 modules as from_pretrained
+    keeps them)."""
     import torch
     from diffusers import (FluxTransformer2DModel, Flux2Transformer2DModel, Flux3Transformer2DModel,
                            Krea2Transformer2DModel, QwenImageTransformer2DModel, ZImageTransformer2DModel)
-    flux1 = name in FLUX1
-    cls = (FluxTransformer2DModel if flux1 else ZImageTransformer2DModel if name in ZIMAGE else
+    cls = (FluxTransformer2DModel if name in FLUX1 else ZImageTransformer2DModel if name in ZIMAGE else
            QwenImageTransformer2DModel if name in QWEN else Krea2Transformer2DModel if name in KREA2 else
            Flux3Transformer2DModel if name in FLUX3 else Flux2Transformer2DModel)
-    cuda = device == "cuda"
     with torch.device(device):     # built on the device in bfloat16 (no float32 copy of 12B weights first)
         torch.set_default_dtype(torch.bfloat16)
         model = cls(**cfg).eval()
@@ -294,8 +302,16 @@ def run_diffusers(name, cfg, size, text_tokens, device):
         for key, param in model.named_parameters():
             if any(m in key.split(".") for m in cls._keep_in_fp32_modules):
                 param.data = param.data.float()
-    if cuda:
+    if device == "cuda":
         torch.cuda.empty_cache()
+    return model
+
+
+def run_diffusers(name, cfg, size, text_tokens, device):
+    import torch
+    flux1 = name in FLUX1
+    cuda = device == "cuda"
+    model = diffusers_model(name, cfg, device)
     dev = lambda a: torch.from_numpy(a).to(device)
     if name in ZIMAGE:      # ZImagePipeline: lists of (C, 1, H, W) latents and (L, D) captions
         lat, cap = (dev(a).bfloat16() for a in zimage_inputs(size, cfg, text_tokens))

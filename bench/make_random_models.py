@@ -10,6 +10,8 @@
     python bench/make_random_models.py sdxl-tiny | sdxl-controlnet-tiny [--out DIR]    # tiny: CPU chain test
     python bench/make_random_models.py zimage-turbo | zimage-turbo-tiny [--out DIR] [--device cuda]   # ~20 GB
     python bench/make_random_models.py qwen-image | qwen-image-tiny [--out DIR] [--device cuda]       # ~57 GB
+    python bench/make_random_models.py krea2 | krea2-tiny [--out DIR] [--device cuda]                 # ~35 GB
+    python bench/make_random_models.py flux3-klein | flux3-klein-tiny [--out DIR] [--device cuda]     # ~20 GB
 
 flux2-dev writes every component but the transformer's weights (only its config.json): its denoiser is the random
 Q4_K_M GGUF of bench/flux2_dev_gpu.py write-gguf, given with --transformer on both sides. Its Mistral-Small-3.1
@@ -380,6 +382,140 @@ def zimage_turbo(out: Path, tiny=False):
     (out / "model_index.json").write_text(json.dumps(index, indent=1))
 
 
+def qwen_image_vae(tiny=False):
+    """AutoencoderKLQwenImage at its class defaults (= Qwen-Image's released vae/config.json, the VAE Krea 2 shares),
+    or the tiny one (base 8, 3 + 1 levels, factor 8), as a save_components builder."""
+    from diffusers import AutoencoderKLQwenImage
+    vae = dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1) if tiny else \
+        dict(base_dim=96, dim_mult=[1, 2, 4, 4], num_res_blocks=2)
+    return lambda: AutoencoderKLQwenImage(z_dim=16, attn_scales=[], temperal_downsample=[False, True, True], **vae)
+
+
+# Qwen/Qwen3-VL-4B-Instruct's config.json (the encoder of Krea 2 and FLUX 3 Klein; the values as kohya-ss/musubi-tuner's
+# krea2/krea2_encoder.py writes them out: no Hub access here). Its vision tower is kept at the real config: diffusers
+# loads it (0.41 B) though neither pipeline runs it for a text prompt; mlxdiff never reads it.
+QWEN3_VL_4B_TEXT = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                        rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=5e6,
+                                                                mrope_section=[24, 20, 20], mrope_interleaved=True))
+QWEN3_VL_4B_VISION = dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, patch_size=16,
+                          spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                          deepstack_visual_indexes=[5, 11, 17], hidden_act="gelu_pytorch_tanh")
+QWEN3_VL_TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, patch_size=4,
+                            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16,
+                            deepstack_visual_indexes=[0])
+
+
+def qwen3_vl_encoder(class_name, text, vision):
+    """A save_components builder: transformers' `class_name` (Qwen3VLModel, Qwen3VLForConditionalGeneration) over
+    the text config `text`, its vision tower `vision` projecting to the text width, tied embeddings (as 4B's)."""
+    import transformers
+    config = transformers.Qwen3VLConfig(text_config=text, tie_word_embeddings=True,
+                                        vision_config=dict(vision, out_hidden_size=text["hidden_size"]))
+    return lambda: getattr(transformers, class_name)(config)
+
+
+def transformer_config(name):
+    """bench/forward_gpu.py's config `name`: the transformer steps of bench/new_families_gpu.sh ran the same one."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from forward_gpu import CONFIGS
+    return dict(CONFIGS[name])
+
+
+def write_index(out: Path, class_name, components: dict, **config):
+    """model_index.json as DiffusionPipeline.save_pretrained writes it: the class, the registered config, then each
+    component's [library, class]."""
+    import json
+    (out / "model_index.json").write_text(json.dumps(
+        {"_class_name": class_name, "_diffusers_version": "0.42.1", **config, **components}, indent=1))
+
+
+def krea2(out: Path, tiny=False):
+    """Krea 2 (Krea2Pipeline): Krea2Transformer2DModel at diffusers 0.42.1's class defaults (12.8 B; forward_gpu's
+    CONFIGS["krea2"]: no released config is available offline), Qwen3-VL-4B-Instruct as the Qwen3VLModel the
+    pipeline types (QWEN3_VL_4B_TEXT / _VISION), the Qwen-Image VAE (qwen_image_vae), the scheduler settings of the
+    Krea2Pipeline docstring (dynamic shifting 0.5 to 1.15 over 256 to 6400 image tokens, exponential), the stand-in
+    Qwen tokenizer; model_index.json with the config Krea2Pipeline registers (text_encoder_select_layers: its
+    default 2, 5, ..., 35; is_distilled false: the 28-step base model; patch_size 2). ~35 GB: transformer 25.6,
+    encoder 8.9 (the tower 0.8 of it), VAE 0.25. tiny=True: the same layout, tiny (a whole-chain test on the CPU):
+    encoder (6 layers of 256, taps 2, 4, 6) and transformer a few MB each, mostly blocks, so that one small
+    --memory-limit streams both."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, Krea2Transformer2DModel
+    torch.set_default_dtype(torch.bfloat16)
+    if tiny:
+        tr = dict(in_channels=64, num_layers=6, attention_head_dim=32, num_attention_heads=6, num_key_value_heads=2,
+                  intermediate_size=520, timestep_embed_dim=48, text_hidden_dim=256, num_text_layers=3,
+                  text_num_attention_heads=4, text_num_key_value_heads=2, text_intermediate_size=344,
+                  num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(8, 12, 12))
+        text = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                    rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[12, 10, 10],
+                                         mrope_interleaved=True))
+        taps, vision = (2, 4, 6), QWEN3_VL_TINY_VISION
+    else:
+        tr, text, vision = transformer_config("krea2"), QWEN3_VL_4B_TEXT, QWEN3_VL_4B_VISION
+        taps = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)    # Krea2Pipeline's default
+    builders = {"transformer": lambda: Krea2Transformer2DModel(**tr), "vae": qwen_image_vae(tiny),
+                "text_encoder": qwen3_vl_encoder("Qwen3VLModel", text, vision)}
+    save_components(out, builders)
+    qwen_like_tokenizer(out / "tokenizer")
+    FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, use_dynamic_shifting=True, base_shift=0.5,
+                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400,
+                                    time_shift_type="exponential").save_pretrained(str(out / "scheduler"))
+    write_index(out, "Krea2Pipeline", {
+        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
+        "text_encoder": ["transformers", "Qwen3VLModel"], "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "transformer": ["diffusers", "Krea2Transformer2DModel"], "vae": ["diffusers", "AutoencoderKLQwenImage"]},
+        is_distilled=False, patch_size=2, text_encoder_select_layers=list(taps))
+
+
+def flux3_klein(out: Path, tiny=False):
+    """FLUX 3 Image Klein, step-distilled (Flux3DistilledModularPipeline, 16 steps, no guidance):
+    Flux3Transformer2DModel at diffusers 0.42.1's class defaults with flow_map=True (5.5 B; forward_gpu's
+    CONFIGS["flux3-klein"]), Qwen3-VL-4B-Instruct as Qwen3VLForConditionalGeneration (the modular text encoder
+    step's class; its hidden states 4, 8, ..., 32 stacked: 8 x 2560 = the transformer's joint_attention_dim),
+    AutoencoderKLFlux2 at its class defaults (FLUX.2's VAE, which FLUX 3 reads), the stand-in Qwen tokenizer (its
+    chat template) under tokenizer/. Written as ModularPipeline.save_pretrained writes it: modular_model_index.json
+    (no model_index.json) with each component's loading spec, no scheduler folder (the blocks build
+    FlowMatchEulerDiscreteScheduler(shift=6.93) from config), the tokenizer's spec without a path (a saved
+    AutoProcessor would carry the image processor's files; this folder has only the tokenizer's:
+    whole_process_gpu.py hands it to diffusers as tests/flux3_helpers.py does). ~20 GB: transformer 11.1, encoder
+    8.9, VAE 0.17. tiny=True: the same layout, tiny (a whole-chain test on the CPU): 32 encoder layers of 96 (the
+    default taps need 32), a transformer 192 wide; a few MB each."""
+    import json
+    import torch
+    from diffusers import AutoencoderKLFlux2, Flux3Transformer2DModel
+    torch.set_default_dtype(torch.bfloat16)
+    if tiny:
+        text = dict(vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=32, num_attention_heads=3,
+                    num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                    rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[6, 5, 5],
+                                         mrope_interleaved=True))
+        tr = dict(in_channels=32, cond_in_channels=32, num_layers=2, num_single_layers=4, attention_head_dim=48,
+                  num_attention_heads=4, joint_attention_dim=8 * text["hidden_size"], timestep_channels=64,
+                  mlp_ratio=2.5, axes_dims_rope=(12, 12, 12, 12), rope_theta=10000, eps=1e-6, flow_map=True)
+        vae = dict(block_out_channels=(16, 24, 24, 24), layers_per_block=1, latent_channels=8, norm_num_groups=8)
+        vision = QWEN3_VL_TINY_VISION
+    else:
+        tr, text, vision, vae = transformer_config("flux3-klein"), QWEN3_VL_4B_TEXT, QWEN3_VL_4B_VISION, {}
+    builders = {"transformer": lambda: Flux3Transformer2DModel(**tr), "vae": lambda: AutoencoderKLFlux2(**vae),
+                "text_encoder": qwen3_vl_encoder("Qwen3VLForConditionalGeneration", text, vision)}
+    save_components(out, builders)
+    qwen_like_tokenizer(out / "tokenizer")
+
+    def spec(library, class_name, name, hint=None, path=str(out)):
+        return [library, class_name, {"pretrained_model_name_or_path": path, "revision": None, "subfolder": name,
+                                      "type_hint": [library, hint or class_name], "variant": None}]
+    index = {"_blocks_class_name": "Flux3DistilledAutoBlocks", "_class_name": "Flux3DistilledModularPipeline",
+             "_diffusers_version": "0.42.1",
+             "text_encoder": spec("transformers", "Qwen3VLForConditionalGeneration", "text_encoder"),
+             "tokenizer": spec("transformers", "Qwen3VLProcessor", "tokenizer", "AutoProcessor", path=None),
+             "transformer": spec("diffusers", "Flux3Transformer2DModel", "transformer"),
+             "vae": spec("diffusers", "AutoencoderKLFlux2", "vae")}
+    (out / "modular_model_index.json").write_text(json.dumps(index, indent=1))
+
+
 def qwen_image(out: Path, tiny=False):
     """Qwen/Qwen-Image: QwenImageTransformer2DModel (20.4 B: 60 layers, 24 heads of 128, joint 3584; diffusers'
     class defaults = the released config), Qwen2.5-VL-7B-Instruct's language model (hidden 3584, 28 layers, 28 heads,
@@ -391,7 +527,7 @@ def qwen_image(out: Path, tiny=False):
     import json
     import torch
     import transformers
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
     torch.set_default_dtype(torch.bfloat16)
     if tiny:
         tr = dict(in_channels=64, out_channels=16, num_layers=8, attention_head_dim=32, num_attention_heads=3,
@@ -399,21 +535,18 @@ def qwen_image(out: Path, tiny=False):
         text = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=1024, vocab_size=512,
                     rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[8, 12, 12]))
-        vae = dict(base_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
     else:
         tr = dict(in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
                   joint_attention_dim=3584, axes_dims_rope=(16, 56, 56))
         text = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                     num_key_value_heads=4, max_position_embeddings=128000, vocab_size=152064,
                     rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[16, 24, 24]))
-        vae = dict(base_dim=96, dim_mult=[1, 2, 4, 4], num_res_blocks=2)
     vision = dict(depth=1, hidden_size=16, intermediate_size=24, num_heads=2, out_hidden_size=text["hidden_size"],
                   patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                   fullatt_block_indexes=[0])
     builders = {
         "transformer": lambda: QwenImageTransformer2DModel(patch_size=2, guidance_embeds=False, **tr),
-        "vae": lambda: AutoencoderKLQwenImage(z_dim=16, attn_scales=[], temperal_downsample=[False, True, True],
-                                              **vae),
+        "vae": qwen_image_vae(tiny),
         "text_encoder": lambda: transformers.Qwen2_5_VLForConditionalGeneration(transformers.Qwen2_5_VLConfig(
             text_config=dict(rms_norm_eps=1e-6, **text), vision_config=vision,
             tie_word_embeddings=False)),
@@ -457,7 +590,9 @@ MODELS = {"sdxl": unet_family, "sdxl-tiny": lambda out: unet_family(out, tiny=Tr
           "sdxl-controlnet": sdxl_controlnet, "sdxl-controlnet-tiny": lambda out: sdxl_controlnet(out, tiny=True), "sd1.5": lambda out: unet_family(out, xl=False), "sd3.5-medium": sd35_medium, "sd3.5-large": lambda out: sd35_medium(out, large=True), "klein-4b": klein_4b,
           "flux2-dev": flux2_dev, "flux1-dev": flux1_dev, "flux1-tiny": lambda out: flux1_dev(out, tiny=True),
           "zimage-turbo": zimage_turbo, "zimage-turbo-tiny": lambda out: zimage_turbo(out, tiny=True),
-          "qwen-image": qwen_image, "qwen-image-tiny": lambda out: qwen_image(out, tiny=True)}
+          "qwen-image": qwen_image, "qwen-image-tiny": lambda out: qwen_image(out, tiny=True),
+          "krea2": krea2, "krea2-tiny": lambda out: krea2(out, tiny=True),
+          "flux3-klein": flux3_klein, "flux3-klein-tiny": lambda out: flux3_klein(out, tiny=True)}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()

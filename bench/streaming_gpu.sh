@@ -19,10 +19,16 @@
 #     rm -rf /tmp/zi; python3 bench/make_random_models.py qwen-image --out /tmp/qi --device cuda   # ~56 GB
 #     QI_LIMITS=none LIMITS= LOGS=/tmp/l40 bash bench/streaming_gpu.sh; cp -r /tmp/l40 $OUT/
 #     QI_LIMITS=12 LIMITS= LOGS=/tmp/l40 bash bench/streaming_gpu.sh; cp -r /tmp/l40 $OUT/
+# Issue 41: F3_LIMITS="none 6" (FLUX 3 Klein) and K2_LIMITS="none 6" (Krea 2), the same way (the function `family`
+# below; bench/round4_gpu.sh runs them):
+#     F3_LIMITS="none 6" K2_LIMITS="none 6" LIMITS= LOGS=$OUT/stream bash bench/streaming_gpu.sh
 # CPU chain check at tiny size (no GPU; RSS instead of NVML):
 #     ZI_MODEL=zimage-turbo-tiny ZI_DIR=/tmp/zt ZI_SIZE=64 ZI_STEPS=2 ZI_LIMITS="none 0.005" \
 #     QI_MODEL=qwen-image-tiny QI_DIR=/tmp/qt QI_SIZE=64 QI_STEPS=2 QI_LIMITS="none 0.005" QI_NEED_GB=1 \
 #     MAKE_DEVICE=cpu LIMITS= LOGS=/tmp/stream-cpu bash bench/streaming_gpu.sh
+#     F3_MODEL=flux3-klein-tiny F3_DIR=/tmp/f3t F3_SIZE=64 F3_STEPS=2 F3_LIMITS="none 0.008" F3_NEED_GB=1 \
+#     K2_MODEL=krea2-tiny K2_DIR=/tmp/k2t K2_SIZE=64 K2_STEPS=2 K2_WHOLE_STEPS=2 K2_LIMITS="none 0.006" K2_NEED_GB=1 \
+#     MAKE_DEVICE=cpu LIMITS= LOGS=/tmp/stream41-cpu bash bench/streaming_gpu.sh
 # Run on the GPU machine after the device recipe's activate step; logs in $LOGS.
 set -u
 cd "$(dirname "$0")/.."
@@ -150,6 +156,51 @@ if [ -n "${QI_LIMITS:-}" ]; then   # Qwen-Image: QI_LIMITS="none 12", 1024, QI_S
     done
   fi
   stamp qi_done
+fi
+has_index() { [ -f "$1/model_index.json" ] || [ -f "$1/modular_model_index.json" ]; }
+# family TAG DIR MODEL NEED_GB LIMITS STEPS WHOLE_STEPS OTHERS: issue 41's rows of one family (F3_*, K2_* below): the
+# folder written here unless there (OTHERS, this job's other folders, deleted first when the disk is short), one run
+# per limit, each limit's image against the resident one, then the whole process beside diffusers (TAG_WHOLE=0 skips)
+family() {
+  local tag=$1 dir=$2 model=$3 need=$4 limits=$5 steps=$6 whole_steps=$7 others=$8 whole_var="${1^^}_WHOLE"
+  if ! has_index "$dir" && [ "$(free_gb)" -lt "$need" ] && [ -n "$others" ]; then
+    echo "deleting for $tag: $others" | tee -a "$L/disk_$tag.txt"
+    rm -rf $others
+  fi
+  echo "$tag disk: need ~$(has_index "$dir" && echo 0 || echo "$need") GB, $(free_gb) GB free on /tmp" \
+    | tee -a "$L/disk_$tag.txt"
+  if ! has_index "$dir" && [ "$(free_gb)" -lt "$need" ]; then
+    echo "$tag skipped: not enough disk" | tee -a "$L/disk_$tag.txt"; stamp "${tag}_done"; return
+  fi
+  has_index "$dir" || python3 bench/make_random_models.py "$model" --out "$dir" --device "$MAKE_DEVICE" \
+    > "$L/make_$tag.txt" 2>&1
+  stamp "make_$tag"
+  { du -sh "$dir"/*; df -h /tmp; } >> "$L/disk_$tag.txt" 2>&1
+  for limit in $limits; do
+    run "${tag}_$limit" "$dir" --size "$size" --steps "$steps" $(limit_args "$limit")
+  done
+  for limit in $limits; do
+    [ "$limit" = none ] || [ ! -d "$L/run_${tag}_none" ] || python3 bench/streaming_gpu.py compare \
+      "$L/run_${tag}_none" "$L/run_${tag}_$limit" > "$L/compare_${tag}_$limit.txt" 2>&1
+  done
+  [ "${!whole_var:-1}" = 0 ] || python3 bench/whole_process_gpu.py pairs "$dir" --size "$size" \
+    --steps "$whole_steps" --repeat 2 --device "$MAKE_DEVICE" > "$L/whole_$tag.txt" 2>&1
+  stamp "${tag}_done"
+}
+# Issue 41: F3_LIMITS="none 6": FLUX 3 Klein, step-distilled (bench/make_random_models.py flux3-klein, ~20 GB: the
+# transformer 11.1, Qwen3-VL-4B 8.9, VAE 0.17), 1024, its 16 steps without guidance; K2_LIMITS="none 6": Krea 2
+# (krea2, ~35 GB: transformer 25.6, Qwen3-VL-4B 8.9, VAE 0.25), 1024, CFG 4.5 against "" (Krea2Pipeline's defaults),
+# K2_STEPS=4 for the resident and streamed runs (a streamed step reads the transformer twice, ~50 GB) and its default
+# 28 (K2_WHOLE_STEPS) for the whole process. The two folders fit the 64 GiB disk together only just: the other is
+# deleted first when short.
+f3=${F3_DIR:-/tmp/f3} k2=${K2_DIR:-/tmp/k2}
+if [ -n "${F3_LIMITS:-}" ]; then
+  size=${F3_SIZE:-1024}
+  family f3 "$f3" "${F3_MODEL:-flux3-klein}" "${F3_NEED_GB:-22}" "$F3_LIMITS" "${F3_STEPS:-16}" "${F3_STEPS:-16}" "$k2"
+fi
+if [ -n "${K2_LIMITS:-}" ]; then
+  size=${K2_SIZE:-1024}
+  family k2 "$k2" "${K2_MODEL:-krea2}" "${K2_NEED_GB:-37}" "$K2_LIMITS" "${K2_STEPS:-4}" "${K2_WHOLE_STEPS:-28}" "$f3"
 fi
 [ -n "${LIMITS-x}" ] || { stamp JOB-DONE; exit 0; }
 [ -f /tmp/dev/model_index.json ] || python3 bench/make_random_models.py flux2-dev --out /tmp/dev --device cuda \
