@@ -272,12 +272,13 @@ def apple_twins(seed=0):
             randomize_(AutoencoderKL(**APPLE_VAE).eval(), seed=2, scale=0.1))
 
 
-def write_apple_folder(root, unet, text_encoder, vae, vocab, nbits=6):
+def write_apple_folder(root, unet, text_encoder, vae, vocab, nbits=6, chunk=True):
     """Apple's folder under `root`: packages/ (TextEncoder, UnetChunk1 + UnetChunk2 (coremltools' bisect_model, as
     chunk_mlprogram.py calls it), VAEDecoder, VAEEncoder), the UNet and the text encoder palettized (`nbits`-bit
     k-means, as the converter's --quantize-nbits), the whole Unet.mlpackage kept in root/whole/, and the tokenizer's
-    vocab.json / merges.txt (from the folder `vocab`) in compiled/ (where Apple's repositories keep them). Returns
-    {name: MLModel} of what it wrote (the UNet before chunking)."""
+    vocab.json / merges.txt (from the folder `vocab`) in compiled/ (where Apple's repositories keep them); with
+    chunk=False (torch2coreml.py without --chunk-unet) the whole Unet.mlpackage in packages/ instead of the chunks.
+    Returns {name: MLModel} of what it wrote (the UNet before chunking)."""
     root = Path(root)
     packages, compiled, whole = root / "packages", root / "compiled", root / "whole"
     for d in (packages, compiled, whole):
@@ -298,10 +299,11 @@ def write_apple_folder(root, unet, text_encoder, vae, vocab, nbits=6):
     models["Unet"] = palettize_weights(unet_model, palettizing)
     models["TextEncoder"] = palettize_weights(models["TextEncoder"], palettizing)
     for name, model in models.items():
-        model.save(str((whole if name == "Unet" else packages) / f"{name}.mlpackage"))
-    bisect_model(str(whole / "Unet.mlpackage"), str(root / "bisect"), check_output_correctness=False)
-    for i in (1, 2):
-        shutil.move(str(root / "bisect" / f"Unet_chunk{i}.mlpackage"), str(packages / f"UnetChunk{i}.mlpackage"))
+        model.save(str((whole if name == "Unet" and chunk else packages) / f"{name}.mlpackage"))
+    if chunk:
+        bisect_model(str(whole / "Unet.mlpackage"), str(root / "bisect"), check_output_correctness=False)
+        for i in (1, 2):
+            shutil.move(str(root / "bisect" / f"Unet_chunk{i}.mlpackage"), str(packages / f"UnetChunk{i}.mlpackage"))
     for name in ("vocab.json", "merges.txt"):
         shutil.copy(Path(vocab) / name, compiled / name)
     return models
@@ -365,12 +367,21 @@ MIXED_BIT_MIN_SIZE = 2048
 MIXED_NBITS = (1, 2, 4, 6, 8, 16)
 
 
+# the widths in the recipe's order of weights, largest first: k-means' time grows with the weight's size times its
+# table's length, so the largest weights get the shortest tables and the 8-bit ones are the smallest (float16 third:
+# the largest, palettized, keep the UNet's bytes well under float16's)
+RECIPE_ORDER = (1, 2, 16, 4, 6, 8)
+
+
 def mixed_bit_recipe(unet) -> dict:
     """A recipe as mixed_bit_compression_pre_analysis writes one, over the UNet's layers with a weight of at least
-    MIXED_BIT_MIN_SIZE elements: the nbits cycled through MIXED_NBITS, so every width Apple allows occurs."""
-    names = [n[:-len(".weight")] for n, p in unet.named_parameters()
-             if n.endswith(".weight") and p.dim() > 1 and p.numel() >= MIXED_BIT_MIN_SIZE]
-    return {name: MIXED_NBITS[i % len(MIXED_NBITS)] for i, name in enumerate(names)}
+    MIXED_BIT_MIN_SIZE elements: the layers by size, largest first, split into len(MIXED_NBITS) runs of (nearly)
+    equal length given RECIPE_ORDER's nbits in turn, so every width Apple allows occurs."""
+    sizes = {n[:-len(".weight")]: p.numel() for n, p in unet.named_parameters()
+             if n.endswith(".weight") and p.dim() > 1 and p.numel() >= MIXED_BIT_MIN_SIZE}
+    names = sorted(sizes, key=lambda name: -sizes[name])       # stable: layers of one size in the model's order
+    assert sorted(RECIPE_ORDER) == sorted(MIXED_NBITS) and len(names) >= len(MIXED_NBITS)
+    return {name: RECIPE_ORDER[i * len(RECIPE_ORDER) // len(names)] for i, name in enumerate(names)}
 
 
 def apply_mixed_bit_recipe(mlmodel, unet, recipe):

@@ -6,7 +6,8 @@ SDXL (--xl-version, coreml_helpers.write_apple_xl_folder): TextEncoder and TextE
 hidden states and the pool, palettized 6-bit; the UNet with its added inputs (time_ids, text_embeds), palettized by
 a mixed-bit recipe (mixed_bit_compression_apply.py's: 1, 2, 4, 6, 8 bits or float16 per layer) and chunked; the VAE
 in float32 as --xl-version converts it. SD 2.x: the OpenCLIP-style text encoder as diffusers holds it (gelu,
-64-wide heads, the UNet's linear projections made 1x1 convolutions by Apple's UNet), read as epsilon (Apple's Swift
+64-wide heads, the UNet's linear projections made 1x1 convolutions by Apple's UNet; the UNet whole, Unet.mlpackage
+as torch2coreml.py writes it without --chunk-unet), read as epsilon (Apple's Swift
 pipeline) or, given prediction_type="v_prediction", as a v model. mlxdiff.load(folder) against diffusers'
 StableDiffusionXLPipeline / StableDiffusionPipeline on the packages' weights (the palettized ones as coremltools'
 decompress_weights gives them: coreml_helpers.as_read checks mlxdiff's decode equal to it bit for bit), PNDM (the
@@ -85,14 +86,15 @@ def _palette_widths(mlmodel) -> dict:
 
 
 def _sd2_twins():
-    """A tiny SD 2.x: the UNet's projections linear, 64-wide heads (64 / 128 wide levels), the text encoder gelu."""
+    """A tiny SD 2.x: the UNet's projections linear, 64-wide heads (one 64-wide level: ct.convert's time grows with
+    the op count; the SDXL twin has two), the text encoder gelu."""
     from diffusers import AutoencoderKL, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel
     torch.manual_seed(0)
-    unet = UNet2DConditionModel(sample_size=12, in_channels=4, out_channels=4, block_out_channels=(64, 128),
-                                layers_per_block=1, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=64,
-                                attention_head_dim=(1, 2), use_linear_projection=True, norm_num_groups=32)
+    unet = UNet2DConditionModel(sample_size=12, in_channels=4, out_channels=4, block_out_channels=(64,),
+                                layers_per_block=1, down_block_types=("CrossAttnDownBlock2D",),
+                                up_block_types=("CrossAttnUpBlock2D",), cross_attention_dim=64,
+                                attention_head_dim=(1,), use_linear_projection=True, norm_num_groups=32)
     return (randomize_(unet.eval(), seed=11, scale=0.2),   # the prompt moves the image past the tolerance
             randomize_(CLIPTextModel(CLIPTextConfig(**{**APPLE_CLIP, "hidden_act": "gelu"})).eval(), seed=12,
                        scale=0.1),
@@ -101,15 +103,16 @@ def _sd2_twins():
 
 @pytest.fixture(scope="module")
 def apple_sd2(tmp_path_factory):
-    """(Apple's SD 2.x folder, diffusers' StableDiffusionPipeline on the packages' weights)."""
+    """(Apple's SD 2.x folder, diffusers' StableDiffusionPipeline on the packages' weights). Its UNet is the whole
+    Unet.mlpackage (torch2coreml.py without --chunk-unet): the chunks are read in the SDXL folder and SD 1.5's."""
     root = tmp_path_factory.mktemp("apple_sd2")
     unet, text_encoder, vae = _sd2_twins()
-    models = write_apple_folder(root / "apple", unet, text_encoder, vae, VOCAB)
+    models = write_apple_folder(root / "apple", unet, text_encoder, vae, VOCAB, chunk=False)
     packages = root / "apple" / "packages"
     pipe = StableDiffusionPipeline(unet=unet, text_encoder=text_encoder, vae=vae, tokenizer=clip_tokenizer("!"),
                                    scheduler=_pndm(), safety_checker=None, feature_extractor=None,
                                    requires_safety_checker=False)
-    pipe.unet.load_state_dict(as_read(packages / "UnetChunk1.mlpackage", unet, [models["Unet"]]))
+    pipe.unet.load_state_dict(as_read(packages / "Unet.mlpackage", unet, [models["Unet"]]))
     pipe.text_encoder.load_state_dict(as_read(packages / "TextEncoder.mlpackage", text_encoder,
                                               [models["TextEncoder"]]), strict=False)
     pipe.vae.load_state_dict(as_read(packages / "VAEDecoder.mlpackage", vae,
