@@ -17,7 +17,8 @@ from helpers import in_fresh_process, mlx_peak_above_live
 CONFIG = dict(patch_size=1, in_channels=32, num_layers=2, num_single_layers=2, attention_head_dim=64,
               num_attention_heads=4, joint_attention_dim=96, timestep_guidance_channels=64, mlp_ratio=3.0,
               axes_dims_rope=(16, 16, 16, 16), guidance_embeds=False)
-N_IMG, N_TXT = 32 * 32, 64
+SIDE, N_TXT = 24, 64
+N_IMG = SIDE * SIDE
 
 
 def _weights(norms_dtype):
@@ -40,7 +41,7 @@ def _forward(weights):
     rng = np.random.default_rng(0)
     x = mx.array(rng.standard_normal((1, N_IMG, CONFIG["in_channels"])).astype(np.float32))
     ctx = mx.array(rng.standard_normal((1, N_TXT, CONFIG["joint_attention_dim"])).astype(np.float32))
-    img_ids = np.stack(np.meshgrid(np.arange(1), np.arange(32), np.arange(32), np.arange(1), indexing="ij"),
+    img_ids = np.stack(np.meshgrid(np.arange(1), np.arange(SIDE), np.arange(SIDE), np.arange(1), indexing="ij"),
                        -1).reshape(1, N_IMG, 4)
     txt_ids = np.zeros((1, N_TXT, 4), np.int32)
     txt_ids[..., 3] = np.arange(N_TXT)
@@ -59,16 +60,17 @@ def _forward(weights):
 
 
 def _measured(weights):
-    """A forward after a warm-up one (the first call of a process also holds the fused pieces' compilation), and
-    the lower of two peaks: blocks are paced asynchronously (mlxdiff/pacing.py), so a peak varies by a few %."""
-    _forward(weights)
+    """The lower of two forwards' peaks (blocks are paced asynchronously, mlxdiff/pacing.py, so a peak varies by a
+    few %), after a warm-up forward in the process: its first call also holds the fused pieces' compilation."""
     first, second = _forward(weights), _forward(weights)
     return (first[0], first[1], min(first[2], second[2]), first[3])
 
 
 @in_fresh_process
 def test_float32_norm_scales_keep_bf16_activations_and_memory():
-    bf16_out, bf16_dtypes, bf16_peak, _ = _measured(_weights(mx.bfloat16))
+    bf16_weights = _weights(mx.bfloat16)
+    _forward(bf16_weights)       # the warm-up, for both: after the cast at load both models hold the same dtypes
+    bf16_out, bf16_dtypes, bf16_peak, _ = _measured(bf16_weights)
     out, dtypes, peak, model = _measured(_weights(mx.float32))
     assert out.dtype == mx.bfloat16
     assert set(dtypes) == {mx.bfloat16} and set(bf16_dtypes) == {mx.bfloat16}

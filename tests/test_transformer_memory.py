@@ -3,8 +3,8 @@ and the fused (compiled) elementwise pieces give the same numbers as the plain M
 
 The allowance: CPU attention holds its scores and their softmax (2 x heads x S^2 float32) and a block holds about
 two of its largest projection outputs (2 x S x widest row count, float32). Before pacing (mlxdiff/pacing.py) a block
-was evaluated as one graph and this forward peaked at 343 MiB above its weights against an allowance of 260 MiB;
-now 176-181 MiB (this CPU, mlx 0.32.4).
+was evaluated as one graph and this forward (then two blocks of each kind) peaked at 343 MiB above its weights
+against an allowance of 260 MiB; now 176-181 MiB (this CPU, mlx 0.32.4), and 156 MiB with one block of each kind.
 """
 
 import numpy as np
@@ -19,7 +19,9 @@ from mlxdiff.policy import RunPolicy, installed
 from helpers import in_fresh_process, mlx_peak_above_live
 
 N_IMG, N_TXT = 1024, 256
-ARGS = dict(num_layers=2, num_single_layers=2, attention_head_dim=64, num_attention_heads=16,
+# one block of each kind: the allowance is one block's work (its attention scores and projections), and blocks are
+# evaluated one at a time (after_block)
+ARGS = dict(num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=16,
             joint_attention_dim=512, axes_dims_rope=(16, 16, 16, 16), in_channels=64)
 
 
