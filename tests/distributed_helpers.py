@@ -14,11 +14,26 @@ ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 CHEAP = ["--steps", "2", "--no-progress"]
 
+# mlx.launch itself (its main()), less its busy wait: each rank's output thread asks select() for the rank's stdin
+# pipe to be writable on every turn, which it always is, and the main loop polls a stdin at end of file, so the
+# launcher spun about one core for as long as its ranks ran (4 cpu s of 5.7 s of sleeping ranks). The tests write
+# nothing to the ranks' stdin: the launcher's stdin is a pipe nobody writes, and its select() leaves out writers.
+LAUNCHER = """import os, sys
+from select import select
+import mlx._distributed_utils.launch as launch
+never_written, _write_end = os.pipe()
+os.dup2(never_written, 0)
+launch.select = lambda readers, writers, errors, timeout: (select(readers, [], errors, timeout)[0], [], [])
+sys.argv[0] = "mlx.launch"
+sys.exit(launch.main())
+"""
+
 
 def launch(*argv, timeout=300, port=32323):
     """`mlx.launch --backend ring -n 2` of python *argv; `port`: the ring's first port (mlx.launch's default here;
     each test file that launches uses its own, so that pytest-xdist's workers may run two files at once)."""
-    cmd = [LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--", sys.executable, *argv]
+    cmd = [sys.executable, "-c", LAUNCHER, "--backend", "ring", "-n", "2", "--starting-port", str(port), "--",
+           sys.executable, *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
