@@ -236,11 +236,12 @@ def slow_reference_warning(path: Path, transformer, cpuinfo: str, torch_on_cpu):
     EPYC: bench/torch_cpu_bf16.py, bench/RESULTS.md), so a real-size model's diffusers runs take hours.
     `torch_on_cpu()` is asked last (it may import torch)."""
     flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    if not flags or "avx512_bf16" in flags or "amx_bf16" in flags or not torch_on_cpu():
+    if not flags or "avx512_bf16" in flags or "amx_bf16" in flags:
         return None
     files = [f for f in path.rglob("*") if f.is_file()] if path.is_dir() else [path]
     size = sum(f.stat().st_size for f in files) + (transformer.stat().st_size if transformer else 0)
-    if size < SLOW_BF16_BYTES:
+    # the size before torch: importing torch costs seconds, and a small model needs no warning wherever torch runs
+    if size < SLOW_BF16_BYTES or not torch_on_cpu():
         return None
     return (f"mlxdiff: warning: this CPU has no bf16 matrix instructions (no AVX512-BF16 or AMX), where torch's "
             f"bf16 matmuls run at about 1-14 GFLOP/s; diffusers' runs on these {size / GB:.1f} GB of weights may "

@@ -35,6 +35,15 @@ def bfl_file(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def dev_folder(tmp_path_factory):
+    """A tiny FLUX.1 dev folder saved by diffusers, read (never written) by the tests below."""
+    from diffusers import FluxPipeline
+    folder = tmp_path_factory.mktemp("flux1_dev") / "dev"
+    FluxPipeline(**flux1_components("dev", seed=4)).save_pretrained(str(folder))
+    return folder
+
+
 def forward(loaded, policy, x):
     with installed(policy):
         return np.array(loaded.model(**{k: mx.array(v) for k, v in x.items()}).astype(mx.float32))
@@ -58,11 +67,9 @@ def test_streamed_transformer_is_exact(bfl_file):
     assert loaded.model.block_stream.bytes_read > 0
 
 
-def test_quantize_convert_and_cache(tmp_path):
+def test_quantize_convert_and_cache(dev_folder, tmp_path):
     """On a tiny dev folder (the mechanisms are the family's, not the variant's)."""
-    from diffusers import FluxPipeline
-    folder = tmp_path / "dev"
-    FluxPipeline(**flux1_components("dev", seed=4)).save_pretrained(str(folder))
+    folder = dev_folder
     noise = packed_noise(3)
     plain = mlxdiff.load(str(folder)).generate("a red fox", latents=noise, **RUN)
     # 8-bit transformer and encoders while loading: close to the float result, not equal to it
@@ -79,13 +86,11 @@ def test_quantize_convert_and_cache(tmp_path):
     assert cached.cached_steps and np.isfinite(cached.latents).all()
 
 
-def test_footprint_compare_runs_both_sides(tmp_path):
+def test_footprint_compare_runs_both_sides(dev_folder, tmp_path):
     """footprint compare on a FLUX.1 folder: mlxdiff, diffusers as is and the sequential recipe, one ruler."""
     import json
-    from diffusers import FluxPipeline
     from mlxdiff.footprint import main
-    folder = tmp_path / "dev"
-    FluxPipeline(**flux1_components("dev", seed=4)).save_pretrained(str(folder))
+    folder = dev_folder
     rc = main(["compare", "--model", str(folder), "--width", "32", "--height", "32", "--steps", "2", "--out",
                str(tmp_path / "fp")])
     assert rc in (0, None)

@@ -1,12 +1,11 @@
-"""`python -m mlxdiff.footprint compare` end to end, for each family's diffusers reference: the embedded default
-(a Flux2KleinPipeline folder), a tiny FLUX.2-dev folder with a GGUF transformer in city96's type mix (the
-published FLUX.2-dev Q4_K_M recipe on the diffusers side), a tiny SD 1.5 folder (diffusers in float32, mlxdiff
-quantizing its UNet and text encoder) and a tiny SDXL folder's sequential recipe. Plus the parts that need no
-model: the marker parsing (GPU allocator lines included, which only CUDA prints), the reference chosen by family,
---reference-dtype's refusals, and the CUDA table."""
+"""`mlxdiff.footprint compare` end to end (its main in this process, each of its runs a child process it samples),
+for each family's diffusers reference: the embedded default (a Flux2KleinPipeline folder), a tiny FLUX.2-dev folder
+with a GGUF transformer in city96's type mix (the published FLUX.2-dev Q4_K_M recipe on the diffusers side), a tiny
+SD 1.5 folder (diffusers in float32, mlxdiff quantizing its UNet and text encoder) and a tiny SDXL folder's
+sequential recipe. Plus the parts that need no model: the marker parsing (GPU allocator lines included, which only
+CUDA prints), the reference chosen by family, --reference-dtype's refusals, and the CUDA table."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,12 +25,15 @@ LABELS = ("mlxdiff", "diffusers as is", "diffusers sequential")
 PHASES = ("load", "encode", "denoise", "decode")
 
 
-def run_compare(out, *args):
-    proc = subprocess.run([sys.executable, "-m", "mlxdiff.footprint", "compare", *args, "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    print(proc.stdout)
-    return proc.stdout, json.loads((out / "footprint.json").read_text())
+def run_compare(capsys, out, *args):
+    """compare in this process (its three runs are child processes either way, sampled from outside; a child of
+    its own for the command that starts them would only import mlxdiff and torch once more)."""
+    capsys.readouterr()
+    rc = footprint.main(["compare", *args, "--out", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    print(captured.out)
+    return captured.out, json.loads((out / "footprint.json").read_text())
 
 
 def check_table_and_runs(stdout, data):
@@ -66,20 +68,20 @@ def check_table_and_runs(stdout, data):
             assert mlx["rss_peaks"][phase] >= peak, (phase, mlx["rss_peaks"], mlx["mlx_peak"])
 
 
-def check_show(out, stdout):
-    """`footprint show` prints the saved comparison's table as compare printed it."""
-    proc = subprocess.run([sys.executable, "-m", "mlxdiff.footprint", "show", str(out / "footprint.json")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def check_show(capsys, out, stdout):
+    """`footprint show` prints the saved comparison's table as compare printed it (in this process: its exit codes
+    and one-line refusals as a command are tests/test_bad_input_round2.py's)."""
+    capsys.readouterr()
+    assert footprint.main(["show", str(out / "footprint.json")]) == 0
     table = [line for line in stdout.splitlines() if line.startswith(("memory: ", "|"))]
-    assert table and proc.stdout.splitlines() == table
+    assert table and capsys.readouterr().out.splitlines() == table
 
 
-def test_compare_embedded_default(tmp_path):
-    stdout, data = run_compare(tmp_path, "--model", str(DEFAULT), "--width", "64", "--height", "64",
+def test_compare_embedded_default(tmp_path, capsys):
+    stdout, data = run_compare(capsys, tmp_path, "--model", str(DEFAULT), "--width", "64", "--height", "64",
                                "--steps", "2")
     check_table_and_runs(stdout, data)
-    check_show(tmp_path, stdout)
+    check_show(capsys, tmp_path, stdout)
     assert data["runs"]["diffusers as is"]["cmd"][2] == "mlxdiff.reference.flux2"
     request = json.loads(data["runs"]["diffusers sequential"]["cmd"][3])
     assert request["mode"] == "sequential" and request["steps"] == 2 and "transformer" not in request
@@ -119,9 +121,9 @@ def dev_gguf(tmp_path_factory):
     return make_dev_gguf(tmp_path_factory.mktemp("dev"))
 
 
-def test_compare_dev_with_gguf_transformer(dev_gguf, tmp_path):
+def test_compare_dev_with_gguf_transformer(dev_gguf, tmp_path, capsys):
     folder, gguf = dev_gguf
-    stdout, data = run_compare(tmp_path, "--model", str(folder), "--transformer", str(gguf), "--width", "40",
+    stdout, data = run_compare(capsys, tmp_path, "--model", str(folder), "--transformer", str(gguf), "--width", "40",
                                "--height", "24", "--steps", "2")
     check_table_and_runs(stdout, data)
     runs = data["runs"]
@@ -156,15 +158,15 @@ def held(stdout):
     return out
 
 
-def test_compare_sd15_float32_reference(sd_folders, tmp_path):
+def test_compare_sd15_float32_reference(sd_folders, tmp_path, capsys):
     """SD 1.5's diffusers side (StableDiffusionPipeline as is and sequential) in float32, beside mlxdiff with its
     UNet and text encoder quantized: every side sampled by the same ruler, the table's rows, and each diffusers
     process really holding float32 weights (sequential: the encoder alone, then the UNet and VAE alone)."""
     sd15, _ = sd_folders
-    stdout, data = run_compare(tmp_path, "--model", str(sd15), "--width", "40", "--height", "48", "--steps", "2",
-                               "--reference-dtype", "float32", "--quantize", "unet=8,text_encoder=8")
+    stdout, data = run_compare(capsys, tmp_path, "--model", str(sd15), "--width", "40", "--height", "48", "--steps",
+                               "2", "--reference-dtype", "float32", "--quantize", "unet=8,text_encoder=8")
     check_table_and_runs(stdout, data)
-    check_show(tmp_path, stdout)
+    check_show(capsys, tmp_path, stdout)
     runs = data["runs"]
     assert runs["mlxdiff"]["cmd"][runs["mlxdiff"]["cmd"].index("--quantize") + 1] == "unet=8,text_encoder=8"
     for label in LABELS[1:]:
