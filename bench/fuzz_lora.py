@@ -137,7 +137,7 @@ def _convert(case, rng):
     PEFT's base_model.model. prefix or ai-toolkit's diffusion_model. with diffusers names; the metadata usually
     dropped (those tools write none)."""
     peft = {k: v for k, (_, v) in case.tensors.items()}
-    to = rng.choice(["kohya", "bfl", "base_model", "diffusion_model"])
+    to = rng.choice(list(NAMINGS))
     keep = rng.random() < 0.25
     scale = (case.config["lora_alpha"] / case.config["r"]) if case.config else 1.0
     layers = [k[len("transformer."):-len(".lora_A.weight")] for k in peft if k.endswith(".lora_A.weight")]
@@ -155,7 +155,7 @@ def _convert(case, rng):
     if not keep:
         case.config = None
         case.metadata.pop("lora_adapter_metadata", None)
-    return f"converted to {to} names{' (metadata kept)' if keep else ''}"
+    return f"[converted to {to}] converted to {to} names{' (metadata kept)' if keep else ''}"
 
 
 def _layer(case, rng, need=("A",)):
@@ -418,6 +418,10 @@ def _values(case, rng, ctx):
 
 LORA_OPERATORS = [(_rename, 12), (_duplicate, 10), (_drop, 10), (_extra, 4), (_shape, 12), (_dtype, 10),
                   (_metadata, 20), (_alpha, 10), (_values, 12)]
+NAMINGS = ("kohya", "bfl", "base_model", "diffusion_model")
+# the kinds of mutation, each tagged "[kind]" in a mutant's description (fuzz_readers.run_mutants counts them): the
+# whole-file conversions by naming, then the operators by name
+KINDS = (*(f"converted to {to}" for to in NAMINGS), *(op.__name__.strip("_") for op, _ in LORA_OPERATORS))
 
 
 def mutate_lora(ctx, rng):
@@ -428,7 +432,8 @@ def mutate_lora(ctx, rng):
         steps.append(_convert(case, rng))
     ops, weights = zip(*LORA_OPERATORS)
     for _ in range(rng.choices([1, 2, 3], [0.75, 0.18, 0.07])[0]):
-        steps.append(rng.choices(ops, weights)[0](case, rng, ctx))
+        op = rng.choices(ops, weights)[0]
+        steps.append(f"[{op.__name__.strip('_')}] {op(case, rng, ctx)}")
     return case, "; ".join(steps)
 
 
@@ -496,4 +501,4 @@ def fuzz(n, seed, workdir, keep, only, run_one, run_mutants) -> dict:
         path.write_bytes(case.to_bytes())
         return path, what
 
-    return run_mutants("lora", n, seed, only, keep, write_case, lambda path: run_one(path, ctx))
+    return run_mutants("lora", n, seed, only, keep, write_case, lambda path: run_one(path, ctx), KINDS)

@@ -152,6 +152,17 @@ NUMBER_LITERALS = ["9" * 5000, "9" * 25, "18446744073709551616", "1e400", "-0", 
                    "04", "NaN", "Infinity", "true", "null", '"4"', "[]", "{}"]
 
 
+# the kinds of mutation, each tagged "[kind]" in a mutant's description (run_mutants counts them); HEADER_EDITS are
+# _edit_header's operators, in the order of its op numbers
+HEADER_EDITS = ("dtype", "shape", "data_offsets", "field removed", "field added", "entry replaced", "metadata",
+                "rename", "tensor added", "tensor removed or swapped", "literal", "deep nesting", "duplicate keys",
+                "layout")
+ST_KINDS = ("header length", "bit flips", "JSON bytes", "truncated", *(f"header {e}" for e in HEADER_EDITS),
+            "old length kept", "data bytes", "stacked")
+GGUF_KINDS = ("bit flips", "header bytes", "truncated", "field (listed value)", "field (random value)", "data bytes",
+              "appended", "stacked")
+
+
 def _split_st(data):
     (n,) = struct.unpack_from("<Q", data)
     return n, json.loads(data[8:8 + n]), data[8 + n:]
@@ -169,11 +180,16 @@ def _nest(rng, value_text):
 
 
 def _edit_header(rng, header, data_len):
-    """A structured edit of the parsed header: returns (header or raw JSON text, description)."""
+    """A structured edit of the parsed header: returns (header or raw JSON text, description tagged with its kind)."""
     names = [k for k in header if k != "__metadata__"]
     name = rng.choice(names)
+    op = rng.randrange(len(HEADER_EDITS))
+    edited, what = _edit_header_op(rng, header, data_len, names, name, op)
+    return edited, f"[header {HEADER_EDITS[op]}] {what}"
+
+
+def _edit_header_op(rng, header, data_len, names, name, op):
     entry = header[name]
-    op = rng.randrange(14)
     if op == 0:
         same = next(g for g in SAME_SIZE if entry["dtype"] in g)
         value = rng.choice([*same, *same, "F99", "", entry["dtype"].lower(), "F64", "F8_E5M2", "F4", "F6_E2M3",
@@ -300,37 +316,37 @@ def mutate_safetensors(base: bytes, rng: random.Random):
         value = rng.choice([0, 1, 2, 7, n - 1, n + 1, n - 8, n + 8, 10 ** 8, 2 ** 32, 2 ** 62, 2 ** 64 - 1,
                             len(base) - 8, len(base), rng.randrange(2 ** 64)])
         struct.pack_into("<Q", data, 0, value)
-        return bytes(data), f"header length {value}"
+        return bytes(data), f"[header length] header length {value}"
     if op < 0.23:
         flips = [rng.randrange(8 + n) for _ in range(rng.randint(1, 4))]
         for p in flips:
             data[p] ^= 1 << rng.randrange(8)
-        return bytes(data), f"bit flips at {flips}"
+        return bytes(data), f"[bit flips] bit flips at {flips}"
     if op < 0.35:
         spots = [rng.randrange(8, 8 + n) for _ in range(rng.randint(1, 8))]
         for p in spots:
             data[p] = rng.choice(b'{}[]",:0123456789-.eE\\ \x00\xff' + bytes([rng.randrange(256)]))
-        return bytes(data), f"JSON bytes overwritten at {spots}"
+        return bytes(data), f"[JSON bytes] JSON bytes overwritten at {spots}"
     if op < 0.45:
         cut = rng.randrange(len(base))
-        return base[:cut], f"truncated at {cut}"
+        return base[:cut], f"[truncated] truncated at {cut}"
     if op < 0.90:
         edited, what = _edit_header(rng, header, len(rest))
         text = (edited if isinstance(edited, str) else json.dumps(edited)).encode("utf-8", "surrogatepass")
         if rng.random() < 0.1:   # the old length kept: the JSON then ends early or runs into the data
-            return _st_bytes(text, rest, n), what + ", length not updated"
+            return _st_bytes(text, rest, n), f"[old length kept] {what}, length not updated"
         return _st_bytes(text, rest), what
     if op < 0.95:
         spots = [rng.randrange(8 + n, len(base)) for _ in range(rng.randint(1, 8))]
         for p in spots:
             data[p] = rng.randrange(256)
-        return bytes(data), f"data bytes changed at {spots}"
+        return bytes(data), f"[data bytes] data bytes changed at {spots}"
     first, a = mutate_safetensors(base, rng)
     try:
         second, b = mutate_safetensors(first, rng)
     except Exception:   # the first mutant no longer parses the way the structured edits need
-        return first, a
-    return second, f"{a}; then {b}"
+        return first, f"[stacked] {a}"
+    return second, f"[stacked] {a}; then {b}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -366,15 +382,15 @@ def mutate_gguf(base: bytes, rng: random.Random, layout):
         flips = [rng.randrange(end) for _ in range(rng.randint(1, 4))]
         for p in flips:
             data[p] ^= 1 << rng.randrange(8)
-        return bytes(data), f"bit flips at {flips}"
+        return bytes(data), f"[bit flips] bit flips at {flips}"
     if op < 0.35:
         spots = [rng.randrange(end) for _ in range(rng.randint(1, 8))]
         for p in spots:
             data[p] = rng.choice([0, 0xFF, 0x7F, 0x80, rng.randrange(256)])
-        return bytes(data), f"header bytes overwritten at {spots}"
+        return bytes(data), f"[header bytes] header bytes overwritten at {spots}"
     if op < 0.45:
         cut = rng.randrange(len(base))
-        return base[:cut], f"truncated at {cut}"
+        return base[:cut], f"[truncated] truncated at {cut}"
     if op < 0.88:
         pos, fmt, what = rng.choice(fields)
         limit = 1 << (8 * struct.calcsize(fmt))
@@ -385,18 +401,18 @@ def mutate_gguf(base: bytes, rng: random.Random, layout):
             absurd += [len(base) - data_start, old + 1, (1 << 64) - data_start, *offsets]
         value = (rng.choice(absurd) if op < 0.8 else rng.randrange(limit)) % limit
         struct.pack_into("<" + fmt, data, pos, value)
-        return bytes(data), f"{what} = {value}"
+        return bytes(data), f"[field ({'listed' if op < 0.8 else 'random'} value)] {what} = {value}"
     if op < 0.93:
         spots = [rng.randrange(data_start, len(base)) for _ in range(rng.randint(1, 8))]
         for p in spots:
             data[p] = rng.randrange(256)
-        return bytes(data), f"data bytes changed at {spots}"
+        return bytes(data), f"[data bytes] data bytes changed at {spots}"
     if op < 0.95:
         junk = bytes(rng.randrange(256) for _ in range(rng.choice([1, 31, 32, 100])))
-        return base + junk, f"{len(junk)} bytes appended"
+        return base + junk, f"[appended] {len(junk)} bytes appended"
     first, a = mutate_gguf(base, rng, layout)
     second, b = mutate_gguf(first, rng, layout) if len(first) >= len(base) else (first, "")
-    return second, f"{a}; then {b}" if b else a
+    return second, f"[stacked] {a}; then {b}" if b else f"[stacked] {a}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -674,16 +690,21 @@ def fuzz(fmt, n, seed, workdir, keep=None, only=None, timeout=TIMEOUT_S, memory=
         return path, what
 
     return run_mutants(fmt, n, seed, only, keep, write_case,
-                       lambda path: run_one(path, fmt, tables, timeout, memory))
+                       lambda path: run_one(path, fmt, tables, timeout, memory),
+                       ST_KINDS if fmt == "safetensors" else GGUF_KINDS)
 
 
-def run_mutants(fmt, n, seed, only, keep, write_case, classify) -> dict:
+def run_mutants(fmt, n, seed, only, keep, write_case, classify, kinds=()) -> dict:
     """The loop every format shares: mutant i written (`write_case(i)` -> (path, what it changed)), classified in a
-    forked child (`classify(path)`, run_one), counted; the unacceptable ones (and `only`) listed, and kept in `keep`."""
+    forked child (`classify(path)`, run_one), counted; the unacceptable ones (and `only`) listed, and kept in `keep`.
+    `kinds`: the format's kinds of mutation, each tagged "[kind]" in the descriptions; the result's "kinds" counts the
+    mutants that drew each (every one listed, zeros too)."""
     counts, failures, stricter, slowest = Counter(), [], Counter(), (0.0, None)
+    drawn = Counter({k: 0 for k in kinds})
     started = time.perf_counter()
     for i in (range(n) if only is None else [only]):
         path, what = write_case(i)
+        drawn.update(k for k in kinds if f"[{k}]" in what)
         result = classify(path)
         cls = result["class"]
         counts[cls] += 1
@@ -697,10 +718,13 @@ def run_mutants(fmt, n, seed, only, keep, write_case, classify) -> dict:
                 Path(keep).mkdir(parents=True, exist_ok=True)
                 (Path(keep) / path.name).write_bytes(path.read_bytes())
         path.unlink()
-    return {"format": fmt, "n": sum(counts.values()), "seed": seed, "counts": dict(counts),
-            "unacceptable": sum(c for k, c in counts.items() if not k.startswith(ACCEPTABLE)),
-            "slowest_s": slowest[0], "slowest_mutant": slowest[1], "wall_s": time.perf_counter() - started,
-            "stricter": dict(stricter.most_common()), "failures": failures[:500]}
+    result = {"format": fmt, "n": sum(counts.values()), "seed": seed, "counts": dict(counts),
+              "unacceptable": sum(c for k, c in counts.items() if not k.startswith(ACCEPTABLE)),
+              "slowest_s": slowest[0], "slowest_mutant": slowest[1], "wall_s": time.perf_counter() - started,
+              "stricter": dict(stricter.most_common()), "failures": failures[:500]}
+    if kinds:
+        result["kinds"] = dict(drawn)
+    return result
 
 
 def table(result) -> str:

@@ -20,8 +20,9 @@ SLOWEST_FLOOR_S = 2.0
 
 def fuzzed(tmp_path, fmt, n):
     """bench/fuzz_readers.py's result for `n` seeded mutants of `fmt`, after the checks every format shares (all ran,
-    none unacceptable). A process of its own: the fuzzer forks a child per mutant, safe only in a process that has
-    run no MLX work."""
+    none unacceptable, every kind of mutation the fuzzer knows drawn at least once: the seeded share is small, the
+    bench's runs are the long ones). A process of its own: the fuzzer forks a child per mutant, safe only in a
+    process that has run no MLX work."""
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(FUZZER), "--format", fmt, "--n", str(n), "--seed", "13",
                            "--timeout", str(MUTANT_ALARM_S), "--json", str(out)], capture_output=True, text=True,
@@ -30,6 +31,8 @@ def fuzzed(tmp_path, fmt, n):
     result = json.loads(out.read_text())
     assert result["n"] == n
     assert result["unacceptable"] == 0, proc.stdout[-6000:]
+    kinds = result["kinds"]
+    assert kinds and min(kinds.values()) >= 1, {k: c for k, c in kinds.items() if not c}
     mean = result["wall_s"] / n
     assert result["slowest_s"] < max(SLOWEST_FLOOR_S, SLOWEST_VS_MEAN * mean), (result["slowest_s"], mean)
     return result

@@ -1,13 +1,13 @@
 """Below the weights (loading/streaming.py): a component that does not fit its budget runs with blocks streamed from
 its file, and gives exactly the numbers of a resident run.
 
-- a mid-size FLUX.2 transformer as a Q4_K_M GGUF (raw blocks in float32, affine in bfloat16), as a diffusers bf16
+- a small FLUX.2 transformer as a Q4_K_M GGUF (raw blocks in float32, affine in bfloat16), as a diffusers bf16
   folder, as BFL's original safetensors file and as ComfyUI's scaled-fp8 file, SD3.5's MMDiT, a mid-size T5, the
   Mistral3 (also converted to 4 bits) and Qwen3 encoders: streamed outputs identical to resident ones, with LoRAs
   on streamed layers too;
 - the plan follows the budget (resident blocks while they fit) and is said; a budget too small even for streaming
   and a streamed re-quantization are refused in one line, naming what works;
-- the CLI end to end under --memory-limit at about a third of the transformer's weights: the same image as the
+- the CLI end to end under --memory-limit at about a third of a mid-size transformer's weights: the same image as the
   resident run, and the process (sampled from outside) holds at most the limit plus the embedded default's own
   overhead (interpreter, imports, tokenizers) and a load's host buffers.
 """
@@ -34,33 +34,47 @@ from memory_helpers import default_with_transformer, load_buffers, sampled_gener
 
 MiB = 2 ** 20
 # many small blocks: D = 512 (4 x 128), 8 double + 24 single blocks, 0.14 B parameters (0.27 GB in bf16); the
-# text width is the embedded default's encoder's, so the CLI runs it with that encoder and VAE
+# text width is the embedded default's encoder's, so the CLI runs it with that encoder and VAE; its weights outweigh
+# the process's overhead, which the CLI test's memory bound needs
 MANY = dict(patch_size=1, in_channels=32, out_channels=None, num_layers=8, num_single_layers=24,
             attention_head_dim=128, num_attention_heads=4, joint_attention_dim=192, timestep_guidance_channels=64,
             mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False)
+# the in-process tests' transformer, a fifth of MANY's weights (bf16 compute is slow on CPUs without bf16 units):
+# D = 256 (2 x 128, K-quant rows still whole), 4 double + 24 single blocks, so that the non-repeated weights and two
+# blocks in flight stay well under 30% of the weights in the Q4_K_M file too (the 60% budget's half left for them)
+SMALL = dict(MANY, num_layers=4, num_single_layers=24, num_attention_heads=2)
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """{"folder": a pipeline folder (the embedded default with the MANY transformer in bf16), "gguf": the same
-    shapes as a Q4_K_M GGUF, "bfl": the folder's transformer as BFL's original safetensors file}."""
+    """{"folder": a pipeline folder (the embedded default with the SMALL transformer in bf16), "gguf": the same
+    shapes as a Q4_K_M GGUF, "bfl": the folder's transformer as BFL's original safetensors file, "fp8": as
+    ComfyUI's scaled-fp8 file}."""
     import torch
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
     from twins import flux2_to_bfl
     root = tmp_path_factory.mktemp("streaming")
-    folder = root / "many"
-    model = default_with_transformer(folder, MANY, scale=0.5)
-    bfl = root / "many-bfl.safetensors"
-    original = flux2_to_bfl(model.state_dict(), MANY)
+    folder = root / "small"
+    model = default_with_transformer(folder, SMALL, scale=0.5)
+    bfl = root / "small-bfl.safetensors"
+    original = flux2_to_bfl(model.state_dict(), SMALL)
     save_file({k: v.contiguous() for k, v in original.items()}, str(bfl))
-    _, fp8 = comfy_file({k: v.float().contiguous() for k, v in original.items()}, root / "many-fp8.safetensors",
+    _, fp8 = comfy_file({k: v.float().contiguous() for k, v in original.items()}, root / "small-fp8.safetensors",
                         "scaled_fp8")
     with torch.device("meta"):
-        shapes = flux2_to_bfl(Flux2Transformer2DModel(**MANY).state_dict(), MANY)
-    gguf = root / "many-Q4_K_M.gguf"
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**SMALL).state_dict(), SMALL)
+    gguf = root / "small-Q4_K_M.gguf"
     write_city96_gguf(gguf, shapes, "flux2", "flux", random=True)
     return {"folder": folder, "gguf": gguf, "bfl": bfl, "fp8": fp8}
+
+
+@pytest.fixture(scope="module")
+def many_folder(tmp_path_factory):
+    """The embedded default with the MANY transformer in bf16 (the CLI test's)."""
+    folder = tmp_path_factory.mktemp("streaming_cli") / "many"
+    default_with_transformer(folder, MANY, scale=0.5)
+    return folder
 
 
 def flux2_inputs(seed=0):
@@ -155,7 +169,7 @@ def test_streamed_llm_encoders_are_exact(tmp_path, monkeypatch, kind):
 def test_streamed_layers_take_loras(files, tmp_path):
     """A LoRA on the transformer stays resident and applies to streamed layers as to resident ones."""
     from lora_helpers import linear_shapes, peft_config, peft_file, peft_tensors, targeted, twin
-    shapes = linear_shapes(twin(MANY))
+    shapes = linear_shapes(twin(SMALL))
     layers = targeted(shapes, ["to_q", "to_v", "ff.linear_in", "to_qkv_mlp_proj"])
     lora = peft_file(tmp_path / "l.safetensors", peft_tensors(shapes, layers, seed=3),
                      peft_config(["to_q", "to_v", "ff.linear_in", "to_qkv_mlp_proj"]))
@@ -194,17 +208,18 @@ def test_file_groups():
 
 
 def _cli(tmp_path, name, *args):
-    """(what the CLI printed, its largest MLX peak, the outside sampler's peak)."""
-    stdout, peaks, outside = sampled_generate(tmp_path, name, *args)
+    """(what the CLI printed, its largest MLX peak, the outside sampler's peak) for one step (a run streams every
+    block at each step: one shows the plan, the image and the peaks as well as two)."""
+    stdout, peaks, outside = sampled_generate(tmp_path, name, *args, steps=1)
     return stdout, max(peaks["mlx"].values()), outside
 
 
-def test_cli_streams_under_a_third_of_the_weights(files, tmp_path):
+def test_cli_streams_under_a_third_of_the_weights(many_folder, tmp_path):
     """`--memory-limit` at a third of the transformer's bf16 weights: the image is the resident run's, the plan and
     what was read are in the report, and the process holds at most the limit plus the embedded default's overhead
     (its outside peak less its MLX peak) and a load's host buffers (memory_helpers.load_buffers: the largest
     tensor in float32 and the heap glibc retains)."""
-    folder = files["folder"]
+    folder = many_folder
     need = mlxdiff.load(str(folder)).components["transformer"].loaded_nbytes(compute_dtype=mx.float32)
     limit = need / 3 / 2 ** 30
     _, tiny_mlx, tiny_outside = _cli(tmp_path, "default")
