@@ -11,7 +11,8 @@ A case is a dict:
 Optional keys: "cwd", "env" (set in the child), "timeout" (s), "memory" (bytes).
 
 `run_cases(cases)` returns one Outcome per case; `refused(outcome)` says whether it ended the way a user mistake
-must: exit 2, exactly one non-empty stderr line starting "mlxdiff:", no traceback, no crash, no hang.
+must: exit 2, exactly one non-empty stderr line starting "mlxdiff:", no traceback, no crash, no hang. A module whose
+tests each run a few cases shares one `CaseServer` (a module-scope fixture): the server's imports are paid once.
 """
 
 import json
@@ -28,9 +29,10 @@ TIMEOUT_S = 60
 SERVER = r'''
 import importlib, json, os, resource, signal, sys, traceback
 sys.path.insert(0, sys.argv[1])
-# what a load imports, once here rather than in every child (5-10 s a case otherwise)
+# what a load imports, once here rather than in every child (5-10 s a case otherwise). transformers for the
+# tokenizers; not transformers.processing_utils (torch with it, 9 s of CPU), which no tokenizer load imports
 import mlxdiff, mlxdiff.generate, mlxdiff.convert, mlxdiff.footprint, mlxdiff.pipelines.flux2, mlxdiff.pipelines.sd3
-import transformers, transformers.processing_utils
+import transformers
 from mlxdiff.errors import MlxdiffError
 
 def child(case, out, err):
@@ -94,30 +96,48 @@ class Outcome:
         return f"{what!r}: rc={self.rc} signal={self.signal}\nstderr: {self.stderr[-2000:]}"
 
 
-def run_cases(cases, tmp_path) -> list:
-    tmp = Path(tmp_path) / "adversarial-io"
-    tmp.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONFAULTHANDLER": ""}
-    env.pop("PYTHONFAULTHANDLER")
-    server = subprocess.Popen([sys.executable, "-c", SERVER, str(ROOT)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env=env, cwd=tmp)
-    outcomes = []
-    try:
-        for i, case in enumerate(cases):
+class CaseServer:
+    """One fork server for several run() calls (its imports paid once); close() ends it. Each case's stdout and
+    stderr go to files under `tmp_path`/adversarial-io, the server's working folder."""
+
+    def __init__(self, tmp_path):
+        self.tmp = Path(tmp_path) / "adversarial-io"
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.n = 0
+        env = {**os.environ, "PYTHONFAULTHANDLER": ""}
+        env.pop("PYTHONFAULTHANDLER")
+        self.server = subprocess.Popen([sys.executable, "-c", SERVER, str(ROOT)], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, env=env, cwd=self.tmp)
+
+    def run(self, cases) -> list:
+        outcomes = []
+        for case in cases:
+            self.n += 1
             full = {"timeout": TIMEOUT_S, "memory": MEMORY_CAP, **case,
-                    "stdout": str(tmp / f"{i}.out"), "stderr": str(tmp / f"{i}.err")}
-            server.stdin.write(json.dumps(full) + "\n")
-            server.stdin.flush()
-            line = server.stdout.readline()
+                    "stdout": str(self.tmp / f"{self.n}.out"), "stderr": str(self.tmp / f"{self.n}.err")}
+            self.server.stdin.write(json.dumps(full) + "\n")
+            self.server.stdin.flush()
+            line = self.server.stdout.readline()
             if not line:
                 raise RuntimeError("the adversarial server died")
             status = json.loads(line)
-            outcomes.append(Outcome(case, status["rc"], status["signal"], Path(full["stdout"]).read_text(errors="replace"),
+            outcomes.append(Outcome(case, status["rc"], status["signal"],
+                                    Path(full["stdout"]).read_text(errors="replace"),
                                     Path(full["stderr"]).read_text(errors="replace")))
+        return outcomes
+
+    def close(self):
+        self.server.stdin.close()
+        self.server.wait(timeout=60)
+
+
+def run_cases(cases, tmp_path) -> list:
+    """The cases in a server of their own."""
+    server = CaseServer(tmp_path)
+    try:
+        return server.run(cases)
     finally:
-        server.stdin.close()
-        server.wait(timeout=60)
-    return outcomes
+        server.close()
 
 
 def refused(outcome: Outcome) -> bool:

@@ -3,12 +3,13 @@ is refused in its one line (exit 2), not by argparse's "expected one argument"; 
 as a value, for every option, while a mistyped option is still refused."""
 
 import os
+import subprocess
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from adversarial import refused, run_cases  # noqa: E402
+from adversarial import Outcome, refused  # noqa: E402
 
 from mlxdiff import default_model  # noqa: E402
 from mlxdiff.cli import ArgumentParser  # noqa: E402
@@ -17,11 +18,15 @@ CHEAP = ["--model", str(default_model.FOLDER), "--steps", "1", "--width", "16", 
 
 
 def test_negative_outpaint_refused_by_mlxdiff(tmp_path):
+    """Each a real `python -m mlxdiff.generate` (the refusal comes before any model work: half a second of imports,
+    not a fork server's)."""
     out = str(tmp_path / "x.png")
-    cases = [{"cli": "mlxdiff.generate", "argv": [*CHEAP, "--output", out, "--outpaint", value]}
-             for value in ("-8,0,0,0", "-0.5,0,0,0")]
-    cases.append({"cli": "mlxdiff.generate", "argv": [*CHEAP, "--output", out, "--outpaint=-8,0,0,0"]})
-    for case, outcome in zip(cases, run_cases(cases, tmp_path)):
+    argvs = [[*CHEAP, "--output", out, "--outpaint", value] for value in ("-8,0,0,0", "-0.5,0,0,0")]
+    argvs.append([*CHEAP, "--output", out, "--outpaint=-8,0,0,0"])
+    for argv in argvs:
+        p = subprocess.run([sys.executable, "-m", "mlxdiff.generate", *argv], capture_output=True, text=True,
+                           timeout=300)
+        outcome = Outcome({"argv": argv}, p.returncode, None, p.stdout, p.stderr)
         assert refused(outcome), outcome.describe()
         line = outcome.stderr.strip()
         assert "outpaint=" in line and ("-8,0,0,0" in line or "-0.5,0,0,0" in line), line
