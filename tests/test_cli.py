@@ -1,5 +1,7 @@
 """The CLI: a successful run writes a PNG with metadata; several images in one command (prompts file x seeds) are
-each the image its single run draws; each user mistake is one line, exit code 2, no PNG."""
+each the image its single run draws; each user mistake is one line, exit code 2, no PNG. The real process's exit
+code and line are checked where the mistake is caught before a model loads (test_missing_*, test_unwritable_output);
+mistakes found while loading the tiny SD3 folder run main in this process (the same code from argv to exit code)."""
 
 import os
 import shutil
@@ -18,6 +20,16 @@ def run_cli(*args, cwd=None):
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     return subprocess.run([sys.executable, "-m", "mlxdiff.generate", "--no-progress", *args], capture_output=True,
                           text=True, cwd=cwd, env=env, timeout=300)
+
+
+def run_in_process(capfd, *args):
+    """mlxdiff.generate's main in this process (no interpreter start-up, no second import of MLX and the family's
+    modules), as run_cli's result: its exit code and what reached the stdout / stderr file descriptors (capfd: lines
+    written below Python too). The real process's exit code and its one line are run_cli's tests' (test_missing_*)."""
+    from types import SimpleNamespace
+    code = main(["--no-progress", *args])
+    out, err = capfd.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
 def assert_clean_failure(proc, out_path, *needles):
@@ -67,16 +79,16 @@ def test_missing_component(sd3_tiny, tmp_path):
     assert_clean_failure(run_cli("--model", str(model), "--output", str(out)), out, "vae")
 
 
-def test_truncated_weights(sd3_tiny, tmp_path):
+def test_truncated_weights(sd3_tiny, tmp_path, capfd):
     model = _copy(sd3_tiny[0], tmp_path)
     f = _transformer_file(model)
     f.write_bytes(f.read_bytes()[:-100])
     out = tmp_path / "o.png"
-    assert_clean_failure(run_cli("--model", str(model), "--width", "24", "--height", "40", "--steps", "1",
-                                 "--output", str(out)), out, f.name, "truncated")
+    assert_clean_failure(run_in_process(capfd, "--model", str(model), "--width", "24", "--height", "40",
+                                        "--steps", "1", "--output", str(out)), out, f.name, "truncated")
 
 
-def test_misshaped_tensor(sd3_tiny, tmp_path):
+def test_misshaped_tensor(sd3_tiny, tmp_path, capfd):
     model = _copy(sd3_tiny[0], tmp_path)
     f = _transformer_file(model)
     from safetensors.torch import load_file as tload, save_file as tsave
@@ -84,14 +96,14 @@ def test_misshaped_tensor(sd3_tiny, tmp_path):
     weights["proj_out.weight"] = weights["proj_out.weight"][:, :-1].contiguous()
     tsave(weights, str(f))
     out = tmp_path / "o.png"
-    assert_clean_failure(run_cli("--model", str(model), "--width", "24", "--height", "40", "--steps", "1",
-                                 "--output", str(out)), out, "proj_out.weight", "mis-shaped")
+    assert_clean_failure(run_in_process(capfd, "--model", str(model), "--width", "24", "--height", "40",
+                                        "--steps", "1", "--output", str(out)), out, "proj_out.weight", "mis-shaped")
 
 
-def test_bad_width(sd3_tiny, tmp_path):
+def test_bad_width(sd3_tiny, tmp_path, capfd):
     out = tmp_path / "o.png"
-    assert_clean_failure(run_cli("--model", str(sd3_tiny[0]), "--width", "30", "--height", "40",
-                                 "--output", str(out)), out, "multiple")
+    assert_clean_failure(run_in_process(capfd, "--model", str(sd3_tiny[0]), "--width", "30", "--height", "40",
+                                        "--output", str(out)), out, "multiple")
 
 
 def test_unwritable_output(sd3_tiny, tmp_path):
@@ -155,7 +167,7 @@ def test_several_images_match_single_runs(tmp_path, capsys):
     prompts = ["a small green triangle at the top on a black background",
                "a large blue square on the left on a white background"]
     (tmp_path / "prompts.txt").write_text(f"{prompts[0]}\n\n{prompts[1]}\n", encoding="utf-8")
-    assert main(["--prompts-file", str(tmp_path / "prompts.txt"), "--seed", "7", "8", "--steps", "2",
+    assert main(["--prompts-file", str(tmp_path / "prompts.txt"), "--seed", "7", "8", "--steps", "1",
                  "--output", str(tmp_path / "job.png")]) == 0
     err = capsys.readouterr().err
     assert "image 4/4" in err and "denoise" not in err
@@ -165,10 +177,10 @@ def test_several_images_match_single_runs(tmp_path, capsys):
         image = Image.open(path)
         assert image.text["mlxdiff:prompt"] == prompt and image.text["mlxdiff:seed"] == str(seed)
         single = tmp_path / f"single-{k}.png"
-        assert main(["--prompt", prompt, "--seed", str(seed), "--steps", "2", "--no-progress",
+        assert main(["--prompt", prompt, "--seed", str(seed), "--steps", "1", "--no-progress",
                      "--output", str(single)]) == 0
         assert np.array_equal(_pixels(path), _pixels(single)), path
-    assert main(["--prompt", prompts[0], "--seed", "7", "--num-images", "2", "--steps", "2", "--no-progress",
+    assert main(["--prompt", prompts[0], "--seed", "7", "--num-images", "2", "--steps", "1", "--no-progress",
                  "--keep", "all", "--output", str(tmp_path / "n.png")]) == 0
     assert [Image.open(tmp_path / f"n-{i}.png").text["mlxdiff:seed"] for i in range(2)] == ["7", "8"]
     for i in range(2):

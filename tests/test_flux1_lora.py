@@ -42,11 +42,12 @@ PROMPT = "a red fox in the snow"
 RUN = dict(width=W, height=H, steps=3, guidance=3.5, progress_bar=False)
 
 
-def reference(folder, lora, noise, scale, moved_scale):
-    """diffusers' FluxPipeline with the LoRA loaded by load_lora_weights at `scale`: (latents, image), after
-    checking that the LoRA at `moved_scale` moves both (parity.assert_inputs_matter)."""
+def reference(folder, lora, noise, scale, moved_scale, pipe=None):
+    """diffusers' FluxPipeline (the folder's, or the test's own `pipe`, read from it) with the LoRA loaded by
+    load_lora_weights at `scale`: (latents, image), after checking that the LoRA at `moved_scale` moves both
+    (parity.assert_inputs_matter)."""
     from diffusers import FluxPipeline
-    pipe = FluxPipeline.from_pretrained(str(folder))
+    pipe = FluxPipeline.from_pretrained(str(folder)) if pipe is None else pipe
     pipe.load_lora_weights(str(lora), adapter_name="test")
 
     def run(scale):
@@ -84,10 +85,10 @@ def test_flux1_lora_on_another_family_is_one_line(lora_files, sd3_tiny):
 def test_xlabs_lora_matches_diffusers(lora_files, tmp_path):
     """XLabs' naming (x-flux: double_blocks.N.processor.qkv_lora1 / proj_lora2 ..., single_blocks.N.processor.
     qkv_lora / proj_lora; .down / .up, no alpha), against diffusers' own XLabs converter on the same file."""
-    from diffusers import FluxPipeline
+    import json
     folder, _ = lora_files
-    cfg = FluxPipeline.from_pretrained(str(folder)).transformer.config
-    dim = cfg.num_attention_heads * cfg.attention_head_dim
+    cfg = json.loads((folder / "transformer" / "config.json").read_text())     # no pipeline load for its widths
+    dim = cfg["num_attention_heads"] * cfg["attention_head_dim"]
     g = torch.Generator().manual_seed(13)
     tensors = {}
 
@@ -95,7 +96,7 @@ def test_xlabs_lora_matches_diffusers(lora_files, tmp_path):
         tensors[f"{name}.down.weight"] = torch.randn(RANK, ins, generator=g) * 0.3
         tensors[f"{name}.up.weight"] = torch.randn(outs, RANK, generator=g) * 0.3
 
-    for i in range(cfg.num_layers):
+    for i in range(cfg["num_layers"]):
         for stream in ("1", "2"):
             lora(f"double_blocks.{i}.processor.qkv_lora{stream}", dim, 3 * dim)
             lora(f"double_blocks.{i}.processor.proj_lora{stream}", dim, dim)
@@ -131,7 +132,7 @@ def test_dora_matches_diffusers(lora_files, tmp_path):
     path = tmp_path / "flux1-dora.safetensors"
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     noise = packed_noise(8)
-    ref_latents, ref_image = reference(folder, path, noise, 0.9, 0.4)
+    ref_latents, ref_image = reference(folder, path, noise, 0.9, 0.4, pipe=pipe)
     result = mlxdiff.load(str(folder), loras=[(str(path), 0.9)]).generate(PROMPT, latents=noise, **RUN)
     check_parity(result, ref_latents, ref_image, "DoRA at 0.9")
     # the magnitudes matter: the same LoRA without them (plain LoRA) moves diffusers' result

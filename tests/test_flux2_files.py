@@ -165,7 +165,7 @@ def test_sd3_vae_file_replaces_the_folder_vae(sd3_tiny, tmp_path):
     ldm = diffusers_to_ldm(reference.vae.state_dict(), len(reference.vae.config.block_out_channels))
     save_file({"first_stage_model." + k: v.detach().clone().contiguous() for k, v in ldm.items()}, str(path))
     sd3_noise = np.random.default_rng(3).standard_normal((1, 16, 20, 12)).astype(np.float32)
-    kw = dict(width=24, height=40, steps=2, guidance=3.0, latents=sd3_noise, progress_bar=False)
+    kw = dict(width=24, height=40, steps=1, guidance=3.0, latents=sd3_noise, progress_bar=False)   # the VAE decodes
     want = mlxdiff.load(str(folder)).generate("a cat", **kw)
     pipe = mlxdiff.load(str(folder), vae=str(path))
     assert pipe.components["vae"].files == [path]

@@ -408,23 +408,32 @@ RESIDENT_CONFIG = dict(MEMORY_CONFIG, num_attention_heads=8, num_layers=1, num_s
                        joint_attention_dim=1280)
 
 
-@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K], ids=lambda t: t.name)
+@pytest.fixture(scope="module", params=[T.Q2_K, T.Q3_K, T.Q6_K, T.Q4_K], ids=lambda t: t.name)
+def resident_gguf(request, tmp_path_factory):
+    """(qtype, path, {name: type}): RESIDENT_CONFIG's GGUF with every large weight in `qtype`, written once for both
+    compute dtypes of test_resident_bytes_at_the_file_size (the file does not depend on the dtype)."""
+    import torch
+    from diffusers import Flux2Transformer2DModel
+    qtype = request.param
+    with torch.device("meta"):
+        shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
+    path = tmp_path_factory.mktemp("resident") / f"flux2-{qtype.name}.gguf"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_helpers, "city96_type",    # where write_city96_gguf looks it up
+                      lambda name, shape, family: T.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024
+                      else (qtype if len(shape) == 2 and shape[1] % 256 == 0 else T.BF16))
+        types = write_city96_gguf(path, shapes, "flux2", "flux", random=True)
+    return qtype, path, types
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resident_bytes_at_the_file_size(tmp_path, monkeypatch, qtype, dtype):
+def test_resident_bytes_at_the_file_size(resident_gguf, dtype):
     """A GGUF's weights occupy at most 1.1x the file's tensor bytes once loaded: the file's blocks as they are
     (float32 compute, the CPU default: every type; bfloat16: Q2_K, Q3_K, Q6_K), or Q4_K's exact affine form with
     16-bit scales (5 bits per weight against the file's 4.5, so 1.11x for the Q4_K tensors alone; the bound is
     then 1.12x). Today's affine forms would fail: Q3_K 2.5x, Q6_K 1.5x, Q2_K 1.9x, Q4_K with float32 scales 1.33x."""
     import gc
-    import torch
-    from diffusers import Flux2Transformer2DModel
-    with torch.device("meta"):
-        shapes = flux2_to_bfl(Flux2Transformer2DModel(**RESIDENT_CONFIG).state_dict(), RESIDENT_CONFIG)
-    path = tmp_path / f"flux2-{qtype.name}.gguf"
-    monkeypatch.setattr(gguf_helpers, "city96_type",    # where write_city96_gguf looks it up
-                        lambda name, shape, family: T.F32 if len(shape) == 1 or int(np.prod(shape)) <= 1024
-                        else (qtype if len(shape) == 2 and shape[1] % 256 == 0 else T.BF16))
-    types = write_city96_gguf(path, shapes, "flux2", "flux", random=True)
+    qtype, path, types = resident_gguf
     header = gguf_reader.check_gguf(path)
     file_bytes = sum(t.nbytes for t in header.tensors)
     assert sum(types[t.name] == qtype for t in header.tensors) >= 10
