@@ -364,24 +364,21 @@ def apple_xl_twins(seed=0):
 # is lowered to this for the tiny model, so that most layers get a palette (above its biases, 1024 at most, as
 # the real threshold is above the real ones).
 MIXED_BIT_MIN_SIZE = 2048
-MIXED_NBITS = (1, 2, 4, 6, 8, 16)
-
-
-# the widths in the recipe's order of weights, largest first: k-means' time grows with the weight's size times its
-# table's length, so the largest weights get the shortest tables and the 8-bit ones are the smallest (float16 third:
-# the largest, palettized, keep the UNet's bytes well under float16's)
-RECIPE_ORDER = (1, 2, 16, 4, 6, 8)
+# every width the recipes allow, in the recipe's order of weights, largest first: k-means' time grows with the
+# weight's size times its table's length, so the largest weights get the shortest tables and the 8-bit ones are the
+# smallest (float16 third: the largest, palettized, keep the UNet's bytes well under float16's)
+MIXED_NBITS = (1, 2, 16, 4, 6, 8)
 
 
 def mixed_bit_recipe(unet) -> dict:
     """A recipe as mixed_bit_compression_pre_analysis writes one, over the UNet's layers with a weight of at least
     MIXED_BIT_MIN_SIZE elements: the layers by size, largest first, split into len(MIXED_NBITS) runs of (nearly)
-    equal length given RECIPE_ORDER's nbits in turn, so every width Apple allows occurs."""
+    equal length given MIXED_NBITS's widths in turn, so every width Apple allows occurs."""
     sizes = {n[:-len(".weight")]: p.numel() for n, p in unet.named_parameters()
              if n.endswith(".weight") and p.dim() > 1 and p.numel() >= MIXED_BIT_MIN_SIZE}
     names = sorted(sizes, key=lambda name: -sizes[name])       # stable: layers of one size in the model's order
-    assert sorted(RECIPE_ORDER) == sorted(MIXED_NBITS) and len(names) >= len(MIXED_NBITS)
-    return {name: RECIPE_ORDER[i * len(RECIPE_ORDER) // len(names)] for i, name in enumerate(names)}
+    assert len(names) >= len(MIXED_NBITS)
+    return {name: MIXED_NBITS[i * len(MIXED_NBITS) // len(names)] for i, name in enumerate(names)}
 
 
 def apply_mixed_bit_recipe(mlmodel, unet, recipe):

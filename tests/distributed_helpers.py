@@ -2,7 +2,6 @@
 imports another)."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,6 @@ import pytest
 
 
 ROOT = Path(__file__).resolve().parents[1]
-LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 CHEAP = ["--steps", "2", "--no-progress"]
 
 # mlx.launch itself (its main()), less its busy wait: each rank's output thread asks select() for the rank's stdin
@@ -40,6 +38,15 @@ def launch(*argv, timeout=300, port=32323):
 
 @pytest.fixture(scope="module")
 def launcher():
-    if not Path(LAUNCH).exists():
-        pytest.fail(f"mlx.launch not found next to {sys.executable} (it ships with mlx)")
-    return LAUNCH
+    """What launch() runs: mlx.launch's module, with the main() and module-level select LAUNCHER replaces (an mlx
+    that renames them fails here, by name, rather than in every rank)."""
+    import importlib
+    try:
+        module = importlib.import_module("mlx._distributed_utils.launch")
+    except ImportError as e:
+        pytest.fail(f"mlx.launch's module is not importable ({e}); it ships with mlx")
+    missing = [name for name in ("main", "select") if not hasattr(module, name)]
+    if missing:
+        pytest.fail(f"mlx._distributed_utils.launch has no {', '.join(missing)}: tests/distributed_helpers.LAUNCHER "
+                    "needs updating for this mlx")
+    return module

@@ -10,7 +10,6 @@
 (c) the time per image on this CPU is measured and printed (not asserted).
 """
 
-import inspect
 import json
 import shutil
 import time
@@ -46,21 +45,12 @@ def pass_rate(images):
     return dataset.pass_rate(images, PROMPTS)
 
 
-MIN_FRACTION = inspect.signature(dataset.colour_in_region).parameters["min_fraction"].default
-
-
 def smallest_margins(images) -> str:
     """How far the closest prompt is from failing each of dataset.colour_in_region's criteria (printed, not
-    asserted): coverage over its threshold, and pixels more than the next hue inside / than the opposite region."""
-    rows = []
-    for image, (_, item, _) in zip(images, PROMPTS):
-        masks = dataset.hue_masks(image)
-        inside = dataset.region(item.position)
-        outside = dataset.region(dataset.OPPOSITE[item.position]) if item.position in dataset.OPPOSITE else ~inside
-        counts = {name: int((m & inside).sum()) for name, m in masks.items()}
-        ours = counts.pop(item.colour)
-        rows.append((ours / (MIN_FRACTION * inside.sum()), ours - max(counts.values()),
-                     ours - int((masks[item.colour] & outside).sum())))
+    asserted; dataset.colour_counts is what it compares): coverage over its threshold, and pixels more than the next
+    hue inside / than the opposite region."""
+    rows = [(ours / needed, ours - other_hue, ours - opposite) for ours, needed, other_hue, opposite in
+            (dataset.colour_counts(image, item.colour, item.position) for image, (_, item, _) in zip(images, PROMPTS))]
     cover, hue, region = np.array(rows).min(0)
     return (f"coverage {cover:.2f}x its threshold, {hue:.0f} px over the next hue, {region:.0f} px over the opposite "
             "region")

@@ -205,14 +205,21 @@ def pass_rate(images, prompts):
     return sum(results) / len(results), results
 
 
-def colour_in_region(image, colour, position, min_fraction=0.04) -> bool:
-    """The prompted colour is drawn in the prompted region: it covers at least min_fraction of the region, it is
-    the most frequent hue there, and (for a half) it has more pixels there than in the opposite half (for centre:
-    more inside the central square than outside it)."""
+def colour_counts(image, colour, position, min_fraction=0.04) -> tuple:
+    """What colour_in_region compares, in pixels: (the colour's pixels in the region, the coverage it needs there
+    (min_fraction of the region), the most frequent other hue's pixels there, the colour's pixels in the opposite
+    half (for centre: outside the central square))."""
     masks = hue_masks(image)
     inside = region(position)
     outside = region(OPPOSITE[position]) if position in OPPOSITE else ~inside
     counts = {name: int((m & inside).sum()) for name, m in masks.items()}
-    ours = counts[colour]
-    return (ours >= min_fraction * inside.sum() and ours == max(counts.values())
-            and ours > int((masks[colour] & outside).sum()))
+    ours = counts.pop(colour)
+    return ours, min_fraction * inside.sum(), max(counts.values()), int((masks[colour] & outside).sum())
+
+
+def colour_in_region(image, colour, position, min_fraction=0.04) -> bool:
+    """The prompted colour is drawn in the prompted region: it covers at least min_fraction of the region, it is
+    the most frequent hue there, and (for a half) it has more pixels there than in the opposite half (for centre:
+    more inside the central square than outside it)."""
+    ours, needed, other_hue, opposite = colour_counts(image, colour, position, min_fraction)
+    return ours >= needed and ours >= other_hue and ours > opposite
