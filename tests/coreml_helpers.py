@@ -17,6 +17,31 @@ from helpers import randomize_
 from mlxdiff.formats import coreml
 
 
+def _passes_checked_once():
+    """coremltools checks its whole program after each of its ~40 graph passes (Program.validate: assertions on the
+    graph's links, nothing changed), which was over a third of building the tests' packages. Checked once, after
+    the last pass: the packages it writes are the same bytes (tests/test_coreml.py's
+    test_packages_same_with_passes_checked_once)."""
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
+    apply = PassPipelineManager.apply_pipeline
+    if getattr(apply, "checked_once", False):
+        return
+
+    def apply_pipeline(prog, pass_pipeline):
+        prog.validate = lambda *args, **kwargs: None     # the instance's, over Program.validate, for the passes
+        try:
+            apply(prog, pass_pipeline)
+        finally:
+            del prog.validate
+        prog.validate()
+    apply_pipeline.checked_once = True
+    apply_pipeline.each_pass = apply
+    PassPipelineManager.apply_pipeline = staticmethod(apply_pipeline)
+
+
+_passes_checked_once()
+
+
 class Wrapper(torch.nn.Module):
     """What one traces: the UNet as `self.unet` (its names then start with `unet_`), returning the sample."""
 

@@ -371,3 +371,31 @@ def test_manifest_names_the_model(package, tmp_path):
     root = manifest["rootModelIdentifier"]
     assert manifest["itemInfoEntries"][root]["path"] == "com.apple.CoreML/model.mlmodel"
     assert set(coreml.read(pkg)) == set(coreml.read(package))
+
+
+def test_packages_same_with_passes_checked_once(tmp_path):
+    """coreml_helpers has coremltools check its program once after its graph passes instead of after each (the
+    tests' conversions ran a third faster): a model converted, then palettized (a second pass pipeline), is the
+    same bytes either way, so the tests' packages are what coremltools writes."""
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
+    from coreml_helpers import save_package
+    once = PassPipelineManager.apply_pipeline
+    assert getattr(once, "checked_once", False), "coreml_helpers' pass pipeline is not installed"
+    palettizing = OptimizationConfig(global_config=OpPalettizerConfig(mode="uniform", nbits=4, weight_threshold=0))
+
+    def build(tag):
+        mlmodel = convert_small(small_model())
+        return [save_package(m, tmp_path / f"{tag}_{i}.mlpackage")
+                for i, m in enumerate((mlmodel, palettize_weights(mlmodel, palettizing)))]
+
+    checked_once = build("once")
+    PassPipelineManager.apply_pipeline = staticmethod(once.each_pass)
+    try:
+        checked_each = build("each")
+    finally:
+        PassPipelineManager.apply_pipeline = staticmethod(once)
+    for a, b in zip(checked_once, checked_each):
+        files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+        assert files and files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
+        for name in files:
+            assert (a / name).read_bytes() == (b / name).read_bytes(), f"{a.name}: {name} differs"
