@@ -8,6 +8,7 @@ import pytest
 
 import mlxdiff
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlxdiff import default_model
 from mlxdiff.loading.spec import ComponentSpec
 
@@ -106,3 +107,31 @@ def test_blocks_compiled_only_where_memory_allows(monkeypatch):
     del plain.eager_is_faster
     monkeypatch.setattr(memory, "in_flight_for", lambda policy: 1)           # a tight budget: the floor
     assert not memory.decide(RunPolicy(), plain).compile_blocks
+
+
+@pytest.mark.parametrize("cycle", [False, True], ids=["layers freed by their last reference", "held by a cycle"])
+def test_a_freed_model_is_collected_only_when_its_weights_outlive_it(cycle, monkeypatch):
+    """residency.free_model runs a full collection (every live object scanned) only where emptying the model left
+    its weights alive, a reference cycle holding them; either way the weights are freed."""
+    import gc
+    import mlx.nn as nn
+    from mlxdiff.pipelines import residency
+    collections, collect = [], gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: collections.append(args) or collect(*args))
+    gc.disable()            # no automatic collection between the steps
+    try:
+        collect()
+        baseline = mx.get_active_memory()
+        model = nn.Sequential(nn.Linear(512, 1024), nn.Linear(1024, 256))
+        mx.eval(model.parameters())
+        nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        if cycle:
+            loop = {"weight": model.layers[0].weight}
+            loop["loop"] = loop
+            del loop
+        residency.free_model(model, nbytes)
+        assert len(collections) == int(cycle), collections
+        # (a few bytes of MLX's own small arrays may stay: the weights are megabytes)
+        assert mx.get_active_memory() < baseline + nbytes / 100, (mx.get_active_memory(), baseline, nbytes)
+    finally:
+        gc.enable()
