@@ -23,4 +23,4 @@ for pair in "eager streamed" "resident eager" "resident streamed"; do
   set -- $pair
   echo "RESULT $1 vs $2: $(python3 bench/streaming_gpu.py compare "$L/$1" "$L/$2" 2>&1 | grep RESULT)"
 done | tee "$L/summary.txt"
-grep -h "note: .*streamed\|pieces of work" "$L"/*.txt | sort | uniq -c >> "$L/summary.txt"
+grep -h "note: .*streamed\|pieces of work" "$L"/{resident,eager,streamed}.txt | sort | uniq -c >> "$L/summary.txt"

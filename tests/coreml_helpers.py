@@ -19,8 +19,8 @@ from mlxdiff.formats import coreml
 
 def _passes_checked_once():
     """coremltools checks its whole program after each of its ~40 graph passes (Program.validate: assertions on the
-    graph's links, nothing changed), which was over a third of building the tests' packages. Checked once, after
-    the last pass: the packages it writes are the same bytes (tests/test_coreml.py's
+    graph's links, nothing changed), much of building the tests' packages (bench/RESULTS.md). Checked once,
+    after the last pass: the packages it writes are the same bytes (tests/test_coreml.py's
     test_packages_same_with_passes_checked_once)."""
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
     apply = PassPipelineManager.apply_pipeline

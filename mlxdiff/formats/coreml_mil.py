@@ -62,7 +62,7 @@ def _fields(buf, span=None):
     out = {}
     i = start
     while i < end:
-        key = buf[i]          # keys and sizes are mostly one byte: read inline (a third of a package's reading)
+        key = buf[i]          # keys and sizes are mostly one byte: read inline (bench/RESULTS.md)
         if key < 0x80:
             i += 1
         else:

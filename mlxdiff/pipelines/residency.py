@@ -27,9 +27,8 @@ def release(collect=True):
 
 def free_model(model, nbytes):
     """Empties a phase's model (its layers go with their last reference) and frees what it held. A full collection
-    only when its weights outlive that (a reference cycle holds them): one scans every live object, which took
-    53 ms with transformers and a CLIP tokenizer loaded and 0.28 s a phase beside the tests' torch and diffusers
-    (bench/RESULTS.md, "The suite's time")."""
+    only when its weights outlive that (a reference cycle holds them): one scans every live object, which costs
+    most beside large libraries (bench/RESULTS.md, "The suite's time")."""
     before = mx.get_active_memory()
     model.clear()
     release(collect=before - mx.get_active_memory() < nbytes)
